@@ -1,0 +1,52 @@
+"""distlab: learn distributed training by running it.
+
+    import distlab as dl
+    run = dl.launch(fn, world_size=4)      # run fn on 4 ranks from a notebook cell
+
+The public names are listed in DESIGN.md. Heavier parts (plots, widgets, the parallel strategies)
+load on first use, so ``import distlab`` stays fast inside every freshly started rank.
+"""
+from __future__ import annotations
+
+import importlib
+
+from .launch import LaunchError, Run, launch
+from .runtime import backend, barrier, device, local_rank, rank, tracer, world_size
+from .trace import Event, Trace, Tracer
+
+__version__ = "0.1.0"
+
+# name -> (module, attribute or None for the module itself)
+_LAZY = {
+    "comm": (".comm", None),
+    "theory": (".theory", None),
+    "models": (".models", None),
+    "memory": (".memory", None),
+    "viz": (".viz", None),
+    "widgets": (".widgets", None),
+    "checkpoint": (".checkpoint", None),
+    "tp": (".parallel.tp", None),
+    "pp": (".parallel.pp", None),
+    "DDP": (".parallel.ddp", "DDP"),
+    "ZeRO": (".parallel.zero", "ZeRO"),
+    "ShardedOptimizer": (".parallel.zero", "ShardedOptimizer"),
+    "train": (".train", "train"),
+    "Report": (".train", "Report"),
+}
+
+__all__ = ["launch", "Run", "LaunchError", "rank", "world_size", "local_rank", "device", "backend",
+           "barrier", "tracer", "Trace", "Tracer", "Event", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'distlab' has no attribute {name!r}")
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name, __name__)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,138 @@
+"""What runs inside each rank started by `distlab.launch`.
+
+Order matters here, each step for a reason found the hard way:
+
+1. leave the parent's process group and ask the kernel to kill us if the parent dies, so the
+   notebook's stop button reaches the parent alone and no rank is ever orphaned;
+2. close every inherited descriptor that belongs to another rank, so each rank's output pipe
+   reaches end-of-file exactly when that rank exits;
+3. point file descriptors 1 and 2 (and Python's sys.stdout/sys.stderr, which in a Jupyter kernel
+   are ZMQ streams that must not be used after fork) at this rank's pipe;
+4. set the intra-op thread count *before any computation*: a forked child that inherits a
+   parent's busy thread pool can hang in it;
+5. rendezvous (rank 0 serves the TCPStore on the socket the parent bound before forking), then a
+   barrier, so no rank can exit while a peer is still connecting to it;
+6. run the user's function, send back its result (or the traceback) and the trace, then a final
+   barrier so that no rank tears its connections down while a peer still reads from them.
+"""
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+
+import cloudpickle
+
+
+@dataclass
+class RankSpec:
+    """Everything a rank needs, shared by all ranks of one launch."""
+
+    world_size: int
+    backend: str
+    host: str
+    port: int
+    rank0_listen_fd: int | None   # fork: rank 0 serves the store on this already-bound socket
+    threads: int
+    pg_timeout: float
+    payload: object               # (fn, args, kwargs), or cloudpickle bytes of it under spawn
+    local_world_size: int
+
+
+def _die_with_parent() -> None:
+    """prctl(PR_SET_PDEATHSIG, SIGKILL): Linux kills this rank if the launching process dies."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
+
+
+def _redirect_output(fd: int) -> None:
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    if fd not in (1, 2):
+        os.close(fd)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
+                                  errors="replace", line_buffering=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
+                                  errors="replace", write_through=True)
+    sys.stdin = open(os.devnull)
+
+
+def _encode_result(rank: int, value: object) -> bytes:
+    try:
+        return pickle.dumps(value)
+    except Exception:
+        pass
+    try:
+        return cloudpickle.dumps(value)
+    except Exception as exc:
+        raise TypeError(
+            f"rank {rank} returned a {type(value).__name__} that cannot be pickled ({exc}); "
+            "return plain data instead (numbers, strings, lists, dicts, tensors)") from None
+
+
+def main(rank: int, spec: RankSpec, out_conn, result_conn, fds_to_close: list[int]) -> None:
+    try:
+        os.setpgrp()
+    except OSError:
+        pass
+    _die_with_parent()
+    for fd in fds_to_close:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _redirect_output(out_conn.fileno())
+    os.environ["OMP_NUM_THREADS"] = str(spec.threads)
+
+    import torch
+    import torch.distributed as dist
+
+    from . import runtime
+
+    torch.set_num_threads(spec.threads)
+    tracer = None
+    try:
+        fn, args, kwargs = (cloudpickle.loads(spec.payload) if isinstance(spec.payload, bytes)
+                            else spec.payload)
+        local_rank = rank % spec.local_world_size
+        if spec.backend == "nccl":
+            torch.cuda.set_device(local_rank)
+        timeout = timedelta(seconds=spec.pg_timeout)
+        if rank == 0 and spec.rank0_listen_fd is not None:
+            store = dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=True,
+                                  master_listen_fd=spec.rank0_listen_fd, wait_for_workers=False,
+                                  timeout=timeout)
+        else:
+            store = dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=False, timeout=timeout)
+        dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world_size,
+                                timeout=timeout)
+        tracer = runtime._enter(rank, spec.world_size, local_rank, spec.backend)
+        dist.barrier()
+        tracer.reset_epoch()
+        value = fn(*args, **kwargs)
+        message = ("ok", _encode_result(rank, value), tracer.export())
+    except BaseException:
+        message = ("error", traceback.format_exc(), time.time(),
+                   tracer.export() if tracer is not None else [])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    result_conn.send_bytes(pickle.dumps(message))
+    if message[0] == "ok":
+        try:
+            dist.barrier()
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if message[0] == "ok" else 1)

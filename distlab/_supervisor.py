@@ -1,0 +1,195 @@
+"""The parent's side of a launch: relay output, collect results, find the root cause, clean up.
+
+One loop in the calling thread waits on every rank's output pipe, result pipe and process
+sentinel at once (no helper threads: a Jupyter kernel has enough of those). It ends when every
+rank has exited, when the first failure's grace window closes, or when the deadline passes; in
+every case `shutdown` terminates, kills and reaps whatever is left.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import signal
+import sys
+import time
+from multiprocessing.connection import wait
+
+#: Errors a rank raises because *another* rank died first: never blamed as the root cause.
+_SECONDARY = re.compile(
+    r"Connection (closed|reset) by peer|ECONNRESET|Broken pipe|EPIPE|Connection refused|"
+    r"DistNetworkError|Socket Timeout|Timed out|timed out|Read error|Connection closed|"
+    r"NCCL communicator was aborted|ProcessGroupGloo.*(closed|failed)", re.S)
+
+GRACE_SECONDS = 1.0      # after the first failure, how long to gather the others' reports
+
+
+class RankStatus:
+    """What the parent knows about one rank."""
+
+    def __init__(self, rank: int, process, out_conn, result_conn):
+        self.rank = rank
+        self.process = process
+        self.out_conn = out_conn          # read end of stdout+stderr
+        self.result_conn = result_conn    # read end of the result message
+        self.lines: list[str] = []
+        self.partial = b""
+        self.out_open = True
+        self.exited_at: float | None = None
+        self.result = None                # ("ok", value) once returned
+        self.failure: str | None = None
+        self.failed_at: float | None = None
+        self.primary = False
+        self.trace: list = []
+
+    @property
+    def done(self) -> bool:
+        return self.exited_at is not None and not self.out_open
+
+
+class Supervisor:
+    def __init__(self, ranks: list[RankStatus], deadline: float, live: bool, stream=None):
+        self.ranks = ranks
+        self.deadline = deadline
+        self.live = live
+        self.stream = stream or sys.stdout
+        self.first_failure_at: float | None = None
+        self.timed_out = False
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self) -> None:
+        while not all(r.done for r in self.ranks):
+            now = time.monotonic()
+            if self.first_failure_at is not None and now > self.first_failure_at + GRACE_SECONDS:
+                return
+            if now > self.deadline:
+                self.timed_out = True
+                return
+            waitables = {}
+            for r in self.ranks:
+                if r.out_open:
+                    waitables[r.out_conn] = (r, "out")
+                if r.result is None and r.failure is None and not r.result_conn.closed:
+                    waitables[r.result_conn] = (r, "result")
+                if r.exited_at is None:
+                    waitables[r.process.sentinel] = (r, "exit")
+            timeout = min(self.deadline - now, 0.25)
+            for ready in wait(list(waitables), timeout=max(timeout, 0.0)):
+                rank, what = waitables[ready]
+                if what == "out":
+                    self._read_output(rank)
+                elif what == "result":
+                    self._read_result(rank)
+                else:
+                    self._on_exit(rank)
+            self._give_up_on_stuck_pipes()
+
+    def _read_output(self, r: RankStatus) -> None:
+        try:
+            chunk = os.read(r.out_conn.fileno(), 65536)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            r.out_open = False
+            if r.partial:
+                self._emit(r, r.partial.decode("utf-8", "replace"))
+                r.partial = b""
+            return
+        *complete, r.partial = (r.partial + chunk).split(b"\n")
+        for line in complete:
+            self._emit(r, line.decode("utf-8", "replace"))
+
+    def _emit(self, r: RankStatus, line: str) -> None:
+        r.lines.append(line)
+        if self.live:
+            print(f"[rank {r.rank}] {line}", file=self.stream, flush=True)
+
+    def _read_result(self, r: RankStatus) -> None:
+        try:
+            message = pickle.loads(r.result_conn.recv_bytes())
+        except (EOFError, OSError):
+            r.result_conn.close()
+            return
+        if message[0] == "ok":
+            _, payload, r.trace = message
+            try:
+                r.result = ("ok", pickle.loads(payload))
+            except Exception as exc:   # e.g. a class the parent cannot import
+                self._fail(r, f"rank {r.rank}'s return value could not be unpickled in the "
+                              f"parent: {exc!r}", time.time(), primary=True)
+        else:
+            _, text, failed_at, r.trace = message
+            self._fail(r, text, failed_at, primary=not _SECONDARY.search(text))
+
+    def _on_exit(self, r: RankStatus) -> None:
+        r.process.join(1.0)   # the sentinel fires as the process exits, a moment before it is reapable
+        r.exited_at = time.monotonic()
+        # A result already written must be read before judging the exit.
+        while (r.result is None and r.failure is None and not r.result_conn.closed
+               and r.result_conn.poll(0)):
+            self._read_result(r)
+        if r.result is None and r.failure is None:
+            text = describe_exit(r.rank, r.process.exitcode)
+            if r.lines:
+                text += "\nits last output:\n" + "\n".join(r.lines[-15:])
+            self._fail(r, text, time.time(), primary=True)
+
+    def _fail(self, r: RankStatus, text: str, failed_at: float, primary: bool) -> None:
+        r.failure, r.failed_at, r.primary = text, failed_at, primary
+        if self.first_failure_at is None:
+            self.first_failure_at = time.monotonic()
+
+    def _give_up_on_stuck_pipes(self) -> None:
+        """A grandchild may hold a rank's output pipe open after the rank exits: stop waiting."""
+        for r in self.ranks:
+            if r.out_open and r.exited_at is not None and time.monotonic() > r.exited_at + 1.0:
+                r.out_open = False
+
+    # -- verdicts ---------------------------------------------------------------------------
+    def failures(self) -> dict[int, str]:
+        return {r.rank: r.failure for r in self.ranks if r.failure is not None}
+
+    def root_cause(self) -> int | None:
+        """The earliest failure that is not a consequence of another rank's death."""
+        failed = [r for r in self.ranks if r.failure is not None]
+        if not failed:
+            return None
+        primaries = [r for r in failed if r.primary] or failed
+        return min(primaries, key=lambda r: (r.failed_at, r.rank)).rank
+
+    def unfinished(self) -> list[int]:
+        return [r.rank for r in self.ranks if r.result is None and r.failure is None]
+
+
+def describe_exit(rank: int, exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"rank {rank} was killed by {name} before returning (out of memory, or a crash?)"
+    return (f"rank {rank} exited with code {exitcode} before returning "
+            "(os._exit, sys.exit inside a C extension, or a crash)")
+
+
+def shutdown(ranks: list[RankStatus], grace: float = 2.0) -> None:
+    """Terminate, then kill, then reap every rank; close every pipe. Safe to call twice."""
+    alive = [r.process for r in ranks if r.process.is_alive()]
+    for p in alive:
+        p.terminate()
+    end = time.monotonic() + grace
+    for p in alive:
+        p.join(max(end - time.monotonic(), 0.0))
+    for p in alive:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    for r in ranks:
+        r.process.join(0)
+        for conn in (r.out_conn, r.result_conn):
+            if not conn.closed:
+                conn.close()
+        try:
+            r.process.close()
+        except ValueError:
+            pass

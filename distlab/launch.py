@@ -1,0 +1,280 @@
+"""`launch(fn, world_size)`: run a function on N ranks from a notebook cell, and get everything back.
+
+    run = dl.launch(train_step, world_size=4)
+    run.results[2]      # what train_step returned on rank 2
+    run.outputs[2]      # what rank 2 printed
+    run.trace           # every rank's compute spans, comm events and memory samples, one clock
+
+How it works (see `_child` for what happens inside a rank, `_supervisor` for the parent's loop):
+
+* **fork** by default on Linux (4 ranks start in well under 0.1 s); **spawn** or **forkserver**
+  when asked, where fork is unsafe (macOS, Windows), or when CUDA is already initialised in this
+  process. Under spawn the function travels by cloudpickle, so cells' functions work too.
+* **Rendezvous** on loopback by default: the parent binds a socket to port 0 (the OS picks a free
+  port, so simultaneous launches never collide) before forking, and rank 0 serves the TCPStore
+  on that very socket. Under spawn the parent serves the store itself.
+* **Output**: each rank's file descriptors 1 and 2 go into a pipe; the parent prints complete
+  lines tagged ``[rank N]``, live or grouped by rank at the end ("ordered", deterministic).
+* **Errors**: any failing rank raises `LaunchError` naming the root cause, the earliest rank to
+  fail of its own accord, not the peers that then lost their connection to it.
+* **Torchrun**: with RANK and WORLD_SIZE in the environment, `launch` runs ``fn`` right here on
+  the existing (or env-initialised) group and all-gathers the results, so code written for a
+  notebook runs unchanged on a cluster.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+# Ask NVML rather than the CUDA driver whether GPUs exist, so checking does not initialise CUDA
+# in this process (which would make every later fork unusable for CUDA).
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+import cloudpickle
+import multiprocessing as mp
+
+from . import _child
+from ._supervisor import RankStatus, Supervisor, shutdown
+from .trace import Trace
+
+BACKENDS = ("auto", "gloo", "nccl")
+START_METHODS = ("auto", "fork", "spawn", "forkserver")
+OUTPUT_MODES = ("live", "ordered", "quiet")
+
+
+class LaunchError(RuntimeError):
+    """One or more ranks failed, or the deadline passed.
+
+    ``.rank``: the root-cause rank (None when the deadline passed with nobody failing);
+    ``.failures``: {rank: traceback text} for every rank that failed; ``.unfinished``: ranks that
+    never finished; ``.outputs``: what each rank printed.
+    """
+
+    def __init__(self, message: str, rank: int | None = None, failures: dict | None = None,
+                 unfinished: list | None = None, outputs: list | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.failures = failures or {}
+        self.unfinished = unfinished or []
+        self.outputs = outputs or []
+
+
+@dataclass
+class Run:
+    """What a launch gives back: per-rank results and output, and the merged trace."""
+
+    results: list
+    trace: Trace
+    outputs: list[str]
+    world_size: int
+    backend: str
+    start_method: str
+    seconds: float = field(default=0.0, repr=False)
+
+    def __repr__(self) -> str:
+        return (f"Run(world_size={self.world_size}, backend={self.backend!r}, "
+                f"start_method={self.start_method!r}, {len(self.trace)} trace events)")
+
+
+# -- choosing how to launch ---------------------------------------------------------------------
+def _cuda_count() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_backend(backend: str, world_size: int) -> str:
+    """"auto": NCCL with one GPU per rank when there are enough GPUs, else gloo on the CPU."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: use one of {BACKENDS}")
+    gpus = _cuda_count()
+    if backend == "auto":
+        return "nccl" if gpus >= world_size else "gloo"
+    if backend == "nccl" and gpus < world_size:
+        raise ValueError(f"backend='nccl' needs one GPU per rank: world_size={world_size} but "
+                         f"{gpus} GPU(s) visible. Use backend='gloo' (CPU) or fewer ranks.")
+    return backend
+
+
+def resolve_start_method(start_method: str) -> str:
+    if start_method not in START_METHODS:
+        raise ValueError(f"unknown start_method {start_method!r}: use one of {START_METHODS}")
+    import torch
+    cuda_live = torch.cuda.is_initialized()
+    if start_method == "fork" and cuda_live:
+        raise ValueError("CUDA is already initialised in this process, so forked ranks cannot use "
+                         "it: pass start_method='spawn' (or restart the kernel and launch first).")
+    if start_method != "auto":
+        return start_method
+    if sys.platform != "linux":
+        return "spawn"
+    if cuda_live:
+        print("distlab: CUDA is already initialised in this process, so ranks start with "
+              "'spawn' (a forked child cannot use CUDA).", file=sys.stderr)
+        return "spawn"
+    return "fork"
+
+
+def threads_per_rank(world_size: int) -> int:
+    """Cores divided by world size, at least 1: ranks must not fight over cores."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, cores // world_size)
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _check_inputs(fn, world_size, output, timeout) -> None:
+    if not callable(fn):
+        raise TypeError(f"fn must be callable (a function to run on every rank), got {type(fn).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if output not in OUTPUT_MODES:
+        raise ValueError(f"unknown output mode {output!r}: use one of {OUTPUT_MODES}")
+    if not timeout or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+
+def _spawn_payload(fn, args, kwargs) -> bytes:
+    try:
+        return cloudpickle.dumps((fn, args, kwargs))
+    except Exception as exc:
+        raise TypeError(
+            f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments to spawned ranks: {exc}. "
+            "Make the function refer only to picklable things (no open files, locks or sockets), "
+            "or use start_method='fork' on Linux.") from exc
+
+
+# -- the launch ---------------------------------------------------------------------------------
+def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | None = None,
+           backend: str = "auto", start_method: str = "auto", timeout: float = 300.0,
+           output: str = "ordered", host: str = "127.0.0.1") -> Run:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return a `Run`.
+
+    ``timeout`` bounds the whole launch and every collective inside it (the process group's own
+    timeout), so a hang ends in a `LaunchError` naming the ranks that never finished. ``host`` is
+    where the rendezvous listens: loopback unless you give an address other machines can reach.
+    """
+    _check_inputs(fn, world_size, output, timeout)
+    kwargs = dict(kwargs or {})
+    if _under_torchrun():
+        return _launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout)
+
+    backend = resolve_backend(backend, world_size)
+    method = resolve_start_method(start_method)
+    ctx = mp.get_context(method)
+    listener, store = None, None
+    if method == "fork":
+        payload = (fn, tuple(args), kwargs)
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind((host, 0))
+        listener.listen(max(128, world_size))
+        port = listener.getsockname()[1]
+    else:
+        payload = _spawn_payload(fn, tuple(args), kwargs)
+        import torch.distributed as dist
+        store = dist.TCPStore(host, 0, world_size + 1, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=timeout))
+        port = store.port
+    spec = _child.RankSpec(world_size=world_size, backend=backend, host=host, port=port,
+                           rank0_listen_fd=listener.fileno() if listener else None,
+                           threads=threads_per_rank(world_size), pg_timeout=float(timeout),
+                           payload=payload, local_world_size=world_size)
+
+    pipes = [(ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)) for _ in range(world_size)]
+    all_fds = [c.fileno() for pair in pipes for p in pair for c in p]
+    ranks: list[RankStatus] = []
+    started = time.perf_counter()
+    try:
+        for rank, ((out_r, out_w), (res_r, res_w)) in enumerate(pipes):
+            keep = {out_w.fileno(), res_w.fileno()}
+            close_in_child = [fd for fd in all_fds if fd not in keep] if method == "fork" else []
+            if listener is not None and rank != 0:
+                close_in_child.append(listener.fileno())
+            proc = ctx.Process(target=_child.main, args=(rank, spec, out_w, res_w, close_in_child),
+                               name=f"distlab-rank-{rank}")
+            proc.start()
+            ranks.append(RankStatus(rank, proc, out_r, res_r))
+        for (_, out_w), (_, res_w) in pipes:
+            out_w.close()
+            res_w.close()
+        if listener is not None:
+            listener.close()
+            listener = None
+        supervisor = Supervisor(ranks, time.monotonic() + timeout, live=(output == "live"))
+        supervisor.run()
+    finally:
+        shutdown(ranks)
+        for (out_r, out_w), (res_r, res_w) in pipes[len(ranks):]:
+            for c in (out_r, out_w, res_r, res_w):
+                c.close()
+        if listener is not None:
+            listener.close()
+        del store
+    outputs = ["\n".join(r.lines) + ("\n" if r.lines else "") for r in ranks]
+    if output == "ordered":
+        _print_ordered(ranks)
+    _raise_if_failed(supervisor, timeout, outputs)
+    return Run(results=[r.result[1] for r in ranks],
+               trace=Trace.merge({r.rank: r.trace for r in ranks}), outputs=outputs,
+               world_size=world_size, backend=backend, start_method=method,
+               seconds=time.perf_counter() - started)
+
+
+def _print_ordered(ranks: list[RankStatus]) -> None:
+    for r in ranks:
+        for line in r.lines:
+            print(f"[rank {r.rank}] {line}")
+    sys.stdout.flush()
+
+
+def _raise_if_failed(supervisor: Supervisor, timeout: float, outputs: list[str]) -> None:
+    failures = supervisor.failures()
+    unfinished = supervisor.unfinished()
+    if failures:
+        root = supervisor.root_cause()
+        others = sorted(set(failures) - {root})
+        tail = (f" (rank(s) {others} failed after it)" if others else "")
+        raise LaunchError(f"rank {root} failed{tail}:\n\n{failures[root].rstrip()}",
+                          rank=root, failures=failures, unfinished=unfinished, outputs=outputs)
+    if supervisor.timed_out or unfinished:
+        raise LaunchError(
+            f"deadline of {timeout:g} s passed: rank(s) {unfinished} never finished. A rank may be "
+            "waiting in a collective that a peer never entered, or the work needs a larger timeout.",
+            rank=None, failures={}, unfinished=unfinished, outputs=outputs)
+
+
+def _launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout) -> Run:
+    """Already one of N processes (torchrun): run here, gather every rank's result to all."""
+    import torch
+    import torch.distributed as dist
+
+    from . import runtime
+
+    if not dist.is_initialized():
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        if backend == "nccl":
+            torch.cuda.set_device(local)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    n, me = dist.get_world_size(), dist.get_rank()
+    if n != world_size and me == 0:
+        print(f"distlab: running under torchrun with {n} ranks (world_size={world_size} ignored)",
+              file=sys.stderr)
+    tracer = runtime._enter(me, n, int(os.environ.get("LOCAL_RANK", 0)), dist.get_backend())
+    dist.barrier()
+    tracer.reset_epoch()
+    value = fn(*args, **kwargs)
+    gathered: list = [None] * n
+    dist.all_gather_object(gathered, (value, tracer.export()))
+    return Run(results=[g[0] for g in gathered], trace=Trace.merge([g[1] for g in gathered]),
+               outputs=[""] * n, world_size=n, backend=dist.get_backend(), start_method="torchrun")

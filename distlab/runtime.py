@@ -1,0 +1,82 @@
+"""Inside a rank: who am I, how many are we, which device do I compute on, where do I record.
+
+`distlab.launch` (or torchrun) initialises the process group and calls `_enter`; everything
+else asks these functions. Outside any launch they describe a world of one process on the CPU
+(or the first GPU), which is what the single-process reference runs use.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .trace import Tracer
+
+
+@dataclass
+class _RankState:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+    tracer: Tracer = field(default_factory=lambda: Tracer(0))
+
+
+_state = _RankState()
+
+
+def _enter(rank: int, world_size: int, local_rank: int, backend: str) -> Tracer:
+    """Called once per rank after ``init_process_group``; returns the rank's fresh tracer."""
+    global _state
+    _state = _RankState(rank, world_size, local_rank, backend, Tracer(rank))
+    return _state.tracer
+
+
+def _leave() -> None:
+    global _state
+    _state = _RankState()
+
+
+def rank() -> int:
+    """This process's global rank (0 outside a launch)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return _state.rank
+
+
+def world_size() -> int:
+    """Number of ranks in the default group (1 outside a launch)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return _state.world_size
+
+
+def local_rank() -> int:
+    """Rank among the processes on this machine (selects the GPU under NCCL)."""
+    return _state.local_rank
+
+
+def backend() -> str | None:
+    """"gloo", "nccl", or None outside a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_backend()
+    return _state.backend
+
+
+def device() -> torch.device:
+    """Where this rank computes: its own GPU under NCCL, else the CPU. Strategies never assume CUDA."""
+    if backend() == "nccl":
+        return torch.device("cuda", local_rank())
+    return torch.device("cpu")
+
+
+def tracer() -> Tracer:
+    """This rank's event recorder (see `distlab.trace`)."""
+    return _state.tracer
+
+
+def barrier(group=None) -> None:
+    """A barrier that is a no-op in a world of one process."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=group)

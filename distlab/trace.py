@@ -1,0 +1,228 @@
+"""Per-rank event recorder and the merged trace over all ranks.
+
+Every rank owns one `Tracer` (see `distlab.runtime.tracer()`). Strategies and collectives record
+into it three kinds of event:
+
+* compute spans  - ``with tracer.span("forward", stage=1): ...``
+* comm events    - one per point-to-point transfer or collective call: op, bytes sent and received,
+                   peer, start and end
+* memory samples - bytes by category (params, grads, optimizer, activations, buffers) at a moment
+
+Recording appends a tuple to a list, so it costs well under a microsecond; a disabled tracer
+records nothing. When the launch ends, the parent merges every rank's events into a `Trace`.
+
+Clock: each rank measures ``time.perf_counter_ns()`` relative to its own *epoch*, taken right after
+the barrier that follows process-group initialisation, so all ranks share one time axis (exact on
+one machine; within the barrier's exit skew, microseconds, across machines). Times are seconds.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator
+
+KINDS = ("span", "comm", "memory", "mark")
+
+
+@dataclass(frozen=True)
+class Event:
+    """One recorded event. ``start``/``end`` are seconds since the rank's epoch (equal for instants)."""
+
+    rank: int
+    kind: str
+    name: str
+    start: float
+    end: float
+    args: dict = field(default_factory=dict)
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    @property
+    def cat(self) -> str:
+        return self.args.get("cat", self.kind)
+
+    @property
+    def sent(self) -> int:
+        return int(self.args.get("sent", 0))
+
+    @property
+    def received(self) -> int:
+        return int(self.args.get("received", 0))
+
+
+class Tracer:
+    """Records one rank's events. Cheap when enabled, free when not."""
+
+    def __init__(self, rank: int = 0, enabled: bool = True):
+        self.rank = rank
+        self.enabled = enabled
+        self._epoch_ns = time.perf_counter_ns()
+        self._events: list[tuple] = []
+
+    def reset_epoch(self) -> None:
+        """Make *now* time zero (called after the start-up barrier, so ranks share an axis)."""
+        self._epoch_ns = time.perf_counter_ns()
+
+    def now(self) -> float:
+        """Seconds since this rank's epoch."""
+        return (time.perf_counter_ns() - self._epoch_ns) * 1e-9
+
+    def clear(self) -> None:
+        self._events.clear()
+
+    # -- recording -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def span(self, name: str, cat: str = "compute", **args: Any) -> Iterator[None]:
+        """Time a block of work: ``with tracer.span("backward", microbatch=3): ...``."""
+        if not self.enabled:
+            yield
+            return
+        start = self.now()
+        try:
+            yield
+        finally:
+            self._events.append(("span", name, start, self.now(), {"cat": cat, **args}))
+
+    def comm(self, op: str, *, start: float, end: float, sent: int = 0, received: int = 0,
+             peer: int | None = None, **args: Any) -> None:
+        """Record a finished communication: ``op`` moved ``sent``/``received`` bytes to/from ``peer``."""
+        if self.enabled:
+            self._events.append(("comm", op, start, end,
+                                 {"cat": "comm", "sent": int(sent), "received": int(received),
+                                  "peer": peer, **args}))
+
+    @contextlib.contextmanager
+    def comm_span(self, op: str, *, sent: int = 0, received: int = 0, peer: int | None = None,
+                  **args: Any) -> Iterator[None]:
+        """Time a blocking communication and record it as one comm event."""
+        if not self.enabled:
+            yield
+            return
+        start = self.now()
+        try:
+            yield
+        finally:
+            self.comm(op, start=start, end=self.now(), sent=sent, received=received, peer=peer, **args)
+
+    def memory(self, label: str = "", **bytes_by_category: int) -> None:
+        """Sample memory: ``tracer.memory("after step", params=..., grads=..., optimizer=...)``."""
+        if self.enabled:
+            t = self.now()
+            self._events.append(("memory", label, t, t,
+                                 {k: int(v) for k, v in bytes_by_category.items()}))
+
+    def mark(self, name: str, **args: Any) -> None:
+        """An instant event (a step boundary, a checkpoint written)."""
+        if self.enabled:
+            t = self.now()
+            self._events.append(("mark", name, t, t, dict(args)))
+
+    # -- export ----------------------------------------------------------------------------
+    def export(self) -> list[tuple]:
+        """Plain tuples, cheap to pickle back to the parent."""
+        return list(self._events)
+
+    def events(self) -> list[Event]:
+        return [Event(self.rank, *e) for e in self._events]
+
+
+class Trace:
+    """All ranks' events on one time axis, with the queries lessons and tests need."""
+
+    def __init__(self, events: Iterable[Event] = ()):
+        self.events: list[Event] = sorted(events, key=lambda e: (e.start, e.rank))
+
+    @classmethod
+    def merge(cls, per_rank: dict[int, list[tuple]] | list[list[tuple]]) -> "Trace":
+        """Build from each rank's ``Tracer.export()``."""
+        items = per_rank.items() if isinstance(per_rank, dict) else enumerate(per_rank)
+        return cls(Event(rank, *e) for rank, events in items for e in (events or ()))
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def __iter__(self) -> Iterator[Event]:
+        return iter(self.events)
+
+    def __repr__(self) -> str:
+        return f"Trace({len(self.events)} events over ranks {self.ranks})"
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({e.rank for e in self.events})
+
+    @property
+    def duration(self) -> float:
+        if not self.events:
+            return 0.0
+        return max(e.end for e in self.events) - min(e.start for e in self.events)
+
+    def select(self, kind: str | None = None, rank: int | None = None, name: str | None = None,
+               cat: str | None = None, **args: Any) -> list[Event]:
+        """Events matching every given field, e.g. ``trace.select("comm", rank=0, name="send")``."""
+        return [e for e in self.events
+                if (kind is None or e.kind == kind) and (rank is None or e.rank == rank)
+                and (name is None or e.name == name) and (cat is None or e.cat == cat)
+                and all(e.args.get(k) == v for k, v in args.items())]
+
+    def spans(self, rank: int | None = None, cat: str | None = None, name: str | None = None) -> list[Event]:
+        return self.select("span", rank=rank, name=name, cat=cat)
+
+    def comms(self, rank: int | None = None, op: str | None = None, **args: Any) -> list[Event]:
+        return self.select("comm", rank=rank, name=op, **args)
+
+    def memory_samples(self, rank: int | None = None) -> list[Event]:
+        return self.select("memory", rank=rank)
+
+    def bytes_sent(self, rank: int | None = None, op: str | None = None, **args: Any) -> int:
+        return sum(e.sent for e in self.comms(rank, op, **args))
+
+    def bytes_received(self, rank: int | None = None, op: str | None = None, **args: Any) -> int:
+        return sum(e.received for e in self.comms(rank, op, **args))
+
+    def busy_time(self, rank: int, cat: str | None = None) -> float:
+        """Seconds covered by this rank's spans (overlaps counted once)."""
+        intervals = sorted((e.start, e.end) for e in self.spans(rank=rank, cat=cat))
+        total, cur_start, cur_end = 0.0, None, None
+        for s, t in intervals:
+            if cur_end is None or s > cur_end:
+                if cur_end is not None:
+                    total += cur_end - cur_start
+                cur_start, cur_end = s, t
+            else:
+                cur_end = max(cur_end, t)
+        if cur_end is not None:
+            total += cur_end - cur_start
+        return total
+
+    # -- Chrome trace-event format (opens in Perfetto / chrome://tracing) -------------------
+    def to_chrome(self) -> dict:
+        """Trace-event JSON: one process per rank, compute and comm on separate threads."""
+        out = []
+        tid_of = {"compute": 0, "comm": 1}
+        for r in self.ranks:
+            out.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r}"}})
+            out.append({"ph": "M", "name": "thread_name", "pid": r, "tid": 0, "args": {"name": "compute"}})
+            out.append({"ph": "M", "name": "thread_name", "pid": r, "tid": 1, "args": {"name": "comm"}})
+        for e in self.events:
+            args = {k: v for k, v in e.args.items() if isinstance(v, (int, float, str, bool, type(None)))}
+            if e.kind == "memory":
+                out.append({"ph": "C", "name": "memory", "pid": e.rank, "ts": e.start * 1e6, "args": args})
+            elif e.kind == "mark":
+                out.append({"ph": "i", "s": "p", "name": e.name, "pid": e.rank, "tid": 0,
+                            "ts": e.start * 1e6, "args": args})
+            else:
+                out.append({"ph": "X", "name": e.name, "cat": e.cat, "pid": e.rank,
+                            "tid": tid_of.get("comm" if e.kind == "comm" else "compute", 0),
+                            "ts": e.start * 1e6, "dur": max(e.duration, 0.0) * 1e6, "args": args})
+        return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+    def save_chrome(self, path: str) -> str:
+        """Write trace-event JSON to ``path`` (open it at ui.perfetto.dev); returns the path."""
+        with open(path, "w") as f:
+            json.dump(self.to_chrome(), f)
+        return path
