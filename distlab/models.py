@@ -1,0 +1,227 @@
+"""Small models and synthetic data that every strategy trains, so results compare across lessons.
+
+* `GPT`: a GPT-2 style decoder (Radford et al. 2019): token + position embeddings, ``layers``
+  pre-LayerNorm blocks of causal self-attention and a 4h MLP, a final LayerNorm and an LM head
+  (optionally tied to the token embedding). Attention keeps separate ``q``, ``k``, ``v`` and
+  ``proj`` linears and infers its head count from ``q``'s output size, so `distlab.tp` can shard
+  heads by replacing layers without touching this code. Parameter count (untied, with biases):
+  ``V*h + S*h + L*(12h^2 + 13h) + 2h + h*V``.
+* `MLP`: a stack of Linear+GELU layers, the simplest model to shard.
+* `MarkovTokens`: token sequences from a seeded, low-entropy Markov chain: a model visibly learns it
+  (loss falls from ln V towards the chain's entropy rate, `MarkovTokens.entropy`).
+* `TeacherRegression`: inputs and targets from a fixed random teacher MLP, for the MLP.
+
+Data sets are indexed by step and return the *global* batch; `shard` gives a rank its rows.
+Everything is deterministic given the seed, on any world size.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab: int = 64
+    seq_len: int = 32
+    d_model: int = 64
+    heads: int = 4
+    layers: int = 2
+    mlp_ratio: int = 4
+    tied: bool = False
+    bias: bool = True
+
+    def __post_init__(self):
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model={self.d_model} must be divisible by heads={self.heads}")
+
+
+#: Named sizes used by `dl.train(model=...)`, the CLI and the lessons.
+PRESETS = {
+    "gpt-tiny": GPTConfig(vocab=64, seq_len=32, d_model=64, heads=4, layers=2),
+    "gpt-small": GPTConfig(vocab=256, seq_len=64, d_model=128, heads=8, layers=4),
+    "gpt-wide": GPTConfig(vocab=128, seq_len=32, d_model=256, heads=8, layers=2),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    """softmax(Q K^T / sqrt(d_head) + causal mask) V, then the output projection.
+
+    Written out (not fused) so saved activations match the per-layer accounting of
+    Korthikanti et al. 2022 and so tensor parallelism can split the heads.
+    """
+
+    def __init__(self, d_model: int, heads: int, bias: bool = True):
+        super().__init__()
+        self.head_dim = d_model // heads
+        self.q = nn.Linear(d_model, d_model, bias=bias)
+        self.k = nn.Linear(d_model, d_model, bias=bias)
+        self.v = nn.Linear(d_model, d_model, bias=bias)
+        self.proj = nn.Linear(d_model, d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        split = lambda t: t.view(b, s, -1, self.head_dim).transpose(1, 2)   # (b, heads, s, d_head)
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        attn = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
+        y = (attn @ v).transpose(1, 2).reshape(b, s, -1)
+        return self.proj(y)
+
+
+class FeedForward(nn.Module):
+    """GELU(x W_fc + b) W_proj + b: h -> ratio*h -> h."""
+
+    def __init__(self, d_model: int, ratio: int = 4, bias: bool = True):
+        super().__init__()
+        self.fc = nn.Linear(d_model, ratio * d_model, bias=bias)
+        self.proj = nn.Linear(ratio * d_model, d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(ln1(x)), then + mlp(ln2(x))."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg.d_model, cfg.heads, cfg.bias)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = FeedForward(cfg.d_model, cfg.mlp_ratio, cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Token ids (b, s) -> logits (b, s, vocab). ``loss(ids, targets)`` is mean cross-entropy."""
+
+    def __init__(self, cfg: GPTConfig | None = None):
+        super().__init__()
+        self.cfg = cfg = cfg or GPTConfig()
+        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+        if cfg.tied:
+            self.head.weight = self.tok.weight
+        self.apply(_init_weights)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.tok(ids) + self.pos(positions)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self(ids)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class MLP(nn.Module):
+    """sizes=(16, 64, 64, 1): Linear+GELU between every pair, no activation after the last."""
+
+    def __init__(self, sizes=(16, 64, 64, 1), bias: bool = True):
+        super().__init__()
+        if len(sizes) < 2:
+            raise ValueError("MLP needs at least an input and an output size, e.g. sizes=(16, 1)")
+        self.layers = nn.ModuleList(nn.Linear(a, b, bias=bias) for a, b in zip(sizes, sizes[1:]))
+        self.apply(_init_weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = F.gelu(x)
+        return x
+
+
+def _init_weights(module: nn.Module) -> None:
+    """GPT-2's initialisation: N(0, 0.02) weights, zero biases."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+
+
+def build(name: str, seed: int = 0) -> nn.Module:
+    """A preset by name ("gpt-tiny", "gpt-small", "gpt-wide", "mlp"), initialised from ``seed``."""
+    torch.manual_seed(seed)
+    if name == "mlp":
+        return MLP()
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}: choose one of {sorted(PRESETS) + ['mlp']}")
+    return GPT(PRESETS[name])
+
+
+# -- synthetic data ------------------------------------------------------------------------------
+class MarkovTokens:
+    """Sequences from a seeded Markov chain over ``vocab`` tokens with ``branching`` likely successors.
+
+    Each token has ``branching`` successors drawn once from the seed, taken with equal probability,
+    so the best achievable loss is ln(branching) nats (`entropy`), far below ln(vocab).
+    ``batch(step, size)`` is a pure function of (seed, step): every rank and every world size sees
+    the same global batch.
+    """
+
+    def __init__(self, vocab: int = 64, seq_len: int = 32, seed: int = 0, branching: int = 2):
+        g = torch.Generator().manual_seed(seed)
+        self.vocab, self.seq_len, self.seed, self.branching = vocab, seq_len, seed, branching
+        self.successors = torch.stack([torch.randperm(vocab, generator=g)[:branching] for _ in range(vocab)])
+
+    @property
+    def entropy(self) -> float:
+        return math.log(self.branching)
+
+    def batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        seq = torch.empty(size, self.seq_len + 1, dtype=torch.long)
+        seq[:, 0] = torch.randint(self.vocab, (size,), generator=g)
+        choice = torch.randint(self.branching, (size, self.seq_len), generator=g)
+        for t in range(self.seq_len):
+            seq[:, t + 1] = self.successors[seq[:, t], choice[:, t]]
+        return seq[:, :-1], seq[:, 1:]
+
+
+class TeacherRegression:
+    """x ~ N(0, I), y = teacher(x) for a fixed random MLP teacher: the MLP student can fit it exactly."""
+
+    def __init__(self, sizes=(16, 64, 64, 1), seed: int = 0):
+        torch.manual_seed(10_000 + seed)
+        self.teacher = MLP(sizes)
+        for p in self.teacher.parameters():
+            p.data.mul_(10.0)   # larger than the student's init, so there is something to learn
+            p.requires_grad_(False)
+        self.in_features, self.seed = sizes[0], seed
+
+    def batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        x = torch.randn(size, self.in_features, generator=g)
+        with torch.no_grad():
+            return x, self.teacher(x)
+
+
+def dataset_for(name: str, seed: int = 0):
+    """The synthetic data set that matches a model preset."""
+    if name == "mlp":
+        return TeacherRegression(seed=seed)
+    cfg = PRESETS[name]
+    return MarkovTokens(cfg.vocab, cfg.seq_len, seed=seed)
+
+
+def shard(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rows of the global batch that ``rank`` owns: ``torch.tensor_split`` (uneven splits allowed)."""
+    return torch.tensor_split(batch, world_size)[rank]
