@@ -9,6 +9,7 @@ import importlib
 
 _LAZY = {
     "timeline": ".timeline",
+    "per_rank": ".tensors",
     "comm": ".comm",
     "ring_steps": ".comm",
     "memory": ".memory",

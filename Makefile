@@ -1,0 +1,42 @@
+# distlab: two commands for a newcomer.
+#   make lab    create .venv, install distlab with the lesson extras, open JupyterLab on notebooks/
+#   make test   create .venv, install distlab with the test extras, run the whole suite (pytest + strict nbval)
+#
+# TORCH picks the PyTorch build. The default is the CPU build this project is developed on; for a GPU
+# machine pass the CUDA build you want, e.g.  make lab TORCH="torch==2.13.0 --index-url <your CUDA wheel index>"
+
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+BIN     = $(VENV)/bin
+STAMP   = $(VENV)/.installed
+
+.PHONY: lab test test-fast notebooks bench browser clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e ".[lab,test]"
+	touch $(STAMP)
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab --notebook-dir=notebooks
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest --nbval tests notebooks
+
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -x -q
+
+# Re-execute every lesson in place (after changing a lesson's source in notebooks/src/).
+notebooks: $(STAMP)
+	for f in notebooks/src/build_*.py; do $(BIN)/python $$f || exit 1; done
+	for nb in notebooks/[0-9]*.ipynb; do \
+	  $(BIN)/jupyter nbconvert --to notebook --execute --inplace $$nb || exit 1; done
+
+bench: $(STAMP)
+	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache

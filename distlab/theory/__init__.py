@@ -1,0 +1,35 @@
+"""Pure formulas for distributed training: memory, communication, bubbles, throughput.
+
+No torch here: plain Python arithmetic, each function citing the paper it realises, so a lesson
+can put a prediction beside a measurement. One idea per module:
+
+  params       parameter count of a transformer (GPT closed form, GQA, SwiGLU, tied)
+  memory       bytes per GPU by category under ZeRO 0-3, TP, PP; shard_numel padding
+  activations  Korthikanti et al. 2022 activation memory; pipeline in-flight microbatches
+  offload      DeepSpeed's CPU-offload estimators
+  comm         alpha-beta collective times, nccl-tests algbw/busbw, per-step volumes
+  pipeline     bubble fractions of GPipe, 1F1B, interleaved, ZB-H1/H2, DualPipe
+  throughput   6 N D FLOPs, MFU, training time, scaling efficiency
+  presets      GPT-3 / Llama models, GPUs, interconnects
+  planner      "fits on" verdicts, the cheapest configuration, the decision guide
+"""
+from distlab.theory.activations import activation_bytes_per_layer, pipeline_in_flight
+from distlab.theory.comm import algbw, busbw, comm_time, dp_volume, pp_volume, tp_volume, zero_volume
+from distlab.theory.memory import MemoryBreakdown, bytes_per_param, memory, shard_numel
+from distlab.theory.offload import OffloadEstimate, zero2_offload, zero3_offload
+from distlab.theory.params import gpt_params, transformer_params
+from distlab.theory.pipeline import bubble, bubble_time
+from distlab.theory.planner import Advice, Plan, advise, cheapest_plan, fits
+from distlab.theory.presets import GPUS, LINKS, MODELS, gpu, link, model
+from distlab.theory.throughput import (chinchilla_tokens, mfu, scaling_efficiency, throughput,
+                                       training_flops, training_time)
+from distlab.theory.units import GB, GiB, MB, MiB
+
+__all__ = [
+    "activation_bytes_per_layer", "pipeline_in_flight", "algbw", "busbw", "comm_time", "dp_volume",
+    "pp_volume", "tp_volume", "zero_volume", "MemoryBreakdown", "bytes_per_param", "memory",
+    "shard_numel", "OffloadEstimate", "zero2_offload", "zero3_offload", "gpt_params",
+    "transformer_params", "bubble", "bubble_time", "Advice", "Plan", "advise", "cheapest_plan", "fits",
+    "GPUS", "LINKS", "MODELS", "gpu", "link", "model", "chinchilla_tokens", "mfu", "scaling_efficiency",
+    "throughput", "training_flops", "training_time", "GB", "GiB", "MB", "MiB",
+]

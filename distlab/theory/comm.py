@@ -1,0 +1,93 @@
+"""Collective communication time in the alpha-beta model, nccl-tests bandwidths, step volumes.
+
+A message of m bytes costs alpha + m / B (Hockney 1994). ``nbytes`` = S is the size nccl-tests
+reports: the whole buffer of each rank (all_reduce in/out, all_gather output, reduce_scatter
+input, all_to_all send buffer). Over n ranks (Thakur, Rabenseifner & Gropp 2005; Patarasuk &
+Yuan 2009 for the ring):
+
+    op              ring                             tree                               naive (one root)
+    all_reduce      2(n-1) a + 2 (n-1)/n S/B         2 lg n (a + S/B)  reduce + bcast   2 (n-1)(a + S/B)
+    reduce_scatter  (n-1) a + (n-1)/n S/B            lg n a + (n-1)/n S/B  halving      (n-1)(a + S/B) + (n-1)(a + S/(nB))
+    all_gather      (n-1) a + (n-1)/n S/B            lg n a + (n-1)/n S/B  doubling     (n-1)(a + S/(nB)) + (n-1)(a + S/B)
+    broadcast       (n-1) a + S/B  (pipelined)       lg n (a + S/B)  binomial           (n-1)(a + S/B)
+    all_to_all      (n-1) a + (n-1)/n S/B  pairwise  lg n a + lg n S/(2B)  Bruck        (n-1)(a + S/(nB))
+
+nccl-tests PERFORMANCE.md: algbw = S / t, busbw = algbw x factor, factor 2(n-1)/n for
+all_reduce, (n-1)/n for all_gather, reduce_scatter and all_to_all, 1 for broadcast and reduce.
+busbw is comparable with the link's peak whatever n is.
+"""
+from __future__ import annotations
+
+import math
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
+ALGORITHMS = ("ring", "tree", "naive")
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+              "all_gather": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+              "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0}
+
+
+def comm_time(op: str, nbytes: float, n: int, bandwidth: float, latency: float = 0.0,
+              algorithm: str = "ring") -> float:
+    """Seconds for collective ``op`` of ``nbytes`` over ``n`` ranks (bytes/s, seconds per message)."""
+    if op not in OPS:
+        raise ValueError(f"unknown collective {op!r}: choose one of {', '.join(OPS)}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}: choose one of {', '.join(ALGORITHMS)}")
+    if n < 1 or bandwidth <= 0:
+        raise ValueError(f"need n >= 1 ranks and bandwidth > 0 bytes/s; got n={n}, bandwidth={bandwidth}")
+    if n == 1:
+        return 0.0
+    a, s, b, steps = latency, nbytes, bandwidth, math.ceil(math.log2(n))
+    shard = (n - 1) / n * s / b
+    if algorithm == "ring":
+        ring = {"all_reduce": 2 * (n - 1) * a + 2 * shard, "broadcast": (n - 1) * a + s / b}
+        return ring.get(op, (n - 1) * a + shard)
+    if algorithm == "tree":
+        return {"all_reduce": 2 * steps * (a + s / b), "broadcast": steps * (a + s / b),
+                "all_to_all": steps * a + steps * s / (2 * b)}.get(op, steps * a + shard)
+    whole, piece = (n - 1) * (a + s / b), (n - 1) * (a + s / (n * b))
+    return {"all_reduce": 2 * whole, "broadcast": whole, "all_to_all": piece}.get(op, whole + piece)
+
+
+def algbw(nbytes: float, seconds: float) -> float:
+    """nccl-tests algorithm bandwidth: S / t (bytes/s)."""
+    return nbytes / seconds
+
+
+def busbw(op: str, nbytes: float, seconds: float, n: int) -> float:
+    """nccl-tests bus bandwidth: algbw times the op's factor (2(n-1)/n for all_reduce)."""
+    if op not in BUS_FACTOR:
+        raise ValueError(f"unknown collective {op!r}: choose one of {', '.join(BUS_FACTOR)}")
+    return algbw(nbytes, seconds) * BUS_FACTOR[op](n)
+
+
+def dp_volume(param_bytes: float, n: int) -> float:
+    """Bytes each rank sends per step in DDP: a ring all-reduce of the gradients, 2 (n-1)/n Psi."""
+    return 2 * (n - 1) / n * param_bytes
+
+
+def zero_volume(stage: int, param_bytes: float, n: int) -> float:
+    """Bytes sent per rank per step (ZeRO paper Sec. 7): stages 0-2 2 (n-1)/n Psi
+    (reduce-scatter of grads + all-gather of params), stage 3 3 (n-1)/n Psi (params gathered
+    for the forward and again for the backward)."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
+    return (3 if stage == 3 else 2) * (n - 1) / n * param_bytes
+
+
+def tp_volume(seq_len: int, micro_batch: int, hidden: int, tp: int, layers: int = 1,
+              bytes_per_element: int = 2) -> float:
+    """Bytes sent per rank per microbatch under Megatron TP (Shoeybi et al. 2019): each layer
+    all-reduces its b s h activations twice forward (attention, MLP: operator g) and twice
+    backward (operator f). With sequence parallelism each becomes a reduce-scatter plus an
+    all-gather: the same volume."""
+    message = seq_len * micro_batch * hidden * bytes_per_element
+    return 4 * layers * 2 * (tp - 1) / tp * message
+
+
+def pp_volume(seq_len: int, micro_batch: int, hidden: int, microbatches: int,
+              bytes_per_element: int = 2) -> float:
+    """Bytes a middle pipeline stage sends per step: one b s h activation forward and one
+    gradient backward per microbatch (point-to-point, no collective)."""
+    return 2 * microbatches * seq_len * micro_batch * hidden * bytes_per_element
