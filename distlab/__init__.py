@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 
 from .launch import LaunchError, Run, launch
+from .progress import progress
 from .runtime import backend, barrier, device, local_rank, rank, tracer, world_size
 from .trace import Event, Trace, Tracer
 
@@ -35,7 +36,7 @@ _LAZY = {
 }
 
 __all__ = ["launch", "Run", "LaunchError", "rank", "world_size", "local_rank", "device", "backend",
-           "barrier", "tracer", "Trace", "Tracer", "Event", *_LAZY]
+           "barrier", "tracer", "progress", "Trace", "Tracer", "Event", *_LAZY]
 
 
 def __getattr__(name: str):

@@ -98,8 +98,10 @@ def main(rank: int, spec: RankSpec, out_conn, result_conn, fds_to_close: list[in
     import torch.distributed as dist
 
     from . import runtime
+    from .progress import _attach as attach_progress
 
     torch.set_num_threads(spec.threads)
+    attach_progress(result_conn)
     tracer = None
     try:
         fn, args, kwargs = (cloudpickle.loads(spec.payload) if isinstance(spec.payload, bytes)

@@ -48,8 +48,10 @@ class RankStatus:
 
 
 class Supervisor:
-    def __init__(self, ranks: list[RankStatus], deadline: float, live: bool, stream=None):
+    def __init__(self, ranks: list[RankStatus], deadline: float, live: bool, stream=None,
+                 on_progress=None):
         self.ranks = ranks
+        self.on_progress = on_progress
         self.deadline = deadline
         self.live = live
         self.stream = stream or sys.stdout
@@ -110,7 +112,10 @@ class Supervisor:
         except (EOFError, OSError):
             r.result_conn.close()
             return
-        if message[0] == "ok":
+        if message[0] == "progress":
+            if self.on_progress is not None:
+                self.on_progress(*message[1:])
+        elif message[0] == "ok":
             _, payload, r.trace = message
             try:
                 r.result = ("ok", pickle.loads(payload))

@@ -40,6 +40,7 @@ import multiprocessing as mp
 
 from . import _child
 from ._supervisor import RankStatus, Supervisor, shutdown
+from .progress import ProgressBar
 from .trace import Trace
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -209,8 +210,11 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
         if listener is not None:
             listener.close()
             listener = None
-        supervisor = Supervisor(ranks, time.monotonic() + timeout, live=(output == "live"))
+        bar = ProgressBar(enabled=(output != "quiet"))
+        supervisor = Supervisor(ranks, time.monotonic() + timeout, live=(output == "live"),
+                                on_progress=bar.update)
         supervisor.run()
+        bar.close()
     finally:
         shutdown(ranks)
         for (out_r, out_w), (res_r, res_w) in pipes[len(ranks):]:

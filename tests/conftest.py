@@ -39,7 +39,8 @@ def no_leaks():
     _warm_singletons()
     before_fds = open_fds()
     yield
-    assert child_pids() == [], f"orphan or zombie rank processes left: {child_pids()}"
+    left = child_pids()
+    assert left == [], f"orphan or zombie rank processes left: {describe(left)}"
     leaked = open_fds() - before_fds
     # allow descriptors opened lazily by libraries once per process (torch, multiprocessing helpers)
     leaked = {fd for fd in leaked if not _is_library_singleton(fd)}
@@ -66,3 +67,15 @@ def _is_library_singleton(fd: int) -> bool:
     except OSError:
         return True   # closed meanwhile
     return target.startswith(("/dev/", "anon_inode:")) or target.endswith((".so", ".json"))
+
+
+def describe(pids: list[int]) -> list[str]:
+    out = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode()
+            out.append(f"{pid}: {cmdline[:200]}")
+        except OSError:
+            out.append(f"{pid}: (gone)")
+    return out

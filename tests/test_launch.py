@@ -307,3 +307,31 @@ def test_unpicklable_return_value_names_the_rank_and_says_what_to_do():
     with pytest.raises(dl.LaunchError) as info:
         dl.launch(returns_unpicklable, 2, output="quiet")
     assert "cannot be pickled" in str(info.value) and "return plain data" in str(info.value)
+
+
+# -- progress of long runs --------------------------------------------------------------------------
+def reports_progress(steps):
+    for step in range(1, steps + 1):
+        time.sleep(0.02)
+        dl.progress(step, steps)
+    return steps
+
+
+def test_rank_zero_progress_reaches_the_parent_and_ends_at_the_total(monkeypatch):
+    seen = []
+
+    class Recorder:
+        def __init__(self, enabled):
+            self.enabled = enabled
+
+        def update(self, step, total, label):
+            seen.append((step, total, label))
+
+        def close(self):
+            seen.append("closed")
+
+    monkeypatch.setattr(launch_module, "ProgressBar", Recorder)
+    assert dl.launch(reports_progress, 2, args=(30,), output="ordered").results == [30, 30]
+    assert seen[-1] == "closed" and seen[-2] == (30, 30, "step")
+    steps = [s[0] for s in seen[:-1]]
+    assert steps == sorted(steps) and 1 <= len(steps) < 30   # throttled, rank 0 only

@@ -1,0 +1,181 @@
+"""Writes notebooks/00_launch_and_collectives.ipynb (then execute it: `make notebooks`)."""
+from pathlib import Path
+
+import nbformat as nbf
+
+cells = []
+md = lambda s: cells.append(nbf.v4.new_markdown_cell(s.strip()))                     # noqa: E731
+code = lambda s, *tags: cells.append(nbf.v4.new_code_cell(s.strip(), metadata={"tags": list(tags)}))  # noqa: E731
+
+md("""
+# 00 · Launching ranks and the four collectives
+
+Distributed training is **N copies of one program** (the *ranks*) that cooperate by sending tensors to each
+other. Everything in this course runs for real: `dl.launch(fn, world_size=N)` starts N processes from this
+notebook, each one runs `fn`, and you get back what every rank returned, what it printed, and a trace of
+what it did and when.
+
+On a laptop the ranks talk through **gloo** over loopback TCP; on GPUs the same code uses **NCCL**. The code
+you write does not change: it asks `dl.rank()`, `dl.world_size()` and `dl.device()`.
+""")
+code("""
+import torch
+import torch.distributed as dist
+import matplotlib.pyplot as plt
+import distlab as dl
+
+WORLD = 4
+""")
+md("""
+## 1. Hello from every rank
+
+`launch` forks the ranks, gives them a process group, relays what they print (tagged `[rank N]`, grouped
+by rank so the output is the same every run) and returns a `Run`.
+""")
+code("""
+def hello(greeting):
+    print(f"{greeting} from rank {dl.rank()} of {dl.world_size()} on {dl.device()}")
+    return dl.rank() ** 2
+
+run = dl.launch(hello, world_size=WORLD, args=("hello",))
+run
+""")
+code("""
+print("results:", run.results)
+print("rank 3 printed:", run.outputs[3].strip())
+assert run.results == [r ** 2 for r in range(WORLD)]
+""")
+md("""
+## 2. When a rank fails
+
+A bug on one rank usually kills the others too: they were waiting for it in a collective and see their
+connection close. `launch` reports the **root cause**, the rank that failed first of its own accord, with
+its traceback, and stops every other rank so nothing keeps running in the background.
+""")
+code("""
+def buggy():
+    if dl.rank() == 2:
+        raise ZeroDivisionError("rank 2 divided by zero")
+    dist.barrier()          # ranks 0, 1 and 3 wait here for rank 2, who never comes
+
+try:
+    dl.launch(buggy, world_size=WORLD, output="quiet")
+except dl.LaunchError as err:
+    print("root cause: rank", err.rank)
+    print("its error:", err.failures[err.rank].strip().splitlines()[-1])
+    assert err.rank == 2
+""")
+md("""
+## 3. The four collectives, on tensors you can read
+
+Each rank starts with a small tensor. A **collective** is an operation every rank of a group calls
+together. Predict the result before running each cell:
+
+| collective | every rank ends with | bytes each rank receives (ring, tensor of S bytes) |
+|---|---|---|
+| broadcast(src) | rank `src`'s tensor | S |
+| all-gather | all ranks' tensors, concatenated in rank order | (N-1)·S_shard |
+| reduce-scatter | its 1/N slice of the element-wise sum | (N-1)/N·S |
+| all-reduce | the element-wise sum (= reduce-scatter + all-gather) | 2(N-1)/N·S |
+
+Below, `torch.distributed` does the work; lesson 01 builds the same collectives from point-to-point
+sends with `dl.comm`, and we check here that both agree.
+""")
+code("""
+def collectives():
+    r, n = dl.rank(), dl.world_size()
+    mine = torch.arange(n, dtype=torch.float32) + 10 * r          # rank r holds [10r, 10r+1, ...]
+    out = {"start": mine.tolist()}
+
+    b = mine.clone(); dist.broadcast(b, src=0)
+    out["broadcast"] = b.tolist()
+
+    gathered = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(gathered, mine)
+    out["all_gather"] = torch.cat(gathered).tolist()
+
+    shard = torch.empty(1); dist.reduce_scatter(shard, list(mine.clone().chunk(n)))
+    out["reduce_scatter"] = shard.tolist()
+
+    s = mine.clone(); dist.all_reduce(s)
+    out["all_reduce"] = s.tolist()
+
+    # the same collectives built from send/recv (lesson 01)
+    ours = {"broadcast": dl.comm.broadcast(mine.clone(), src=0).tolist(),
+            "all_gather": dl.comm.ring_all_gather(mine.clone()).tolist(),
+            "reduce_scatter": dl.comm.ring_reduce_scatter(mine.clone()).tolist(),
+            "all_reduce": dl.comm.ring_all_reduce(mine.clone()).tolist()}
+    out["distlab_agrees"] = all(ours[k] == out[k] for k in ours)
+    return out
+
+res = dl.launch(collectives, world_size=WORLD).results
+start = [r["start"] for r in res]
+""")
+code("""
+for name in ["broadcast", "all_gather", "reduce_scatter", "all_reduce"]:
+    print(f"{name:>15}:", [r[name] for r in res])
+assert all(r["distlab_agrees"] for r in res)
+""")
+md("""
+Check the predictions: every all-reduce entry is the column sum `10·(0+1+2+3) + i = 60 + 4i`; reduce-scatter
+gives rank r exactly entry r of that sum; all-gather is every rank's tensor in rank order.
+""")
+code("""
+column_sums = [sum(10 * r + i for r in range(WORLD)) for i in range(WORLD)]
+assert all(r["all_reduce"] == column_sums for r in res)
+assert [r["reduce_scatter"] for r in res] == [[s] for s in column_sums]
+assert all(r["all_gather"] == sum(start, []) for r in res)
+assert all(r["broadcast"] == start[0] for r in res)
+fig = dl.viz.per_rank(start, [r["all_reduce"] for r in res], title="all-reduce (sum): every rank gets the column sums")
+""")
+code("""
+fig = dl.viz.per_rank(start, [r["reduce_scatter"] for r in res], title="reduce-scatter: rank r keeps slice r of the sum")
+""")
+md("""
+## 4. What the ranks did, and when
+
+Every rank records **compute spans** and **communication events** into its tracer; `run.trace` merges them on
+one clock. Here each rank does a different amount of work before an all-reduce: the fast ranks wait, and the
+wait shows up as communication time. This *straggler* effect is why synchronous training runs at the pace of
+its slowest rank.
+""")
+code("""
+def uneven_work():
+    tr = dl.tracer()
+    x = torch.randn(200, 200)
+    for step in range(3):
+        with tr.span("compute", step=step):
+            for _ in range(3 * (dl.rank() + 1)):      # rank r does 3(r+1) matmuls
+                x = torch.tanh(x @ x)
+        t = torch.ones(1000)
+        with tr.comm_span("all_reduce", sent=t.numel() * 4, received=t.numel() * 4):
+            dist.all_reduce(t)
+    return None
+
+run = dl.launch(uneven_work, world_size=WORLD, output="quiet")
+print(run.trace.spans(rank=0)[0].name, "spans per rank:", [len(run.trace.spans(rank=r)) for r in range(WORLD)])
+fig = dl.viz.timeline(run.trace, title="rank 3 is the straggler: the others wait in all_reduce")
+""")
+md("""
+**Prediction:** rank r computes 3(r+1) matmuls per step, so rank 3 is slowest and rank 0 waits the longest
+in the all-reduce. We check the *order* of waiting times, which holds even on a busy machine, rather than
+exact seconds.
+""")
+code("""
+wait = [sum(e.duration for e in run.trace.comms(rank=r)) for r in range(WORLD)]
+busy = [run.trace.busy_time(r, cat="compute") for r in range(WORLD)]
+print("rank 3 computes longer than rank 0:", busy[3] > busy[0])
+print("rank 0 waits longer than rank 3:  ", wait[0] > wait[3])
+assert busy[3] > busy[0] and wait[0] > wait[3]
+""")
+md("""
+`run.trace.save_chrome("trace.json")` writes the same events in Chrome's trace format: open it at
+ui.perfetto.dev to zoom in. Next: **01 · Ring all-reduce**, built from send and receive.
+""")
+
+nb = nbf.v4.new_notebook(cells=cells, metadata={
+    "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+    "language_info": {"name": "python"}})
+out = Path(__file__).resolve().parents[1] / "00_launch_and_collectives.ipynb"
+nbf.write(nb, out)
+print("wrote", out)

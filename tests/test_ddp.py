@@ -1,0 +1,108 @@
+"""DDP: exactness against `single`, and the invariants (replicas, buckets, no_sync, frozen/unused/tied)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import distlab as dl
+from _data_parallel_runs import CASES, assert_matches_single, run, same_losses
+
+DDP_CASES = [i for i, c in enumerate(CASES) if c[0] == "ddp"]
+
+
+@pytest.mark.parametrize("index", DDP_CASES, ids=[f"x{CASES[i][1]}-{CASES[i][2]}-{CASES[i][3]}" for i in DDP_CASES])
+def test_ddp_matches_single(index):
+    assert_matches_single(run(index), CASES[index][2])
+
+
+class _WithUnused(nn.Module):
+    """A tied-embedding GPT, a frozen final norm, and a layer the forward never calls."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.gpt = dl.models.GPT(dl.models.GPTConfig(tied=True, layers=1))
+        self.gpt.ln_f.weight.requires_grad_(False)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, ids):
+        return self.gpt(ids)
+
+
+def _loss(model, x, y):
+    return nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def _ddp_invariants():
+    n, r, tr = dl.world_size(), dl.rank(), dl.tracer()
+    data = dl.models.MarkovTokens(seed=0)
+    out = {}
+    model = _WithUnused()
+    if r == 1:                                         # replicas start different: DDP must broadcast
+        with torch.no_grad():
+            model.gpt.tok.weight.add_(1.0)
+    ddp = dl.DDP(model, bucket_mb=0.02)
+    params = [p for p in model.parameters() if p.requires_grad]
+    out["first_bucket_holds_last_param"] = ddp.buckets[0].params[0] is params[-1]
+    out["frozen_in_no_bucket"] = all(p is not model.gpt.ln_f.weight for b in ddp.buckets for p in b.params)
+    ref = _WithUnused()                               # every rank: the whole batch, no communication
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    checks = []
+    for step in range(2):
+        x, y = data.batch(step, 12)
+        xs, ys = x.chunk(n)[r], y.chunk(n)[r]
+        half = len(xs) // 2
+        before = len(tr.export())
+        with ddp.no_sync():                            # accumulate the first half locally
+            (0.5 * _loss(ddp, xs[:half], ys[:half])).backward()
+        out.setdefault("no_sync_events", []).append(len([e for e in tr.export()[before:] if e[0] == "comm"]))
+        (0.5 * _loss(ddp, xs[half:], ys[half:])).backward()    # the second half syncs the sum
+        _loss(ref, x, y).backward()
+        grads_equal = all(torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+                          for p, q in zip(params, [q for q in ref.parameters() if q.requires_grad]))
+        unused_zero = torch.count_nonzero(model.unused.weight.grad).item() == 0
+        opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(n)]
+        torch.distributed.all_gather(gathered, flat)
+        checks.append(dict(grads=grads_equal, unused_zero=unused_zero, frozen=model.gpt.ln_f.weight.grad is None,
+                           replicas=all(torch.equal(g, gathered[0]) for g in gathered),
+                           tied=model.gpt.head.weight is model.gpt.tok.weight))
+    out["checks"] = checks
+    # overlap: the first bucket's all-reduce starts before backward has finished
+    x, y = data.batch(9, 12)
+    with tr.span("backward-probe"):
+        _loss(ddp, x.chunk(n)[r], y.chunk(n)[r]).backward()
+    probe = [e for e in tr.events() if e.name == "backward-probe"][-1]
+    reduces = [e for e in tr.events() if e.kind == "comm" and e.start >= probe.start]
+    out["buckets"], out["reduces"] = len(ddp.buckets), len(reduces)
+    out["first_starts_inside_backward"] = reduces[0].start < reduces[-1].start <= probe.end
+    # naive: one all-reduce per parameter, after backward
+    naive = dl.DDP(_WithUnused(), naive=True)
+    start = len(tr.export())
+    _loss(naive, x.chunk(n)[r], y.chunk(n)[r]).backward()
+    out["naive_calls"] = len([e for e in tr.export()[start:] if e[0] == "comm"])
+    out["naive_params"] = len(naive.params)
+    return out
+
+
+def test_ddp_invariants():
+    run_ = dl.launch(_ddp_invariants, world_size=3)
+    for res in run_.results:
+        assert res["first_bucket_holds_last_param"] and res["frozen_in_no_bucket"]
+        assert res["no_sync_events"] == [0, 0]                 # no_sync sends nothing
+        for c in res["checks"]:
+            assert c == dict(grads=True, unused_zero=True, frozen=True, replicas=True, tied=True), c
+        assert res["buckets"] > 1 and res["reduces"] == res["buckets"]
+        assert res["first_starts_inside_backward"]
+        assert res["naive_calls"] == res["naive_params"]
+
+
+def test_ddp_grad_accum_equals_big_batch():
+    """dl.train with grad_accum=2 (no_sync on the first micro-step) equals one big-batch step."""
+    big = dl.train("single", steps=3, global_batch=8, lr=1e-2)
+    acc = dl.train("ddp", world_size=2, steps=3, global_batch=8, grad_accum=2, lr=1e-2)
+    assert same_losses(acc.losses, big.losses)
+    for k, v in big.params.items():
+        assert torch.allclose(acc.params[k], v, rtol=1e-4, atol=1e-6), k
