@@ -53,7 +53,7 @@ def run(index: int) -> dl.Report:
 NOISE_ONLY = ("attn.k.bias",)
 
 
-def max_relative_error(params: dict, reference: dict, optimizer: str) -> tuple[float, str]:
+def max_relative_error(params: dict, reference: dict) -> tuple[float, str]:
     """Largest per-tensor max|p - ref| / max|ref| (and which tensor)."""
     worst, name = 0.0, ""
     for k, ref in reference.items():
@@ -63,6 +63,12 @@ def max_relative_error(params: dict, reference: dict, optimizer: str) -> tuple[f
         if err > worst:
             worst, name = err, k
     return worst, name
+
+
+def global_relative_error(params: dict, reference: dict) -> float:
+    """||theta - theta_ref|| / ||theta_ref|| over all parameters together."""
+    num = sum(((params[k] - v) ** 2).sum() for k, v in reference.items())
+    return (num / sum((v ** 2).sum() for v in reference.values())).sqrt().item()
 
 
 def param_numel(report: dl.Report) -> int:
@@ -76,10 +82,25 @@ def same_losses(a: list[float], b: list[float], rel: float = 1e-5) -> bool:
 
 
 def assert_matches_single(report: dl.Report, optimizer: str) -> None:
+    """Losses within 1e-5 relative per step; final parameters within 1e-5 relative.
+
+    SGD: every tensor, element-wise (max|diff| / max|ref|). Adam divides each coordinate by its own
+    gradient scale, so a coordinate whose gradient is ~eps (1e-8) turns fp32 summation-order noise
+    (different on every world size) into a visible step; for Adam the 1e-5 bound is on the whole
+    parameter vector (L2), and each tensor must still agree to 1e-3 in L2 (a tensor left un-updated,
+    or updated twice, is off by ~1e-1).
+    """
     ref = single(optimizer)
     assert same_losses(report.losses, ref.losses), (report.losses, ref.losses)
-    err, name = max_relative_error(report.params, ref.params, optimizer)
-    assert err <= 1e-5, f"{report.strategy} x{report.world_size}: {name} differs by {err:.2e} (relative)"
+    tag = f"{report.strategy} x{report.world_size} {optimizer}"
+    if optimizer == "sgd":
+        err, name = max_relative_error(report.params, ref.params)
+        assert err <= 1e-5, f"{tag}: {name} differs by {err:.2e} (relative)"
+    else:
+        assert global_relative_error(report.params, ref.params) <= 1e-5, tag
+        for k, v in ref.params.items():
+            if not k.endswith(NOISE_ONLY):
+                assert ((report.params[k] - v).norm() / v.norm()).item() <= 1e-3, f"{tag}: {k}"
 
 
 torch.set_num_threads(1)

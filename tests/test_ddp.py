@@ -60,7 +60,8 @@ def _ddp_invariants():
         (0.5 * _loss(ddp, xs[half:], ys[half:])).backward()    # the second half syncs the sum
         _loss(ref, x, y).backward()
         grads_equal = all(torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
-                          for p, q in zip(params, [q for q in ref.parameters() if q.requires_grad]))
+                          for p, q in zip(params, [q for q in ref.parameters() if q.requires_grad])
+                          if q.grad is not None)
         unused_zero = torch.count_nonzero(model.unused.weight.grad).item() == 0
         opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
         flat = torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -101,8 +102,8 @@ def test_ddp_invariants():
 
 def test_ddp_grad_accum_equals_big_batch():
     """dl.train with grad_accum=2 (no_sync on the first micro-step) equals one big-batch step."""
-    big = dl.train("single", steps=3, global_batch=8, lr=1e-2)
-    acc = dl.train("ddp", world_size=2, steps=3, global_batch=8, grad_accum=2, lr=1e-2)
+    big = dl.train("single", steps=3, global_batch=8, lr=0.1, optimizer="sgd")
+    acc = dl.train("ddp", world_size=2, steps=3, global_batch=8, grad_accum=2, lr=0.1, optimizer="sgd")
     assert same_losses(acc.losses, big.losses)
     for k, v in big.params.items():
-        assert torch.allclose(acc.params[k], v, rtol=1e-4, atol=1e-6), k
+        assert torch.allclose(acc.params[k], v, rtol=1e-5, atol=1e-7), k

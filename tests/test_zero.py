@@ -26,12 +26,16 @@ def test_zero_matches_single(index):
         states = 2 if optimizer == "adamw" else 0           # SGD without momentum keeps no state
         if states:
             assert abs(peak["optimizer"] - states * shard) <= 0.01 * shard * states, peak   # 1/N of the state
-        assert peak["grads"] == (shard if stage >= 2 else 4 * psi) or stage < 2 and peak["grads"] >= 4 * psi, peak
-        if stage >= 2:
+        if stage == 1:
+            assert peak["grads"] == 4 * psi, peak                        # ZeRO-1: whole gradients
+        else:
             assert abs(peak["grads"] - shard) <= 0.01 * shard, peak     # ZeRO-2/3: gradients 1/N
         if stage == 3:
             assert abs(peak["params"] - shard) <= 0.01 * shard, peak    # ZeRO-3: parameters 1/N at rest
-            assert 0 < peak["buffers"] < 4 * psi, peak                   # gathered one unit at a time
+            # gathered one unit at a time (prefetch: two blocks and the root, all of this tiny model)
+            assert 0 < peak["buffers"] <= 4 * psi * 1.01, peak
+            if not CASES[index][3].get("prefetch"):
+                assert peak["buffers"] < 4 * psi, peak
 
 
 def test_bytes_per_step_match_theory():
@@ -56,15 +60,15 @@ def test_ring_and_torch_collectives_send_the_same_bytes():
 
 def test_clipping_grad_accum_and_bf16():
     """Global-norm clipping and gradient accumulation match single; bf16-mixed trains."""
-    kw = dict(steps=3, global_batch=8, clip=0.05, lr=1e-2)
+    kw = dict(steps=3, global_batch=8, clip=0.05, lr=0.1, optimizer="sgd")
     ref = dl.train("single", **kw)
     z3 = dl.train("zero3", world_size=2, **kw)
     assert same_losses(z3.losses, ref.losses)
     z2 = dl.train("zero2", world_size=2, grad_accum=2, **kw)      # 2 micro-steps of 4 rows
     assert same_losses(z2.losses, ref.losses)
     for k, v in ref.params.items():
-        assert torch.allclose(z2.params[k], v, rtol=1e-4, atol=1e-6), k
-    bf16 = dl.train("zero2", world_size=2, steps=8, precision="bf16-mixed", lr=3e-3, global_batch=8)
+        assert torch.allclose(z2.params[k], v, rtol=1e-5, atol=1e-7), k
+    bf16 = dl.train("zero2", world_size=2, steps=8, precision="bf16-mixed", lr=3e-3, global_batch=8, clip=1.0)
     assert bf16.losses[-1] < bf16.losses[0] - 0.2
 
 

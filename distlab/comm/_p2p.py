@@ -1,0 +1,192 @@
+"""The one primitive every collective here is built from: a traced point-to-point exchange.
+
+``exchange(send=..., dst=..., recv=..., src=...)`` posts the send and the receive *together* and
+waits for both. Posting both before waiting is what keeps a ring from deadlocking: if every rank
+first did a blocking send to its right neighbour, nobody would be receiving. (Under NCCL the pair
+goes through ``batch_isend_irecv`` so it lands in one NCCL group; under gloo plain
+``isend``/``irecv`` do the same job with less Python overhead.)
+
+Each exchange records one comm event in ``dl.tracer()``:
+
+    name      the collective (``"ring_all_reduce"``, ``"broadcast"``, ...)
+    sent      bytes sent in this step         received  bytes received in this step
+    peer      global rank sent to (None if nothing was sent)
+    src       global rank received from (None if nothing was received)
+    step      index of the step within the call  (plus any ``**info``: phase, chunk indices, ...)
+    call      a per-process counter shared by every event of one collective call
+    size      bytes of the whole message the collective was asked to move
+    world     ranks taking part
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..runtime import tracer
+
+OPS = ("sum", "avg", "max", "min", "prod")
+_call_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class Ring:
+    """Who I am inside ``group``: my group rank, the group size, and the global rank of each member.
+
+    ``torch.distributed`` addresses sends by *global* rank; collectives think in group ranks.
+    """
+
+    group: object
+    rank: int
+    size: int
+    members: tuple[int, ...]
+
+    @classmethod
+    def of(cls, group=None) -> "Ring":
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls(group, 0, 1, (0,))
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ValueError(f"rank {dist.get_rank()} is not a member of this group; call the collective "
+                             "only on the ranks you passed to dist.new_group(...)")
+        size = dist.get_world_size(group)
+        if group is None or group is dist.group.WORLD:
+            members = tuple(range(size))
+        else:
+            members = tuple(dist.get_global_rank(group, r) for r in range(size))
+        return cls(group, rank, size, members)
+
+    def glob(self, group_rank: int) -> int:
+        """Global rank of the member ``group_rank`` (taken modulo the size, so rank-1 and rank+1 work)."""
+        return self.members[group_rank % self.size]
+
+    @property
+    def next(self) -> int:
+        return (self.rank + 1) % self.size
+
+    @property
+    def prev(self) -> int:
+        return (self.rank - 1) % self.size
+
+
+def check_op(op: str, t: torch.Tensor) -> None:
+    """Fail early, with what to do, on a non-tensor, an unknown op, or an average of integers."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+    dtype = t.dtype
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+        raise TypeError(f"op='avg' needs a floating-point tensor, got {dtype}: an integer mean would be "
+                        "rounded. Use op='sum' and divide (t // n or t / n) as you intend.")
+
+
+def reduce_into(acc: torch.Tensor, other: torch.Tensor, op: str) -> None:
+    """``acc = acc (op) other``, in place (``avg`` reduces as a sum; the caller divides once at the end)."""
+    if op in ("sum", "avg"):
+        acc.add_(other)
+    elif op == "max":
+        torch.maximum(acc, other, out=acc)
+    elif op == "min":
+        torch.minimum(acc, other, out=acc)
+    else:
+        acc.mul_(other)
+
+
+def finish_avg(t: torch.Tensor, op: str, n: int) -> torch.Tensor:
+    if op == "avg" and n > 1:
+        t.div_(n)
+    return t
+
+
+def flat_view(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D contiguous view of ``t`` when it has one; otherwise a contiguous copy."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+    return t.view(-1) if t.is_contiguous() else t.reshape(-1).contiguous()
+
+
+def new_call() -> int:
+    return next(_call_ids)
+
+
+_scratch: dict[tuple, torch.Tensor] = {}
+
+
+def scratch(numel: int, dtype: torch.dtype, device, slot: int = 0) -> torch.Tensor:
+    """A reusable receive buffer of ``numel`` elements (grown on demand, kept between calls).
+
+    Reusing it spares every call a fresh allocation and, for large messages, the page faults of
+    touching new memory (NCCL keeps its own buffers for the same reason). ``free_scratch()`` drops them.
+    """
+    key = (slot, dtype, torch.device(device))
+    buf = _scratch.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def free_scratch() -> None:
+    """Release the receive buffers the collectives keep between calls."""
+    _scratch.clear()
+
+
+SEGMENT_BYTES = 1 << 20
+"""Large transfers travel as segments of about this many bytes, so that the reduction of one
+segment overlaps the arrival of the next (gloo pipelines its own ring the same way)."""
+MAX_SEGMENTS = 16
+
+
+def _segments(t: torch.Tensor | None) -> int:
+    """How many pieces a transfer of ``t`` is cut into; a function of its size only, so that the
+    sender and the receiver of the same chunk agree without talking."""
+    if t is None or t.is_cuda:
+        return 1
+    return max(1, min(MAX_SEGMENTS, (t.numel() * t.element_size()) // SEGMENT_BYTES))
+
+
+def exchange(ring: Ring, op_name: str, *, send: torch.Tensor | None = None, dst: int | None = None,
+             recv: torch.Tensor | None = None, src: int | None = None, reduce: tuple | None = None,
+             step: int = 0, call: int = 0, size: int = 0, **info) -> None:
+    """Send ``send`` to group rank ``dst`` while receiving into ``recv`` from group rank ``src``.
+
+    Either side may be None (or empty, when both ends know it is): then only the other happens.
+    ``reduce=(acc, other, op)``, tensors shaped like ``recv``, asks for ``acc (op)= other`` once the
+    data has arrived, done segment by segment as each lands. Blocks until everything is complete,
+    and records one comm event.
+    """
+    if send is not None and send.numel() == 0:
+        send = None
+    if recv is not None and recv.numel() == 0:
+        recv = None
+    tr = tracer()
+    start = tr.now()
+    dst_g = ring.glob(dst) if send is not None else None
+    src_g = ring.glob(src) if recv is not None else None
+    recv_parts = torch.tensor_split(recv, _segments(recv)) if recv is not None else ()
+    send_parts = torch.tensor_split(send, _segments(send)) if send is not None else ()
+    if dist.get_backend(ring.group) == "nccl":
+        ops = [dist.P2POp(dist.isend, p, dst_g, ring.group) for p in send_parts]
+        ops += [dist.P2POp(dist.irecv, p, src_g, ring.group) for p in recv_parts]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        recv_works, send_works = works[len(send_parts):], works[:len(send_parts)]
+    else:
+        recv_works = [dist.irecv(p, src_g, group=ring.group) for p in recv_parts]
+        send_works = [dist.isend(p, dst_g, group=ring.group) for p in send_parts]
+    if reduce is not None and recv is not None:
+        acc, other, op = reduce
+        pieces = zip(torch.tensor_split(acc, len(recv_parts)), torch.tensor_split(other, len(recv_parts)))
+        for w, (a, b) in zip(recv_works, pieces):
+            w.wait()                            # (a gloo Work must be waited on exactly once)
+            reduce_into(a, b, op)
+    else:
+        for w in recv_works:
+            w.wait()
+    for w in send_works:
+        w.wait()
+    tr.comm(op_name, start=start, end=tr.now(),
+            sent=0 if send is None else send.numel() * send.element_size(),
+            received=0 if recv is None else recv.numel() * recv.element_size(),
+            peer=dst_g, src=src_g, step=step, call=call, size=size, world=ring.size, **info)

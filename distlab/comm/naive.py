@@ -1,0 +1,53 @@
+"""The naive all-reduce: everyone sends to a root, the root reduces and sends the result back.
+
+    reduce:     1 -> 0, 2 -> 0, ..., N-1 -> 0      root receives (N-1) S bytes
+    broadcast:  0 -> 1, 0 -> 2, ..., 0 -> N-1      root sends    (N-1) S bytes
+
+Every byte passes through the root's link, so (alpha-beta model)
+
+    T_naive = 2 (N-1) (alpha + S / B)
+
+grows linearly with N, while the ring's 2 (N-1) alpha + 2 (N-1)/N * S / B does not: for large
+messages the ring is about N times faster. It is here only to be measured beside the ring.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._p2p import Ring, check_op, exchange, finish_avg, flat_view, new_call, scratch
+from .tree import _group_rank_of
+
+
+def naive_all_reduce(t: torch.Tensor, op: str = "sum", group=None, root: int = 0) -> torch.Tensor:
+    """All-reduce ``t`` in place through global rank ``root`` (reduce to it, then it sends to all).
+
+    The root receives from each rank in rank order and reduces in that order, then sends the
+    result to each rank in turn: (N-1) S bytes in and (N-1) S out at the root, S each way elsewhere.
+    Events are recorded as op ``"naive_all_reduce"`` with phase ``"reduce"`` or ``"broadcast"``.
+    """
+    check_op(op, t)
+    ring = Ring.of(group)
+    n = ring.size
+    root_g = _group_rank_of(ring, root, "root")
+    if n == 1:
+        return t
+    flat = flat_view(t)
+    call, size = new_call(), flat.numel() * flat.element_size()
+    peers = [p for p in range(n) if p != root_g]
+    if ring.rank == root_g:
+        incoming = scratch(flat.numel(), flat.dtype, flat.device)
+        for step, p in enumerate(peers):
+            exchange(ring, "naive_all_reduce", recv=incoming, src=p, reduce=(flat, incoming, op), step=step,
+                     call=call, size=size, phase="reduce")
+        finish_avg(flat, op, n)
+        for step, p in enumerate(peers, start=n - 1):
+            exchange(ring, "naive_all_reduce", send=flat, dst=p, step=step, call=call, size=size,
+                     phase="broadcast")
+    else:
+        exchange(ring, "naive_all_reduce", send=flat, dst=root_g, step=peers.index(ring.rank), call=call,
+                 size=size, phase="reduce")
+        exchange(ring, "naive_all_reduce", recv=flat, src=root_g, step=n - 1 + peers.index(ring.rank),
+                 call=call, size=size, phase="broadcast")
+    if not t.is_contiguous():
+        t.copy_(flat.view(t.shape))
+    return t

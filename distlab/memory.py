@@ -1,0 +1,135 @@
+"""Measured memory: exact bytes per rank by category, a per-step timeline and its peak.
+
+Categories (the ZeRO paper's "model states" plus the "residual states", Rajbhandari et al. 2020):
+
+    params       parameter storage this rank holds (a ZeRO-3 rank: its shards; gathered units while live)
+    grads        gradient storage (DDP buckets; ZeRO-2/3: gradient shards)
+    optimizer    optimizer state (Adam: exp_avg, exp_avg_sq, step) and fp32 master weights
+    activations  tensors autograd saved for backward, counted by `saved_tensors_hooks`
+    buffers      communication buffers (flat gradient buckets in flight, gathered copies)
+
+Bytes are counted by distinct storage (`storage_bytes`): views into one flat buffer count once,
+padding included, so a ZeRO ledger is comparable with `dl.theory.memory` exactly. On CUDA each
+sample also carries the caching allocator's ``cuda_allocated`` and ``cuda_peak``.
+
+    ledger = dl.memory.Ledger()
+    with ledger.activations():              # count what autograd saves
+        loss = model(x).sum()
+    ledger.sample("after forward", params=..., grads=..., optimizer=...)
+    ledger.peak          # {"params": ..., "grads": ..., ...} max over samples, per category
+    ledger.record()      # into dl.tracer(), for dl.viz.memory(run.trace)
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+
+from .parallel.flat import storage_bytes
+from .runtime import tracer
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
+
+
+def optimizer_bytes(optimizer) -> int:
+    """Bytes of an optimizer's state tensors (and master weights, for a `ShardedOptimizer`)."""
+    if optimizer is None:
+        return 0
+    if hasattr(optimizer, "state_bytes"):
+        return optimizer.state_bytes()
+    return storage_bytes(t for state in optimizer.state.values() for t in state.values()
+                         if isinstance(t, torch.Tensor))
+
+
+class SavedTensors:
+    """Bytes autograd keeps alive for backward, via ``torch.autograd.graph.saved_tensors_hooks``.
+
+    Each saved tensor is counted once per distinct storage while some saved reference to it lives
+    (a storage saved by two ops counts once); parameters (leaf tensors that require grad) are not
+    activations and are skipped. ``current`` and ``peak`` are in bytes.
+    """
+
+    def __init__(self):
+        self.current = 0
+        self.peak = 0
+        self._refs: dict[int, int] = {}
+
+    class _Held:
+        __slots__ = ("tensor", "__weakref__")
+
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+    def _pack(self, t: torch.Tensor):
+        if (t.is_leaf and t.requires_grad) or isinstance(t, torch.nn.Parameter):
+            return t
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0:
+            return t
+        if self._refs.get(key, 0) == 0:
+            self.current += storage.nbytes()
+            self.peak = max(self.peak, self.current)
+        self._refs[key] = self._refs.get(key, 0) + 1
+        held = SavedTensors._Held(t)
+        weakref.finalize(held, self._release, key, storage.nbytes())
+        return held
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self._refs[key] -= 1
+        if self._refs[key] == 0:
+            del self._refs[key]
+            self.current -= nbytes
+
+    @staticmethod
+    def _unpack(x):
+        return x.tensor if isinstance(x, SavedTensors._Held) else x
+
+    @contextlib.contextmanager
+    def hooks(self):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield self
+
+
+class Ledger:
+    """Memory samples by category for one rank; `peak` per category and `peak_total` over samples."""
+
+    def __init__(self):
+        self.timeline: list[tuple[str, dict[str, int]]] = []
+        self.saved = SavedTensors()
+
+    def activations(self):
+        """Context manager: count tensors saved for backward by what runs inside (usually the forward)."""
+        return self.saved.hooks()
+
+    def sample(self, label: str, trace: bool = True, **bytes_by_category: int) -> dict[str, int]:
+        """Record bytes by category (missing categories are 0; ``activations`` defaults to the live count)."""
+        unknown = set(bytes_by_category) - set(CATEGORIES)
+        if unknown:
+            raise ValueError(f"unknown memory categories {sorted(unknown)}: use {CATEGORIES}")
+        row = {c: int(bytes_by_category.get(c, 0)) for c in CATEGORIES}
+        if "activations" not in bytes_by_category:
+            row["activations"] = self.saved.current
+        extra = {}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            extra = {"cuda_allocated": torch.cuda.memory_allocated(), "cuda_peak": torch.cuda.max_memory_allocated()}
+        self.timeline.append((label, {**row, **extra}))
+        if trace:
+            tracer().memory(label, **row, **extra)
+        return row
+
+    @property
+    def peak(self) -> dict[str, int]:
+        """Largest value of each category over all samples."""
+        return {c: max((row[c] for _, row in self.timeline), default=0) for c in CATEGORIES}
+
+    @property
+    def peak_total(self) -> int:
+        """Largest sum over categories at any one sample."""
+        return max((sum(row[c] for c in CATEGORIES) for _, row in self.timeline), default=0)
+
+    def as_dict(self) -> dict:
+        """Plain values, picklable: peak, peak_total, timeline."""
+        return {"peak": self.peak, "peak_total": self.peak_total,
+                "timeline": [(label, dict(row)) for label, row in self.timeline]}

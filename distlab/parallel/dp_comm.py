@@ -1,0 +1,154 @@
+"""The collectives data parallelism needs, through distlab's ring or torch.distributed (a switch).
+
+    comm = Collectives("ring")          # dl.comm: ring built from send/recv, every step traced by dl.comm
+    comm = Collectives("torch")         # torch.distributed's own all_reduce / reduce_scatter / all_gather
+    h = comm.all_reduce(flat, async_op=True); ...; h.wait()
+
+``comm="torch"`` is faster (one C++ call), but torch does not tell us what its backend actually put on
+the wire, so each call is recorded as one comm event whose ``sent``/``received`` are the bytes the
+*ring algorithm* moves per rank for that message (`dl.comm.ring_bytes`), marked ``bytes="ring-model"``.
+With ``comm="ring"`` the bytes are the real send/recv sizes, recorded by `dl.comm` itself; the two
+agree byte for byte, which the tests check.
+
+Asynchrony: torch collectives run with ``async_op=True``; ring collectives run on one background
+thread, in submission order (every rank submits in the same order, so the rings match up). A
+recorded event spans from launch until `Handle.wait` returned (an upper bound on the transfer).
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from ..runtime import tracer
+
+COMMS = ("torch", "ring")
+
+
+class Handle:
+    """A launched collective: ``wait()`` blocks until it finished (idempotent)."""
+
+    def __init__(self, waiter=None, on_done=None):
+        self._waiter, self._on_done, self.done = waiter, on_done, False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        with torch.no_grad():             # backends may copy into views of the output as they finish
+            if self._waiter is not None:
+                self._waiter()
+            self.done = True
+            if self._on_done is not None:
+                self._on_done()
+
+
+class Collectives:
+    """all_reduce, reduce_scatter, all_gather and broadcast over ``group`` (default: the world)."""
+
+    def __init__(self, comm: str = "torch", group=None):
+        if comm not in COMMS:
+            raise ValueError(f"comm={comm!r}: choose 'torch' (torch.distributed collectives) or "
+                             f"'ring' (distlab's ring from send/recv)")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("data parallelism needs a process group: run inside dl.launch(fn, world_size=N)")
+        self.comm, self.group = comm, group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self._pool: ThreadPoolExecutor | None = None
+
+    # -- the three collectives ---------------------------------------------------------------
+    @torch.no_grad()
+    def all_reduce(self, t: torch.Tensor, op: str = "avg", async_op: bool = False) -> Handle:
+        """Reduce ``t`` in place over the group (op "sum" or "avg")."""
+        if self.comm == "ring":
+            from .. import comm as ring
+            return self._ring(lambda: ring.ring_all_reduce(t, op=op, group=self.group), async_op)
+        red = dist.ReduceOp.SUM
+        work = dist.all_reduce(t, op=red, group=self.group, async_op=True)
+        post = (lambda: t.div_(self.size)) if op == "avg" else None
+        return self._torch(work, "all_reduce", t.numel(), t.element_size(), async_op, post)
+
+    @torch.no_grad()
+    def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor, op: str = "avg",
+                       async_op: bool = False) -> Handle:
+        """``out`` <- chunk ``rank`` of the reduced ``flat`` (``flat.numel() == size * out.numel()``)."""
+        if flat.numel() != self.size * out.numel():
+            raise ValueError(f"reduce_scatter needs a flat buffer padded to {self.size} x {out.numel()} "
+                             f"elements, got {flat.numel()}")
+        if self.comm == "ring":
+            from .. import comm as ring
+            return self._ring(lambda: ring.ring_reduce_scatter(flat, op=op, group=self.group, out=out), async_op)
+        work = dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        post = (lambda: out.div_(self.size)) if op == "avg" else None
+        return self._torch(work, "reduce_scatter", flat.numel(), flat.element_size(), async_op, post)
+
+    @torch.no_grad()
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Handle:
+        """``out`` <- every rank's ``shard`` concatenated in rank order (equal shard sizes)."""
+        if out.numel() != self.size * shard.numel():
+            raise ValueError(f"all_gather needs out of {self.size} x {shard.numel()} elements, got {out.numel()}")
+        if self.comm == "ring":
+            from .. import comm as ring
+            sizes = [shard.numel()] * self.size
+            return self._ring(lambda: ring.ring_all_gather(shard, group=self.group, sizes=sizes, out=out), async_op)
+        if shard.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
+            shard = shard.clone()                     # not every backend gathers in place
+        work = dist.all_gather_single(out, shard, group=self.group, async_op=True)
+        return self._torch(work, "all_gather", out.numel(), out.element_size(), async_op)
+
+    @torch.no_grad()
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
+        """Copy ``t`` from group rank ``src`` to every rank (used once, at construction)."""
+        if self.comm == "ring":
+            from .. import comm as ring
+            self._ring(lambda: ring.broadcast(t, src=src, group=self.group), async_op=False)
+            return
+        tr, start = tracer(), tracer().now()
+        dist.broadcast(t, group_src=src, group=self.group)
+        nbytes = t.numel() * t.element_size()
+        tr.comm("broadcast", start=start, end=tr.now(), sent=nbytes if self.rank == src else 0,
+                received=0 if self.rank == src else nbytes, impl="torch", bytes="logical")
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    # -- plumbing ----------------------------------------------------------------------------
+    def _ring(self, call, async_op: bool) -> Handle:
+        # Every ring call runs on one worker thread, in submission order, even the blocking ones:
+        # two threads exchanging with the same neighbours at once could receive each other's messages.
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distlab-comm")
+        handle = Handle(waiter=self._pool.submit(_without_grad, call).result)
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def _torch(self, work, op: str, numel: int, element_size: int, async_op: bool, post=None) -> Handle:
+        from ..comm import ring_bytes
+        tr = tracer()
+        start = tr.now()
+        sent, received = ring_bytes(numel, element_size, self.size, self.rank, op)
+        finished: list[float] = []                    # when the backend completed, if it tells us
+        try:
+            work.get_future().add_done_callback(lambda _: finished.append(tr.now()))
+        except (AttributeError, RuntimeError):
+            pass
+
+        def on_done():
+            if post is not None:
+                post()
+            end = finished[0] if finished else tr.now()
+            tr.comm(op, start=start, end=end, sent=sent, received=received, impl="torch",
+                    bytes="ring-model", size=numel * element_size, world=self.size)
+        handle = Handle(waiter=work.wait, on_done=on_done)
+        if not async_op:
+            handle.wait()
+        return handle
+
+
+def _without_grad(call):
+    with torch.no_grad():                 # grad mode is per thread: the worker's own is on by default
+        return call()

@@ -1,0 +1,162 @@
+"""Column- and row-parallel linear layers in Megatron-LM's layout (Shoeybi et al. 2019).
+
+nn.Linear computes Y = X W^T + b with W of shape (out, in). Over t ranks:
+
+    ColumnParallelLinear: split the OUTPUT features = the rows of W (columns of W^T = "A" in the paper)
+
+        W = [ W_0 ]   rank i holds W_i (out/t, in) and b_i (out/t):  Y_i = X W_i^T + b_i
+            [ W_1 ]   input X replicated (enter with f), output Y_i = my slice of Y's features
+            [ ... ]   (gather_output=True all-gathers the full Y)
+
+    RowParallelLinear: split the INPUT features = the columns of W (rows of W^T = "B")
+
+        W = [ W_0 | W_1 | ... ]   rank i holds W_i (out, in/t):  Z = sum_i X_i W_i^T + b
+                                  input X_i = my feature slice (input_is_parallel=True), partial
+                                  products summed by g (all-reduce); bias added once, after the sum
+
+Column then row needs no communication in between: the column layer's output slice is exactly the
+row layer's input slice. With ``sequence_parallel=True`` the column layer's f becomes an all-gather
+along the sequence and the row layer's g a reduce-scatter (see `tp_ops`); the row bias then acts on
+sequence shards, so its gradient is all-reduced over the group.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import tp_collectives as C
+from . import tp_ops as ops
+
+
+def check_divisible(what: str, size: int, t: int, fix: str = "") -> None:
+    """Raise a ValueError saying what to do when ``size`` does not split over ``t`` ranks."""
+    if size % t:
+        ok = [d for d in range(1, size + 1) if size % d == 0 and d <= 64]
+        raise ValueError(f"{what}={size} is not divisible by the tensor-parallel size {t}: every rank must "
+                         f"hold an equal share. Use a TP degree that divides {size} (one of {ok})"
+                         + (f" or {fix}" if fix else "") + ".")
+
+
+def sync_replicated_grad(param: nn.Parameter, group, where: str | None) -> None:
+    """Sum ``param``'s gradient over the group as it is produced: for parameters replicated across the
+    TP group but applied to sequence shards (LayerNorm, row-parallel bias under SP), each rank's
+    gradient covers only its tokens (Korthikanti et al. 2022, Sec. 4.2.2)."""
+    if C.group_size(group) == 1 or getattr(param, "sequence_parallel", False):
+        return
+    param.sequence_parallel = True
+    param.register_hook(lambda g: C.all_reduce(g.clone(), group, phase="backward",
+                                               operator="sp_param_grad", where=where))
+
+
+def _init_like_linear(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -> None:
+    bound = 1 / math.sqrt(fan_in)
+    nn.init.uniform_(weight, -bound, bound)
+    if bias is not None:
+        nn.init.uniform_(bias, -bound, bound)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_i = X W_i^T + b_i with W_i this rank's rows of W (output features); see the module docstring.
+
+    ``gather_output``: all-gather the output features so every rank gets the full Y.
+    ``sequence_parallel``: the input arrives as sequence shards (b, s/t, in) and is all-gathered.
+    """
+
+    def __init__(self, in_f: int, out_f: int, bias: bool = True, gather_output: bool = False, group=None,
+                 sequence_parallel: bool = False, where: str | None = None, device=None, dtype=None):
+        super().__init__()
+        t = C.group_size(group)
+        check_divisible("out_features", out_f, t, "choose out_features divisible by the TP degree")
+        self.in_features, self.out_features, self.tp = in_f, out_f, t
+        self.gather_output, self.group = gather_output, group
+        self.sequence_parallel, self.where = sequence_parallel and t > 1, where
+        kw = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.empty(out_f // t, in_f, **kw))
+        self.bias = nn.Parameter(torch.empty(out_f // t, **kw)) if bias else None
+        _init_like_linear(self.weight.data, None if self.bias is None else self.bias.data, in_f)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, **kw) -> "ColumnParallelLinear":
+        """This rank's row block of a full ``nn.Linear`` (same outputs as the slice of ``linear``)."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
+                    device=linear.weight.device, dtype=linear.weight.dtype, **kw)
+        r, rows = C.group_rank(group), layer.weight.shape[0]
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[r * rows:(r + 1) * rows])
+            if layer.bias is not None:
+                layer.bias.copy_(linear.bias[r * rows:(r + 1) * rows])
+        return layer
+
+    @property
+    def shard_dims(self) -> dict:
+        """Which dimension of each parameter is split over the group (for gathering full weights)."""
+        return {"weight": 0, "bias": 0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            (y,) = ops.gathered_linears(x, [self], self.group, self.where)
+        else:
+            y = F.linear(ops.copy_to_region(x, self.group, self.where), self.weight, self.bias)
+        return ops.gather_from_tensor(y, self.group, self.where) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (this rank: "
+                f"{self.weight.shape[0]}), tp={self.tp}, gather_output={self.gather_output}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """Z = g(X_i W_i^T) + b with W_i this rank's columns of W (input features); see the module docstring.
+
+    ``input_is_parallel=False``: the input is the full X and each rank takes its feature slice.
+    ``sequence_parallel``: g is a reduce-scatter and the output is a sequence shard (b, s/t, out).
+    """
+
+    def __init__(self, in_f: int, out_f: int, bias: bool = True, input_is_parallel: bool = True, group=None,
+                 sequence_parallel: bool = False, where: str | None = None, device=None, dtype=None):
+        super().__init__()
+        t = C.group_size(group)
+        check_divisible("in_features", in_f, t, "choose in_features divisible by the TP degree")
+        self.in_features, self.out_features, self.tp = in_f, out_f, t
+        self.input_is_parallel, self.group = input_is_parallel, group
+        self.sequence_parallel, self.where = sequence_parallel and t > 1, where
+        kw = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.empty(out_f, in_f // t, **kw))
+        self.bias = nn.Parameter(torch.empty(out_f, **kw)) if bias else None
+        _init_like_linear(self.weight.data, None if self.bias is None else self.bias.data, in_f)
+        if self.bias is not None and self.sequence_parallel:
+            sync_replicated_grad(self.bias, group, where)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group=None, **kw) -> "RowParallelLinear":
+        """This rank's column block of a full ``nn.Linear``; the bias is replicated."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
+                    device=linear.weight.device, dtype=linear.weight.dtype, **kw)
+        r, cols = C.group_rank(group), layer.weight.shape[1]
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight[:, r * cols:(r + 1) * cols])
+            if layer.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    @property
+    def shard_dims(self) -> dict:
+        return {"weight": 1}            # bias replicated
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = ops.split_to_tensor(x, self.group, self.where)
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            z = ops.reduce_scatter_to_sequence(partial, self.group, self.where)
+        else:
+            z = ops.reduce_from_region(partial, self.group, self.where)
+        return z if self.bias is None else z + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (this rank: {self.weight.shape[1]}), "
+                f"out_features={self.out_features}, tp={self.tp}, input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}")

@@ -1,0 +1,132 @@
+"""`dl.tp`: tensor parallelism (Megatron-LM) and sequence parallelism, from the full model.
+
+    gpt = dl.models.build("gpt-tiny", seed=0)            # same seed on every rank: same full weights
+    gpt = dl.tp.parallelize(gpt, sequence_parallel=True)  # each rank keeps 1/t of every big matrix
+    loss = gpt.loss(ids, targets)                         # same ids on every rank of the TP group
+    loss.backward()
+    full = dl.tp.full_state_dict(gpt)                     # the full weights again, names unchanged
+
+What `parallelize` replaces (names stay the same, so state dicts line up with the plain GPT):
+
+    tok              VocabParallelEmbedding         vocab rows split; g (or reduce-scatter under SP)
+    blocks[i].attn   ParallelAttention              q, k, v column-parallel (heads split), proj row-parallel
+    blocks[i].mlp    ParallelMLP                    fc column-parallel, proj row-parallel
+    head             ColumnParallelLinear           vocab split; tied to tok's shard when the GPT is tied
+    loss             vocab_parallel_cross_entropy   no gather of the b s V logits
+    ln1, ln2, ln_f, pos                             replicated; under SP they act on sequence shards
+                                                    and their gradients are all-reduced over the group
+
+Under SP the residual stream between the linears is (b, s/t, h) on each rank (Korthikanti et al. 2022).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..models import GPT
+from . import tp_collectives as C
+from .tensor import ColumnParallelLinear, RowParallelLinear, check_divisible, sync_replicated_grad
+from .tp_blocks import ParallelAttention, ParallelMLP
+from .tp_ops import (copy_to_region, gather_from_sequence, gather_from_tensor, reduce_from_region,
+                     reduce_scatter_to_sequence, split_to_sequence, split_to_tensor)
+from .tp_vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelAttention",
+           "ParallelMLP", "TensorParallelGPT", "parallelize", "vocab_parallel_cross_entropy", "full_state_dict",
+           "full_grads", "gather_logits", "copy_to_region", "reduce_from_region", "gather_from_sequence",
+           "reduce_scatter_to_sequence", "split_to_sequence", "gather_from_tensor", "split_to_tensor",
+           "check_divisible"]
+
+
+class TensorParallelGPT(GPT):
+    """A `GPT` after `parallelize`: ``forward`` returns this rank's vocabulary slice of the logits,
+    (b, s, V/t) for ids [vocab_start, vocab_start + V/t); ``loss`` never gathers them."""
+
+    tp_group = None
+    sequence_parallel = False
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        s, t = ids.shape[1], C.group_size(self.tp_group)
+        positions = torch.arange(s, device=ids.device)
+        if self.sequence_parallel:
+            check_divisible("sequence length", s, t, "use a sequence length that is a multiple of the TP degree")
+            positions = positions.chunk(t)[C.group_rank(self.tp_group)]
+        return self.tok(ids) + self.pos(positions)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self(ids)
+        per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.tok.vocab_start,
+                                                 self.tp_group)
+        return per_token.mean()
+
+
+def parallelize(gpt: GPT, group=None, sequence_parallel: bool = False) -> TensorParallelGPT:
+    """Turn a full `distlab.models.GPT` into its tensor-parallel form over ``group`` (default: all ranks),
+    in place, and return it. Every rank must pass the same full weights (build with the same seed);
+    each keeps its shard. Raises ValueError when heads, hidden, vocab (or, with
+    ``sequence_parallel``, the sequence length) do not divide by the group size."""
+    if not isinstance(gpt, GPT):
+        raise TypeError(f"parallelize expects a distlab.models.GPT, got {type(gpt).__name__}; for other models "
+                        "build from ColumnParallelLinear / RowParallelLinear yourself")
+    if isinstance(gpt, TensorParallelGPT):
+        raise ValueError("this GPT is already tensor-parallel; parallelize a fresh full GPT")
+    cfg, t = gpt.cfg, C.group_size(group)
+    check_divisible("heads", cfg.heads, t, "build the model with GPTConfig(heads=...) a multiple of it")
+    check_divisible("d_model", cfg.d_model, t, "choose GPTConfig(d_model=...) a multiple of it")
+    check_divisible("vocab", cfg.vocab, t, "pad GPTConfig(vocab=...) to a multiple of it")
+    if sequence_parallel:
+        check_divisible("seq_len", cfg.seq_len, t, "choose GPTConfig(seq_len=...) a multiple of it")
+    sp = sequence_parallel and t > 1
+    for i, block in enumerate(gpt.blocks):
+        block.attn = ParallelAttention.from_module(block.attn, group, sp, where=f"blocks.{i}.attn")
+        block.mlp = ParallelMLP.from_module(block.mlp, group, sp, where=f"blocks.{i}.mlp")
+    tok = VocabParallelEmbedding.from_embedding(gpt.tok, group, sequence_parallel=sp, where="embedding")
+    head = ColumnParallelLinear.from_linear(gpt.head, group, sequence_parallel=sp, where="head")
+    if cfg.tied:
+        head.weight = tok.weight                   # the same row block of E on each rank
+    gpt.tok, gpt.head = tok, head
+    if sp:
+        replicated = [gpt.pos.weight, *gpt.ln_f.parameters()]
+        replicated += [p for block in gpt.blocks for ln in (block.ln1, block.ln2) for p in ln.parameters()]
+        for p in replicated:
+            sync_replicated_grad(p, group, where="sp_params")
+    gpt.__class__ = TensorParallelGPT
+    gpt.tp_group, gpt.sequence_parallel = group, sp
+    return gpt
+
+
+def _gather_full(model: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
+    out = {}
+    for mod_name, mod in model.named_modules():
+        dims = getattr(mod, "shard_dims", {})
+        group = getattr(mod, "group", None)
+        for p_name, p in mod.named_parameters(recurse=False):
+            name = f"{mod_name}.{p_name}" if mod_name else p_name
+            value = p.grad if grads else p.detach()
+            if value is None:
+                continue
+            if p_name in dims:
+                value = C.all_gather(value, dims[p_name], group, phase="gather_full", operator="gather_full")
+            out[name] = value.detach().clone()
+    return out
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter at full size, keyed as in the plain GPT (collective: call on every rank)."""
+    return _gather_full(model, grads=False)
+
+
+def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient at full size, keyed like `full_state_dict` (collective)."""
+    return _gather_full(model, grads=True)
+
+
+def gather_logits(logits: torch.Tensor, group=None) -> torch.Tensor:
+    """All-gather vocabulary-split logits (b, s, V/t) into the full (b, s, V) (for checks, not for the loss)."""
+    return C.all_gather(logits.detach(), -1, group, phase="gather_full", operator="gather_full")

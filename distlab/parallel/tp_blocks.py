@@ -1,0 +1,82 @@
+"""Parallel attention and parallel MLP: one tensor-parallel region each (Shoeybi et al. 2019, Fig. 3).
+
+    attention:  X ─f─> [Q_i K_i V_i = X W_q,i  X W_k,i  X W_v,i]  (column: heads a/t per rank)
+                       softmax(Q_i K_i^T / sqrt(d)) V_i  on my heads only, no communication
+                       ─> Y_i W_o,i  (row) ─g─> sum over ranks + b_o
+
+    MLP:        X ─f─> GeLU(X W_fc,i + b_fc,i)  (column: 4h/t per rank) ─> . W_proj,i (row) ─g─> + b_proj
+
+q, k and v share one f (one all-reduce of dL/dX in the backward, as Megatron's fused QKV does), so
+each region costs exactly one all-reduce forward (g) and one backward (f). Under sequence
+parallelism f/g become all-gather/reduce-scatter along the sequence (`tp_ops`), and the shared
+entry saves only the sequence shard of X for the backward (`tp_ops.GatheredLinears`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import tp_collectives as C
+from . import tp_ops as ops
+from .tensor import ColumnParallelLinear, RowParallelLinear, check_divisible
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention with heads split over the group: a/t heads per rank."""
+
+    def __init__(self, q: ColumnParallelLinear, k: ColumnParallelLinear, v: ColumnParallelLinear,
+                 proj: RowParallelLinear, head_dim: int, group=None, sequence_parallel: bool = False,
+                 where: str | None = None):
+        super().__init__()
+        self.q, self.k, self.v, self.proj = q, k, v, proj
+        self.head_dim, self.group, self.where = head_dim, group, where
+        self.sequence_parallel = sequence_parallel and C.group_size(group) > 1
+
+    @classmethod
+    def from_module(cls, attn: nn.Module, group=None, sequence_parallel: bool = False,
+                    where: str | None = None) -> "ParallelAttention":
+        """Shard a `distlab.models.CausalSelfAttention` (q, k, v, proj linears) by heads."""
+        t = C.group_size(group)
+        heads = attn.q.out_features // attn.head_dim
+        check_divisible("heads", heads, t, "build the model with GPTConfig(heads=...) a multiple of the TP degree")
+        col = dict(group=group, sequence_parallel=sequence_parallel, where=where)
+        return cls(*(ColumnParallelLinear.from_linear(lin, **col) for lin in (attn.q, attn.k, attn.v)),
+                   RowParallelLinear.from_linear(attn.proj, **col), attn.head_dim, group, sequence_parallel, where)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            q, k, v = ops.gathered_linears(x, [self.q, self.k, self.v], self.group, self.where)
+        else:
+            x = ops.copy_to_region(x, self.group, self.where)
+            q, k, v = (F.linear(x, lin.weight, lin.bias) for lin in (self.q, self.k, self.v))
+        b, s, _ = q.shape
+        split = lambda t: t.view(b, s, -1, self.head_dim).transpose(1, 2)   # (b, my heads, s, d_head)
+        q, k, v = split(q), split(k), split(v)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        attn = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
+        y = (attn @ v).transpose(1, 2).reshape(b, s, -1)
+        return self.proj(y)
+
+
+class ParallelMLP(nn.Module):
+    """GeLU(X W_fc^T + b) W_proj^T + b with the 4h hidden features split over the group."""
+
+    def __init__(self, fc: ColumnParallelLinear, proj: RowParallelLinear):
+        super().__init__()
+        self.fc, self.proj = fc, proj
+
+    @classmethod
+    def from_module(cls, mlp: nn.Module, group=None, sequence_parallel: bool = False,
+                    where: str | None = None) -> "ParallelMLP":
+        """Shard a `distlab.models.FeedForward` (fc, proj linears) by its hidden features."""
+        check_divisible("mlp hidden size", mlp.fc.out_features, C.group_size(group),
+                        "change GPTConfig.d_model or mlp_ratio")
+        kw = dict(group=group, sequence_parallel=sequence_parallel, where=where)
+        return cls(ColumnParallelLinear.from_linear(mlp.fc, **kw), RowParallelLinear.from_linear(mlp.proj, **kw))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))

@@ -1,0 +1,114 @@
+"""`ZeRO(module, stage, optim)`: the model wrapper for stages 1, 2 and 3 (Rajbhandari et al. 2020).
+
+Per rank, for Psi parameters over N ranks with K bytes of optimizer state per parameter
+(fp32 Adam: 4 + 4 + K=8; bf16 mixed with fp32 master weights: 2 + 2 + K=12):
+
+    stage  params    grads     optimizer   sent per step        what happens
+    0/DDP  4 Psi     4 Psi     K Psi       2 (N-1)/N Psi        all-reduce grads
+    1      4 Psi     4 Psi     K Psi / N   2 (N-1)/N Psi        reduce-scatter grads at step, all-gather params
+    2      4 Psi     4 Psi / N K Psi / N   2 (N-1)/N Psi        reduce-scatter each bucket *during* backward
+    3      4 Psi / N 4 Psi / N K Psi / N   3 (N-1)/N Psi        params gathered per unit, forward and backward
+
+    model = dl.ZeRO(module, stage=2, optim=torch.optim.AdamW, lr=1e-3)
+    loss = loss_fn(model(x), y); loss.backward()
+    model.optimizer.step(); model.optimizer.zero_grad()
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..dp_comm import Collectives
+from ..flat import bucketize, storage_bytes, trainable
+from ..grad_hooks import BackwardWatcher
+from .optimizer import ShardedOptimizer
+from .stage3 import Stage3, default_units, unit_params
+
+
+class ZeRO(nn.Module):
+    """Wrap ``module`` for ZeRO ``stage`` 1, 2 or 3; ``.optimizer`` is the `ShardedOptimizer`.
+
+    ``bucket_mb``: gradient bucket size (stages 1-2); ``overlap``: stage 2 launches each bucket's
+    reduce-scatter asynchronously during backward; ``units``: stage 3's gather units (default: the
+    children of every ``nn.ModuleList``, then the root); ``prefetch``: stage 3 gathers the next unit
+    early; ``comm``: "torch" or "ring". Remaining keyword arguments go to ``optim``.
+    """
+
+    def __init__(self, module: nn.Module, stage: int = 1, optim: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                 *, bucket_mb: float = 25.0, overlap: bool = True, units: list[nn.Module] | None = None,
+                 prefetch: bool = False, comm: str = "torch", group=None, **optim_kwargs):
+        super().__init__()
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3 (stage 0 is plain DDP: use dl.DDP), got {stage}")
+        self.module, self.stage, self.overlap = module, stage, overlap
+        self.comm = Collectives(comm, group)
+        with torch.no_grad():                              # identical starting point on every rank
+            for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values():
+                self.comm.broadcast(t.data, src=0)
+        self.stage3 = None
+        self._peak_buffers = 0                              # stage 2: flat gradient buckets in flight
+        if stage == 3:
+            units = units if units is not None else default_units(module)
+            groups = unit_params(units)
+            units = [u for u, g in zip(units, groups) if g]
+            groups = [g for g in groups if g]
+            self.optimizer = ShardedOptimizer(None, optim, comm=self.comm, groups=groups, sharded_params=True,
+                                              **optim_kwargs)
+            self.stage3 = Stage3(units, self.optimizer, prefetch=prefetch)
+        else:
+            groups = bucketize(trainable(module.parameters()), bucket_mb)
+            self.optimizer = ShardedOptimizer(None, optim, comm=self.comm, groups=groups, **optim_kwargs)
+            if stage == 2:
+                self._pending: list = []
+                self.watcher = BackwardWatcher(groups, on_ready=self._bucket_ready, on_end=self._backward_done)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    # -- stage 2: reduce-scatter during backward -------------------------------------------------
+    def _bucket_ready(self, b: int) -> None:
+        bucket = self.optimizer.buckets[b]
+        flat = bucket.flat_grads()                          # the bucket's full gradients, briefly
+        for p in bucket.params:
+            p.grad = None                                   # ...and no full gradient stays behind
+        shard = torch.empty(bucket.shard_numel, dtype=flat.dtype, device=flat.device)
+        handle = self.comm.reduce_scatter(flat, shard, op="avg", async_op=self.overlap)
+        self._pending.append((b, handle, shard, flat))
+        in_flight = sum(f.untyped_storage().nbytes() for *_, f in self._pending)
+        self._peak_buffers = max(self._peak_buffers, in_flight)
+
+    def _backward_done(self) -> None:
+        for b, handle, shard, _flat in self._pending:
+            handle.wait()
+            prev = self.optimizer.grad_shards[b]
+            self.optimizer.grad_shards[b] = shard if prev is None else prev.add_(shard)
+        self._pending = []
+
+    # -- utilities -------------------------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global gradient norm across all shards (see `ShardedOptimizer.clip_grad_norm_`)."""
+        return self.optimizer.clip_grad_norm_(max_norm)
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's parameters and buffers, cloned, on every rank (a collective under stage 3)."""
+        if self.stage3 is not None:
+            self.stage3.gather_all()
+        state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        if self.stage3 is not None:
+            self.stage3.free_all()
+        return state
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds by category: params (shards, or full buckets), grads, optimizer state,
+        and ``buffers``: the most transient bytes since the last call (stage 3: gathered units;
+        stage 2: flat gradient buckets waiting for their reduce-scatter)."""
+        opt = self.optimizer
+        if self.stage3 is not None:
+            params = storage_bytes(opt.shards)
+            buffers, self.stage3.peak_live = self.stage3.peak_live, self.stage3.live_bytes()
+        else:
+            params = storage_bytes(b.full for b in opt.buckets)
+            buffers, self._peak_buffers = self._peak_buffers, 0
+        grads = storage_bytes([*(p.grad for p in opt.params), *opt.grad_shards])
+        return {"params": params, "grads": grads, "optimizer": opt.state_bytes(), "buffers": buffers}

@@ -1,0 +1,147 @@
+"""ZeRO stage 1: the optimizer state sharded over the data-parallel ranks (Rajbhandari et al. 2020, Sec. 5.1).
+
+Every rank keeps the whole model and computes whole gradients, but owns the optimizer state of only
+1/N of the (flattened, padded) parameters:
+
+    flat params  [ rank 0's shard | rank 1's shard | ... | rank N-1's shard ]   (per bucket, see `flat`)
+    step:  reduce-scatter grads  -> each rank holds the averaged grads of its own shard   (N-1)/N Psi
+           optimizer.step() on the shard (Adam state: 8 bytes x Psi/N instead of 8 x Psi)
+           all-gather params     -> every rank has the whole updated model again           (N-1)/N Psi
+
+Same bytes on the wire as DDP's all-reduce (2 (N-1)/N Psi), a K/N optimizer term instead of K.
+Works with any ``torch.optim`` class: the inner optimizer sees one flat tensor per bucket. With
+low-precision parameters (bf16) it keeps fp32 master copies of its shards (counted as optimizer state).
+
+Also the optimizer of ZeRO-2 (gradients already reduce-scattered during backward) and ZeRO-3
+(parameters sharded at rest: ``sharded_params=True``, no all-gather after the step).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..dp_comm import Collectives
+from ..flat import FlatBucket, bucketize, storage_bytes, trainable
+
+
+class ShardedOptimizer:
+    """``ShardedOptimizer(params, torch.optim.AdamW, lr=1e-3)``: ZeRO-1 around any torch optimizer.
+
+    ``step()`` reduce-scatters the replicas' gradients (averaging them), updates this rank's shard
+    and all-gathers the parameters. Pass ``average_grads=False`` when the gradients are already
+    averaged (e.g. under `DDP`): then each rank just reads its slice.
+    """
+
+    def __init__(self, params, optim: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
+                 bucket_mb: float = 25.0, comm: str | Collectives = "torch", group=None,
+                 average_grads: bool = True, groups: list[list[torch.Tensor]] | None = None,
+                 sharded_params: bool = False, **optim_kwargs):
+        self.comm = comm if isinstance(comm, Collectives) else Collectives(comm, group)
+        n, r = self.comm.size, self.comm.rank
+        self.params = trainable(params) if groups is None else [p for g in groups for p in g]
+        if not self.params:
+            raise ValueError("ShardedOptimizer got no parameters that require grad")
+        self.buckets = [FlatBucket(g, n) for g in (groups or bucketize(self.params, bucket_mb))]
+        self.average_grads, self.sharded_params = average_grads, sharded_params
+        # this rank's shard of each bucket: a view of the flat buffer, or its own tensor (ZeRO-3)
+        self.shards = [b.chunk(b.full, r).clone() if sharded_params else b.chunk(b.full, r) for b in self.buckets]
+        # what the inner optimizer updates: the shard itself (fp32) or an fp32 master copy of it
+        self.masters = [s if s.dtype == torch.float32 else s.detach().float() for s in self.shards]
+        for m in self.masters:
+            m.requires_grad_(True)
+        self.grad_shards: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self.optimizer = optim(self.masters, **optim_kwargs)
+
+    # -- the torch.optim surface -------------------------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+        self.grad_shards = [None] * len(self.buckets)
+        for m in self.masters:
+            m.grad = None
+
+    def reduce_grads(self) -> None:
+        """Bring each bucket's gradients to their owners (reduce-scatter, averaged), once per step."""
+        for b, bucket in enumerate(self.buckets):
+            if self.grad_shards[b] is not None:
+                continue                                   # already there (ZeRO-2/3 did it in backward)
+            flat = bucket.flat_grads()
+            shard = torch.empty(bucket.shard_numel, dtype=flat.dtype, device=flat.device)
+            if self.average_grads:
+                self.comm.reduce_scatter(flat, shard, op="avg")
+            else:
+                shard.copy_(bucket.chunk(flat, self.comm.rank))
+            self.grad_shards[b] = shard
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale the gradient shards so the *global* L2 norm is at most ``max_norm``; returns the norm.
+
+        ||g||^2 = sum over ranks of ||g_shard||^2 (padding is zero): one all-reduce of a scalar.
+        Same formula as ``torch.nn.utils.clip_grad_norm_``: coef = min(1, max_norm / (norm + 1e-6)).
+        """
+        self.reduce_grads()
+        sq = sum(g.float().pow(2).sum() for g in self.grad_shards)
+        sq = torch.as_tensor(sq, dtype=torch.float32, device=self.masters[0].device).reshape(1)
+        self.comm.all_reduce(sq, op="sum")
+        norm = sq.sqrt()[0]
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in self.grad_shards:
+            g.mul_(coef.to(g.dtype))
+        return norm
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("ShardedOptimizer.step does not take a closure")
+        self.reduce_grads()
+        for m, g in zip(self.masters, self.grad_shards):
+            m.grad = g if g.dtype == m.dtype else g.float()
+        self.optimizer.step()
+        for s, m in zip(self.shards, self.masters):
+            if s is not m:
+                s.copy_(m)                                 # fp32 master -> bf16 shard
+        if not self.sharded_params:
+            self.gather_params()
+        self.grad_shards = [None] * len(self.buckets)
+
+    def gather_params(self) -> None:
+        """All-gather every bucket's shards into its full buffer (the module's parameters)."""
+        handles = [self.comm.all_gather(b.full, s, async_op=True) for b, s in zip(self.buckets, self.shards)]
+        for h in handles:
+            h.wait()
+
+    # -- accounting and checkpoints ------------------------------------------------------------
+    def state_bytes(self) -> int:
+        """Optimizer state on this rank: the inner optimizer's tensors plus fp32 master copies."""
+        state = [t for st in self.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+        masters = [m for m, s in zip(self.masters, self.shards) if m is not s]
+        return storage_bytes(state) + storage_bytes(masters)
+
+    def state_dict(self) -> dict:
+        """This rank's shard of the optimizer state (save one per rank)."""
+        return {"rank": self.comm.rank, "world": self.comm.size, "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("world") != self.comm.size or state.get("rank") != self.comm.rank:
+            raise ValueError(f"state was saved by rank {state.get('rank')} of {state.get('world')}; "
+                             f"this is rank {self.comm.rank} of {self.comm.size}")
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def numel(self) -> tuple[int, int]:
+        """(elements this rank's optimizer updates, elements of the whole model): about 1/N."""
+        return sum(s.numel() for s in self.shards), sum(b.numel for b in self.buckets)
+
+    def __repr__(self) -> str:
+        mine, total = self.numel()
+        return (f"ShardedOptimizer({type(self.optimizer).__name__}, rank {self.comm.rank}/{self.comm.size}: "
+                f"{mine} of {total} elements, {len(self.buckets)} buckets)")

@@ -1,0 +1,170 @@
+"""ZeRO stage 3: parameters sharded at rest, gathered one *unit* at a time (Rajbhandari et al. 2020, Sec. 5.3).
+
+A unit is a submodule (each transformer block; the root keeps the rest: embeddings, final norm,
+head). Its parameters live in one flat padded buffer (`FlatBucket`) whose storage is *freed*
+(``untyped_storage().resize_(0)``) except while the unit computes; each rank keeps only its shard.
+
+    forward   unit i:  all-gather params -> compute -> free                 (N-1)/N Psi in all
+    backward  unit i:  all-gather params -> compute grads -> reduce-scatter grads -> free
+                                                                           (N-1)/N Psi + (N-1)/N Psi
+    total per step: 3 (N-1)/N Psi, 1.5x DDP's, for model states of (2+2+K) Psi / N per rank.
+
+Hooks: a forward pre-hook gathers, a forward hook frees and puts a gradient hook on the unit's
+output, which fires just before autograd enters the unit's backward (gather again); a
+post-accumulate-grad hook on the unit's last parameter reduce-scatters and frees. Autograd's saved
+references to the parameters are views into the same storage, so they see the re-gathered values.
+``prefetch=True`` starts the next unit's all-gather (in forward, or backward, order) early.
+
+This is what PyTorch FSDP does (Zhao et al. 2023, "PyTorch FSDP"); FSDP2's ``fully_shard`` shards
+per parameter instead of per flat unit, with the same communication volume.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..flat import FlatBucket
+from ..grad_hooks import BackwardWatcher
+
+
+def default_units(module: nn.Module) -> list[nn.Module]:
+    """Every child of an ``nn.ModuleList`` (transformer blocks, MLP layers), then the root for the rest."""
+    units = [child for m in module.modules() if isinstance(m, nn.ModuleList) for child in m]
+    return units + [module]
+
+
+def unit_params(units: list[nn.Module]) -> list[list[nn.Parameter]]:
+    """Each unit's trainable parameters, excluding those of units nested inside it; each parameter once."""
+    seen: set[int] = set()
+    out = []
+    for unit in units:                       # inner units first, so the root gets only what is left
+        params = [p for p in unit.parameters() if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in params)
+        out.append(params)
+    return out
+
+
+class Stage3:
+    """The gather/free/reduce-scatter machinery over ``units`` of a ZeRO-3 model."""
+
+    def __init__(self, units: list[nn.Module], opt, prefetch: bool = False):
+        self.units, self.opt, self.comm = units, opt, opt.comm
+        self.buckets: list[FlatBucket] = opt.buckets
+        self.prefetch = prefetch
+        self._gathers: dict[int, object] = {}      # unit -> pending all-gather handle
+        self._live: set[int] = set()                # units whose full parameters are allocated
+        self._fwd_order: list[int] = []
+        self._rs_pending: list = []
+        self.peak_live = 0                          # most gathered-parameter bytes at once (reset by reader)
+        for b in self.buckets:
+            _free(b.full)
+        self._hooks = []
+        for i, unit in enumerate(units):
+            self._hooks.append(unit.register_forward_pre_hook(lambda m, a, i=i: self._pre_forward(i)))
+            self._hooks.append(unit.register_forward_hook(lambda m, a, out, i=i: self._post_forward(i, out)))
+        # gradients complete in reverse forward order, the root (embeddings) last
+        self._bwd_order = list(reversed(range(len(units) - 1))) + [len(units) - 1]
+        self.watcher = BackwardWatcher([self.buckets[i].params for i in self._bwd_order],
+                                       on_ready=lambda k: self._grads_ready(self._bwd_order[k]),
+                                       on_end=self._backward_done)
+
+    # -- gather and free -----------------------------------------------------------------------
+    def gather(self, i: int, async_op: bool = False) -> None:
+        if i in self._live or i in self._gathers:
+            if not async_op and i in self._gathers:
+                self._gathers.pop(i).wait()
+            return
+        b = self.buckets[i]
+        _alloc(b.full)
+        handle = self.comm.all_gather(b.full.data, self.opt.shards[i], async_op=async_op)
+        self._live.add(i)
+        self.peak_live = max(self.peak_live, self.live_bytes())
+        if async_op:
+            self._gathers[i] = handle
+
+    def free(self, i: int) -> None:
+        if i in self._gathers:
+            self._gathers.pop(i).wait()
+        if i in self._live:
+            _free(self.buckets[i].full)
+            self._live.discard(i)
+
+    def gather_all(self) -> None:
+        for i in range(len(self.buckets)):
+            self.gather(i)
+
+    def free_all(self) -> None:
+        for i in range(len(self.buckets)):
+            self.free(i)
+
+    def live_bytes(self) -> int:
+        return sum(self.buckets[i].full.untyped_storage().nbytes() for i in self._live)
+
+    # -- hooks -------------------------------------------------------------------------------
+    def _pre_forward(self, i: int) -> None:
+        if torch.is_grad_enabled() and i not in self._fwd_order:
+            self._fwd_order.append(i)
+        self.gather(i)
+        if self.prefetch:
+            nxt = self._neighbour(i, +1)
+            if nxt is not None:
+                self.gather(nxt, async_op=True)
+
+    def _post_forward(self, i: int, out) -> None:
+        self.free(i)
+        if torch.is_grad_enabled():
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(lambda g, i=i: self._pre_backward(i))
+
+    def _pre_backward(self, i: int) -> None:
+        self.gather(i)
+        if self.prefetch:
+            prev = self._neighbour(i, -1)
+            if prev is not None:
+                self.gather(prev, async_op=True)
+
+    def _neighbour(self, i: int, direction: int) -> int | None:
+        if i not in self._fwd_order:
+            return None
+        k = self._fwd_order.index(i) + direction
+        return self._fwd_order[k] if 0 <= k < len(self._fwd_order) else None
+
+    def _grads_ready(self, i: int) -> None:
+        """Unit i's gradients are complete: reduce-scatter them into this rank's shard; free the rest."""
+        b = self.buckets[i]
+        flat = b.flat_grads()
+        for p in b.params:
+            p.grad = None
+        shard = torch.empty(b.shard_numel, dtype=flat.dtype, device=flat.device)
+        handle = self.comm.reduce_scatter(flat, shard, op="avg", async_op=True)
+        self._rs_pending.append((i, handle, shard, flat))
+        self.free(i)
+
+    def _backward_done(self) -> None:
+        for i, handle, shard, _flat in self._rs_pending:
+            handle.wait()
+            prev = self.opt.grad_shards[i]
+            self.opt.grad_shards[i] = shard if prev is None else prev.add_(shard)
+        self._rs_pending = []
+        self.free_all()
+
+
+def _tensors(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _tensors(o)]
+    return []
+
+
+def _free(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)
+
+
+def _alloc(t: torch.Tensor) -> None:
+    nbytes = t.numel() * t.element_size()
+    if t.untyped_storage().nbytes() != nbytes:
+        t.untyped_storage().resize_(nbytes)

@@ -1,0 +1,115 @@
+"""What every strategy's ``train_rank(spec)`` shares: the spec, the result, model, optimizer, data, loss.
+
+A strategy module exposes one function, ``train_rank(spec: TrainSpec) -> RankResult``, run on every
+rank by `distlab.train` (or in this process for ``single``). Everything here is deterministic given
+``spec.seed``, so every strategy sees the same initial weights and the same *global* batch on any
+world size, and can be compared with the single-process reference step by step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import models
+from ..runtime import device
+
+OPTIMIZERS = ("adamw", "adam", "sgd")
+PRECISIONS = ("fp32", "bf16-mixed")
+
+
+@dataclass
+class TrainSpec:
+    """Everything a rank needs to train; picklable (plain values only)."""
+
+    strategy: str
+    model: str = "gpt-tiny"
+    steps: int = 20
+    seed: int = 0
+    global_batch: int = 16
+    lr: float = 1e-3
+    optimizer: str = "adamw"
+    weight_decay: float = 0.0
+    grad_accum: int = 1
+    precision: str = "fp32"
+    clip: float | None = None
+    options: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r}: choose one of {OPTIMIZERS}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}: choose one of {PRECISIONS}")
+        if self.steps < 1 or self.global_batch < 1 or self.grad_accum < 1:
+            raise ValueError("steps, global_batch and grad_accum must all be >= 1")
+        if self.global_batch % self.grad_accum:
+            raise ValueError(f"global_batch={self.global_batch} must be divisible by "
+                             f"grad_accum={self.grad_accum} (each micro-step takes an equal slice)")
+
+    @property
+    def micro_batch(self) -> int:
+        """Rows per gradient-accumulation micro-step (of the global batch, before any split by rank)."""
+        return self.global_batch // self.grad_accum
+
+
+@dataclass
+class RankResult:
+    """What each rank's train function returns."""
+
+    losses: list[float] | None                  # per step, on the rank(s) that hold the loss, else None
+    params: dict[str, torch.Tensor] | None      # full (gathered) final parameters by name, rank 0 only
+    info: dict = field(default_factory=dict)    # e.g. memory ledger, comm totals
+
+
+def build_model(spec: TrainSpec) -> nn.Module:
+    """``dl.models.build(spec.model, spec.seed)`` on ``dl.device()``: identical weights on every rank."""
+    return models.build(spec.model, spec.seed).to(device())
+
+
+def make_optimizer(params, spec: TrainSpec) -> torch.optim.Optimizer:
+    """The optimizer named by ``spec.optimizer`` over ``params`` (an iterable of tensors or param groups)."""
+    return optimizer_class(spec)(params, **optimizer_kwargs(spec))
+
+
+def optimizer_class(spec: TrainSpec) -> type[torch.optim.Optimizer]:
+    return {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[spec.optimizer]
+
+
+def optimizer_kwargs(spec: TrainSpec) -> dict:
+    """Keyword arguments for `optimizer_class` (so ZeRO can build the same optimizer over its shard)."""
+    return {"lr": spec.lr, "weight_decay": spec.weight_decay}
+
+
+_DATASETS: dict = {}
+
+
+def _dataset(spec: TrainSpec):
+    key = (spec.model, spec.seed)
+    if key not in _DATASETS:
+        _DATASETS[key] = models.dataset_for(spec.model, spec.seed)
+    return _DATASETS[key]
+
+
+def global_batch(spec: TrainSpec, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch ``micro`` of step ``step``'s global batch, on ``dl.device()``.
+
+    The same on every rank and every world size: the full step's batch is drawn from the data set by
+    (seed, step) and cut into ``grad_accum`` equal slices, so accumulation and a big batch agree.
+    """
+    if not 0 <= micro < spec.grad_accum:
+        raise ValueError(f"micro={micro} out of range for grad_accum={spec.grad_accum}")
+    x, y = _dataset(spec).batch(step, spec.global_batch)
+    rows = slice(micro * spec.micro_batch, (micro + 1) * spec.micro_batch)
+    return x[rows].to(device()), y[rows].to(device())
+
+
+def loss_fn(spec: TrainSpec):
+    """Mean cross-entropy over tokens for GPT presets, mean squared error for ``"mlp"``."""
+    if spec.model == "mlp":
+        return F.mse_loss
+
+    def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+    return cross_entropy

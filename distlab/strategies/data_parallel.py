@@ -1,0 +1,169 @@
+"""``train_rank`` for single, ddp, zero1, zero2 and zero3: one loop, five ways to hold the model.
+
+Every rank draws the same global batch and keeps its rows (``torch.tensor_split``, uneven allowed).
+Exactness on uneven splits: rank r's mean loss is weighted by its share n_r / B of the batch, and
+the strategies *average* over N ranks, so the loss backpropagated is
+
+    L_r = (N n_r / B) * mean_r(loss)   =>   (1/N) sum_r grad L_r = sum_r (n_r / B) grad mean_r = grad mean(loss)
+
+i.e. exactly the single-process gradient of the global batch. Gradient accumulation divides by
+``grad_accum`` the same way.
+
+``spec.options`` (all optional): ``bucket_mb`` (25.0), ``overlap`` (True), ``comm`` ("torch" or
+"ring"), ``naive`` (DDP, False), ``prefetch`` (ZeRO-3, False).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from ..memory import Ledger, optimizer_bytes
+from ..models import shard
+from ..parallel.flat import storage_bytes
+from ..runtime import device, rank, tracer, world_size
+from .base import (RankResult, TrainSpec, build_model, global_batch, loss_fn, make_optimizer,
+                   optimizer_class, optimizer_kwargs)
+
+STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
+OPTIONS = ("bucket_mb", "overlap", "comm", "naive", "prefetch")
+
+
+class LocalOptimizer:
+    """The optimizer of single and DDP: plain, or over fp32 master copies when the model is bf16."""
+
+    def __init__(self, params, spec: TrainSpec):
+        self.params = [p for p in params if p.requires_grad]
+        self.mixed = self.params[0].dtype != torch.float32
+        self.masters = [p.detach().float().requires_grad_(True) for p in self.params] if self.mixed else self.params
+        self.optimizer = make_optimizer(self.masters, spec)
+
+    def clip_grad_norm_(self, max_norm: float):
+        self._grads_to_masters()
+        return torch.nn.utils.clip_grad_norm_(self.masters, max_norm)
+
+    def _grads_to_masters(self):
+        if self.mixed:
+            for m, p in zip(self.masters, self.params):
+                if m.grad is None and p.grad is not None:
+                    m.grad = p.grad.float()
+
+    @torch.no_grad()
+    def step(self):
+        self._grads_to_masters()
+        self.optimizer.step()
+        if self.mixed:
+            for m, p in zip(self.masters, self.params):
+                p.copy_(m)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+        if self.mixed:
+            for m in self.masters:
+                m.grad = None
+
+    def state_bytes(self) -> int:
+        return optimizer_bytes(self.optimizer) + (storage_bytes(self.masters) if self.mixed else 0)
+
+
+def _wrap(spec: TrainSpec, model: torch.nn.Module):
+    """(model to call, optimizer with clip_grad_norm_/step/zero_grad, memory_bytes())."""
+    opts = {k: v for k, v in spec.options.items() if k in OPTIONS}
+    comm = opts.get("comm", "torch")
+    if spec.strategy == "single":
+        opt = LocalOptimizer(model.parameters(), spec)
+        return model, opt, lambda: _plain_bytes(model, opt)
+    if spec.strategy == "ddp":
+        from ..parallel.ddp import DDP
+        ddp = DDP(model, bucket_mb=opts.get("bucket_mb", 25.0), overlap=opts.get("overlap", True),
+                  comm=comm, naive=opts.get("naive", False))
+        opt = LocalOptimizer(model.parameters(), spec)
+        return ddp, opt, lambda: _plain_bytes(model, opt)
+    from ..parallel.zero import ZeRO
+    stage = int(spec.strategy[-1])
+    zero = ZeRO(model, stage=stage, optim=optimizer_class(spec), bucket_mb=opts.get("bucket_mb", 25.0),
+                overlap=opts.get("overlap", True), prefetch=opts.get("prefetch", False), comm=comm,
+                **optimizer_kwargs(spec))
+    return zero, zero.optimizer, zero.memory_bytes
+
+
+def _plain_bytes(model, opt) -> dict[str, int]:
+    params = list(model.parameters())
+    return {"params": storage_bytes(params), "grads": storage_bytes(p.grad for p in params),
+            "optimizer": opt.state_bytes()}
+
+
+def train_rank(spec: TrainSpec) -> RankResult:
+    if spec.strategy not in STRATEGIES:
+        raise ValueError(f"data_parallel trains {STRATEGIES}, not {spec.strategy!r}")
+    n, r, tr = world_size(), rank(), tracer()
+    if spec.strategy == "single" and n != 1:
+        raise ValueError("strategy 'single' runs on one process: use world_size=1")
+    if spec.micro_batch < n:
+        raise ValueError(f"each micro-batch of {spec.micro_batch} rows must give every one of the {n} "
+                         f"ranks a row: raise global_batch or lower grad_accum")
+    model = build_model(spec)
+    if spec.precision == "bf16-mixed":
+        model = model.to(torch.bfloat16)
+    wrapped, opt, memory_bytes = _wrap(spec, model)
+    compute_dtype = next(model.parameters()).dtype
+    criterion, ledger = loss_fn(spec), Ledger()
+    no_sync = getattr(wrapped, "no_sync", None)
+    losses, t_start = [], tr.now()
+    for step in range(spec.steps):
+        tr.mark("step", step=step)
+        step_loss = 0.0
+        for micro in range(spec.grad_accum):
+            x, y = global_batch(spec, step, micro)
+            xs, ys = shard(x, r, n), shard(y, r, n)
+            if xs.is_floating_point():
+                xs = xs.to(compute_dtype)
+            weight = n * xs.shape[0] / x.shape[0] / spec.grad_accum
+            last = micro == spec.grad_accum - 1
+            sync = contextlib.nullcontext() if (last or no_sync is None) else no_sync()
+            with sync:
+                with tr.span("forward", step=step, micro=micro), ledger.activations():
+                    out = wrapped(xs)
+                    loss = criterion(out.float() if spec.model == "mlp" else out, ys)
+                ledger.sample("forward", **memory_bytes())
+                with tr.span("backward", step=step, micro=micro):
+                    (loss * weight).backward()
+            step_loss += loss.item() * weight / n
+        ledger.sample("backward", **memory_bytes())
+        with tr.span("step", step=step):
+            if spec.clip is not None:
+                opt.clip_grad_norm_(spec.clip)
+            opt.step()
+        ledger.sample("step", **memory_bytes())
+        opt.zero_grad()
+        losses.append(step_loss)
+    t_end = tr.now()
+    comm = _comm_totals(tr, t_start, t_end, spec.steps)
+    losses = _global_losses(losses, n)
+    state = wrapped.full_state_dict() if hasattr(wrapped, "full_state_dict") else model.state_dict()
+    params = {k: v.detach().float().cpu().clone() for k, v in state.items()} if r == 0 else None
+    if hasattr(wrapped, "comm"):
+        wrapped.comm.close()
+    return RankResult(losses=losses if r == 0 else None, params=params,
+                      info={"memory": ledger.as_dict(), "comm": comm})
+
+
+def _comm_totals(tr, t_start: float, t_end: float, steps: int) -> dict:
+    """Bytes this rank sent and received during the training steps, in all and by op."""
+    events = [e for e in tr.events() if e.kind == "comm" and t_start <= e.start <= t_end]
+    by_op: dict[str, int] = {}
+    for e in events:
+        by_op[e.name] = by_op.get(e.name, 0) + e.sent
+    sent, received = sum(e.sent for e in events), sum(e.received for e in events)
+    return {"sent": sent, "received": received, "sent_per_step": sent / steps, "sent_by_op": by_op}
+
+
+def _global_losses(local: list[float], n: int) -> list[float]:
+    """Each rank's weighted share of the loss, summed over ranks (metrics only: not traced)."""
+    if n == 1:
+        return local
+    t = torch.tensor(local, dtype=torch.float64, device=device())
+    dist.all_reduce(t)
+    return t.tolist()

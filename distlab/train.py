@@ -1,0 +1,88 @@
+"""`dl.train`: the one training loop that the CLI, the benchmarks and the lessons share.
+
+    report = dl.train("zero2", world_size=4, model="gpt-tiny", steps=20, seed=0)
+    report.losses          # per step, from the rank that holds the loss
+    report.params          # final full parameters by name (gathered)
+    report.memory[r]       # rank r's ledger: {"peak": {...}, "peak_total": ..., "timeline": [...]}
+    report.comm[r]         # rank r's bytes: {"sent", "received", "sent_per_step", "sent_by_op"}
+    report.run.trace       # everything recorded (None for "single", which runs in this process)
+
+A strategy is a ``train_rank(spec)`` function (`distlab.strategies`), run on every rank by
+`dl.launch`; ``single`` runs right here on one process and is the reference every strategy must match
+on the same global batch.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .strategies import RankResult, TrainSpec, load
+
+
+@dataclass
+class Report:
+    """What `train` returns (see the module docstring)."""
+
+    spec: TrainSpec
+    world_size: int
+    losses: list[float]
+    params: dict[str, torch.Tensor] | None
+    run: object | None
+    memory: list[dict]
+    comm: list[dict]
+    results: list[RankResult] = field(repr=False, default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def strategy(self) -> str:
+        return self.spec.strategy
+
+    @property
+    def trace(self):
+        """The merged trace (a `dl.Trace`); for ``single``, the events this process recorded."""
+        return self.run.trace if self.run is not None else self._single_trace
+
+    _single_trace: object = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        last = f"{self.losses[-1]:.4f}" if self.losses else "-"
+        return (f"Report({self.spec.strategy!r}, world_size={self.world_size}, model={self.spec.model!r}, "
+                f"steps={len(self.losses)}, final loss={last})")
+
+
+def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny", steps: int = 20,
+          seed: int = 0, *, global_batch: int = 16, lr: float = 1e-3, optimizer: str = "adamw",
+          weight_decay: float = 0.0, grad_accum: int = 1, precision: str = "fp32",
+          clip: float | None = None, options: dict | None = None, output: str = "quiet",
+          timeout: float = 300.0, **more_options) -> Report:
+    """Train ``model`` with ``strategy`` on ``world_size`` ranks; extra keywords go to ``options``
+    (e.g. ``bucket_mb=1, overlap=False, comm="ring"`` for DDP; ``prefetch=True`` for ZeRO-3)."""
+    spec = TrainSpec(strategy=strategy, model=model, steps=steps, seed=seed, global_batch=global_batch,
+                     lr=lr, optimizer=optimizer, weight_decay=weight_decay, grad_accum=grad_accum,
+                     precision=precision, clip=clip, options={**(options or {}), **more_options})
+    train_rank = load(strategy)
+    start = time.perf_counter()
+    if strategy == "single":
+        if world_size != 1:
+            raise ValueError("strategy 'single' is one process: pass world_size=1 (or pick ddp, zero1, ...)")
+        from .runtime import tracer
+        from .trace import Trace
+        tr = tracer()
+        mark = len(tr.export())
+        result = train_rank(spec)
+        trace = Trace.merge({0: tr.export()[mark:]})
+        return Report(spec, 1, result.losses, result.params, None, [result.info.get("memory", {})],
+                      [result.info.get("comm", {})], [result], time.perf_counter() - start, trace)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    from .launch import launch
+    run = launch(train_rank, world_size=world_size, args=(spec,), output=output, timeout=timeout)
+    results: list[RankResult] = run.results
+    holder = next((r for r in results if r.losses is not None), None)
+    if holder is None:
+        raise RuntimeError(f"strategy {strategy!r} returned no losses on any rank")
+    params = next((r.params for r in results if r.params is not None), None)
+    return Report(spec, world_size, holder.losses, params, run, [r.info.get("memory", {}) for r in results],
+                  [r.info.get("comm", {}) for r in results], results, time.perf_counter() - start)
