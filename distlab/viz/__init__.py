@@ -1,30 +1,16 @@
-"""Plots a learner needs: timelines per rank, memory bars, communication charts.
+"""Plots a learner needs: timelines per rank, memory bars, communication charts, pipeline schedules.
 
 Every function takes a `distlab.Trace` (or plain numbers) and returns the matplotlib Figure, with
-the theory's prediction drawn beside the measurement where there is one. One file per chart.
+the theory's prediction drawn beside the measurement where there is one. One file per chart; the
+functions are imported here eagerly, so ``dl.viz.timeline`` is always the function even though a
+submodule of the same name exists.
 """
 from __future__ import annotations
 
-import importlib
+from .comm import comm, ring_steps
+from .memory import memory
+from .pipeline import pipeline, schedule, stash
+from .tensors import per_rank
+from .timeline import timeline
 
-_LAZY = {
-    "timeline": ".timeline",
-    "per_rank": ".tensors",
-    "comm": ".comm",
-    "ring_steps": ".comm",
-    "memory": ".memory",
-    "pipeline": ".pipeline",
-    "schedule": ".pipeline",
-}
-
-
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'distlab.viz' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__all__ = ["comm", "memory", "per_rank", "pipeline", "ring_steps", "schedule", "stash", "timeline"]

@@ -1,0 +1,200 @@
+"""Point-to-point links between pipeline stages: activations forward, gradients backward, traced.
+
+Stage ``s`` lives on pipeline rank ``s % p``. Two kinds of message cross a stage boundary::
+
+    stage s --- activation (s, j) ---> stage s+1        forward of microbatch j
+    stage s <----- grad (s+1, j) ----- stage s+1        d loss / d (input of stage s+1)
+
+Every message carries a tag made of (stage, microbatch, what), so gloo matches each receive with
+its send whatever order the two ranks post them in (with p = 2 and interleaving, activations and
+gradients flow both ways between the same pair of ranks). NCCL ignores tags and matches in issue
+order; there the executor groups each action's sends with the next action's receives into one
+``batch_isend_irecv`` (Megatron's ``send_forward_recv_backward``), which is what keeps two
+neighbours' blocking sends from waiting on each other.
+
+Shapes: a gradient has the shape of the activation it belongs to, which both sides know. An
+activation's shape is only known to its sender, so the first time (stage, microbatch) crosses, a
+small header (dtype, ndim, sizes) goes first; both sides cache it (torch.distributed.pipelining
+infers shapes once in the same way). ``static_shapes=False`` sends the header every step.
+
+Sends are never waited for in the middle of a step (``isend`` then carry on): a rank only ever
+blocks on a receive it needs, exactly the rule `distlab.parallel.schedule.simulate` replays, so a
+schedule that simulates without deadlock also runs without one.
+
+Tracing: a send is recorded as an instant comm event when posted (``sent`` bytes, ``peer``); a
+receive as a comm event from its post to the data's arrival (``received`` bytes, ``peer``), so a
+long receive is a rank waiting on its neighbour. Args: ``what`` ("activation", "grad" or
+"shape"), ``stage`` (the sending stage), ``microbatch``, ``step``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..runtime import tracer
+
+ACT_HEADER, ACT, GRAD = 0, 1, 2
+WHAT = {ACT_HEADER: "shape", ACT: "activation", GRAD: "grad"}
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+           torch.uint8, torch.bool, torch.int16, torch.int8]
+_HEADER_LEN = 10
+
+
+class Transfer:
+    """One posted isend or irecv (its ``work`` appears when the transfer is issued)."""
+
+    __slots__ = ("send", "tensor", "peer", "tag", "work", "start", "info")
+
+    def __init__(self, send: bool, tensor: torch.Tensor, peer: int, tag: int, info: dict):
+        self.send, self.tensor, self.peer, self.tag, self.info = send, tensor, peer, tag, info
+        self.work, self.start = None, 0.0
+
+
+class Links:
+    """The transfers of one pipeline rank, with shape caching and one comm event per transfer."""
+
+    def __init__(self, group, num_stages: int, device: torch.device, static_shapes: bool = True):
+        self.group, self.num_stages, self.device = group, num_stages, device
+        self.static_shapes = static_shapes
+        if dist.is_available() and dist.is_initialized():
+            size = dist.get_world_size(group)
+            if group is None or group is dist.group.WORLD:
+                self.members = list(range(size))
+            else:
+                self.members = [dist.get_global_rank(group, r) for r in range(size)]
+            self.grouped = dist.get_backend(group) == "nccl"
+        else:
+            self.members, self.grouped = [0], False
+        self.shapes: dict[tuple[int, int], tuple[torch.Size, torch.dtype]] = {}
+        self._queue: list[Transfer] = []
+        self._sends: list[Transfer] = []
+        self.step = 0
+
+    def owner(self, stage: int) -> int:
+        """Global rank holding ``stage``."""
+        return self.members[stage % len(self.members)]
+
+    def tag(self, what: int, stage: int, microbatch: int) -> int:
+        return (microbatch * self.num_stages + stage) * 3 + what
+
+    # -- posting ---------------------------------------------------------------------------
+    def _post(self, t: Transfer) -> Transfer:
+        t.start = tracer().now()
+        if self.grouped:
+            self._queue.append(t)
+        else:
+            fn = dist.isend if t.send else dist.irecv
+            t.work = fn(t.tensor, t.peer, group=self.group, tag=t.tag)
+        if t.send:                  # a send is a post: recorded as an instant, never waited mid-step
+            self._sends.append(t)
+            self._record(t, end=t.start)
+        return t
+
+    def flush(self) -> None:
+        """Issue queued transfers as one group (NCCL); a no-op under gloo, where posts are immediate."""
+        if not self._queue:
+            return
+        ops = [dist.P2POp(dist.isend if t.send else dist.irecv, t.tensor, t.peer, self.group, t.tag)
+               for t in self._queue]
+        works = dist.batch_isend_irecv(ops)
+        for i, t in enumerate(self._queue):
+            t.work = works[i] if len(works) == len(ops) else works[-1]
+        self._queue.clear()
+
+    def _wait(self, t: Transfer) -> torch.Tensor:
+        if t.work is None:
+            self.flush()
+        t.work.wait()
+        if not t.send:
+            self._record(t, end=tracer().now())
+        return t.tensor
+
+    def _record(self, t: Transfer, end: float) -> None:
+        nbytes = t.tensor.numel() * t.tensor.element_size()
+        what, stage, mb = t.info["what"], t.info["stage"], t.info["microbatch"]
+        tracer().comm("send" if t.send else "recv", start=t.start, end=end,
+                      sent=nbytes if t.send else 0, received=0 if t.send else nbytes, peer=t.peer,
+                      what=WHAT[what], stage=stage, microbatch=mb, step=self.step)
+
+    # -- activations -----------------------------------------------------------------------
+    def send_activation(self, stage: int, mb: int, act: torch.Tensor) -> None:
+        """Send stage ``stage``'s output for microbatch ``mb`` to stage ``stage + 1``."""
+        peer, key = self.owner(stage + 1), (stage, mb)
+        known = self.shapes.get(key)
+        if known is None or not self.static_shapes:
+            self._post(Transfer(True, _header(act, self.device), peer, self.tag(ACT_HEADER, stage, mb),
+                                {"what": ACT_HEADER, "stage": stage, "microbatch": mb}))
+        elif known != (act.shape, act.dtype):
+            raise RuntimeError(f"stage {stage} output for microbatch {mb} changed shape from {tuple(known[0])} "
+                               f"to {tuple(act.shape)} between steps: build the Pipeline with "
+                               "static_shapes=False to send shapes every step")
+        self.shapes[key] = (act.shape, act.dtype)
+        self._post(Transfer(True, act.contiguous(), peer, self.tag(ACT, stage, mb),
+                            {"what": ACT, "stage": stage, "microbatch": mb}))
+
+    def recv_activation(self, stage: int, mb: int) -> "Incoming":
+        """Post the receive of stage ``stage - 1``'s output for microbatch ``mb``."""
+        src, key = self.owner(stage - 1), (stage - 1, mb)
+        info = {"stage": stage - 1, "microbatch": mb}
+        if key in self.shapes and self.static_shapes:
+            shape, dtype = self.shapes[key]
+            return Incoming(self, self._post(Transfer(False, torch.empty(shape, dtype=dtype, device=self.device),
+                                                      src, self.tag(ACT, *key), {"what": ACT, **info})))
+        header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+        return Incoming(self, self._post(Transfer(False, header, src, self.tag(ACT_HEADER, *key),
+                                                  {"what": ACT_HEADER, **info})), key=key)
+
+    # -- gradients -------------------------------------------------------------------------
+    def send_grad(self, stage: int, mb: int, grad: torch.Tensor) -> None:
+        """Send d loss / d (input of ``stage``) for microbatch ``mb`` to stage ``stage - 1``."""
+        self._post(Transfer(True, grad.contiguous(), self.owner(stage - 1), self.tag(GRAD, stage, mb),
+                            {"what": GRAD, "stage": stage, "microbatch": mb}))
+
+    def recv_grad(self, stage: int, mb: int) -> "Incoming":
+        """Post the receive of the gradient of stage ``stage``'s output (sent by stage ``stage + 1``)."""
+        shape, dtype = self.shapes[(stage, mb)]
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        return Incoming(self, self._post(Transfer(False, buf, self.owner(stage + 1), self.tag(GRAD, stage + 1, mb),
+                                                  {"what": GRAD, "stage": stage + 1, "microbatch": mb})))
+
+    # -- completion ------------------------------------------------------------------------
+    def wait_sends(self) -> None:
+        """Wait for every send of the step (end of ``Pipeline.step``): their buffers can then be reused."""
+        self.flush()
+        for t in self._sends:
+            self._wait(t)
+        self._sends = []
+
+
+class Incoming:
+    """A receive in flight; ``take()`` waits and returns the tensor (reading a shape header first if needed)."""
+
+    def __init__(self, links: Links, transfer: Transfer, key: tuple[int, int] | None = None):
+        self.links, self.transfer, self.key = links, transfer, key
+
+    def take(self) -> torch.Tensor:
+        links, t = self.links, self.transfer
+        data = links._wait(t)
+        if self.key is None:
+            return data
+        shape, dtype = _parse_header(data)
+        links.shapes[self.key] = (shape, dtype)
+        buf = torch.empty(shape, dtype=dtype, device=links.device)
+        payload = links._post(Transfer(False, buf, t.peer, links.tag(ACT, *self.key),
+                                       {"what": ACT, "stage": self.key[0], "microbatch": self.key[1]}))
+        return links._wait(payload)
+
+
+def _header(t: torch.Tensor, device) -> torch.Tensor:
+    if t.dim() > _HEADER_LEN - 2:
+        raise ValueError(f"pipeline activations may have at most {_HEADER_LEN - 2} dimensions, got {t.dim()}")
+    if t.dtype not in _DTYPES:
+        raise TypeError(f"cannot send a {t.dtype} activation between stages; use one of {_DTYPES}")
+    values = [_DTYPES.index(t.dtype), t.dim(), *t.shape] + [0] * (_HEADER_LEN - 2 - t.dim())
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _parse_header(h: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
+    values = h.tolist()
+    dtype, ndim = _DTYPES[values[0]], values[1]
+    return torch.Size(values[2:2 + ndim]), dtype

@@ -1,0 +1,114 @@
+"""Strategies ``pp-gpipe``, ``pp-1f1b``, ``pp-interleaved`` and ``pp-zb-h1``: one pipeline stage per rank.
+
+Every rank builds the same model from the seed and keeps only its stage(s) (`dl.pp.stage_module`,
+``balance`` option "layers" or "params"); rank r holds stages r, r + p, ... (``virtual`` of them for
+``pp-interleaved``, default 2). Each step and each gradient-accumulation micro-step, rank 0 feeds the
+micro-step's batch and the last stage its targets to `dl.pp.Pipeline.step`, which splits it into
+``microbatches`` (option; default 2p when the batch allows, else p) and runs the schedule. Then an
+ordinary optimizer step on this rank's parameters: each parameter lives on exactly one rank, so the
+optimizer never talks. Clipping uses the norm of the whole model's gradient (squared norms summed
+over the pipeline with one all-reduce).
+
+Options: ``microbatches``, ``virtual`` (interleaved), ``balance``.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from ..parallel.pipeline import Pipeline
+from ..parallel.stage import stage_module
+from ..runtime import device, rank, tracer, world_size
+from .base import RankResult, TrainSpec, build_model, global_batch, loss_fn, make_optimizer
+
+SCHEDULE_OF = {"pp-gpipe": "gpipe", "pp-1f1b": "1f1b", "pp-interleaved": "interleaved", "pp-zb-h1": "zb-h1"}
+
+
+def _microbatches(spec: TrainSpec, p: int, name: str) -> int:
+    rows = spec.micro_batch
+    m = spec.options.get("microbatches")
+    if m is None:
+        m = 2 * p if rows >= 2 * p else p
+    if m > rows:
+        raise ValueError(f"{spec.strategy}: {m} microbatches need at least {m} rows per micro-step, got "
+                         f"{rows} (global_batch / grad_accum): raise global_batch or set options={{'microbatches': ...}}")
+    if name == "interleaved" and m % p:
+        raise ValueError(f"pp-interleaved needs microbatches to be a multiple of the {p} ranks, got {m}")
+    return m
+
+
+def _autocast(spec: TrainSpec):
+    if spec.precision == "bf16-mixed":
+        return torch.autocast(device().type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+    """Scale gradients so the whole pipeline's gradient norm is at most ``max_norm``; returns the norm."""
+    sq = torch.zeros(1, device=device())
+    for p in params:
+        if p.grad is not None:
+            sq += p.grad.float().pow(2).sum()
+    if dist.is_initialized():
+        dist.all_reduce(sq)
+    norm = sq.sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef)
+    return float(norm)
+
+
+def train_rank(spec: TrainSpec) -> RankResult:
+    if spec.strategy not in SCHEDULE_OF:
+        raise ValueError(f"unknown pipeline strategy {spec.strategy!r}: choose one of {sorted(SCHEDULE_OF)}")
+    name = SCHEDULE_OF[spec.strategy]
+    p, r = world_size(), rank()
+    v = int(spec.options.get("virtual", 2)) if name == "interleaved" else 1
+    m = _microbatches(spec, p, name)
+    model = build_model(spec)
+    names = {id(q): n for n, q in model.named_parameters()}
+    ids = [r + k * p for k in range(v)]
+    modules = [stage_module(model, s, p * v, spec.options.get("balance", "layers")) for s in ids]
+    pipe = Pipeline(modules if v > 1 else modules[0], ids if v > 1 else ids[0], p * v, schedule=name,
+                    microbatches=m, loss_fn=loss_fn(spec))
+    params = list(pipe.parameters())
+    optimizer = make_optimizer(params, spec)
+    tr, losses = tracer(), []
+    for step in range(spec.steps):
+        tr.mark("step", step=step)
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for micro in range(spec.grad_accum):
+            x, y = global_batch(spec, step, micro)
+            with _autocast(spec):
+                loss = pipe.step(x if pipe.first else None, y if pipe.last else None)
+            if loss is not None:
+                total += loss.item() / spec.grad_accum
+        with tr.span("optimizer", step=step):
+            if spec.grad_accum > 1:
+                for q in params:
+                    if q.grad is not None:
+                        q.grad.div_(spec.grad_accum)
+            if spec.clip is not None:
+                clip_grad_norm(params, spec.clip)
+            optimizer.step()
+        losses.append(total)
+    mine = {names[id(q)]: q.detach().cpu().clone() for q in params}
+    gathered = [None] * p if r == 0 else None
+    if dist.is_initialized() and p > 1:
+        dist.gather_object(mine, gathered, dst=0)
+    else:
+        gathered = [mine]
+    full = None
+    if r == 0:
+        full = {}
+        for part in gathered:
+            full.update(part)
+        full = {n: full[n] for n in names.values() if n in full}
+    param_bytes = sum(q.numel() * q.element_size() for q in params)
+    return RankResult(losses=losses if pipe.last else None, params=full,
+                      info={"pp": p, "schedule": name, "virtual": v, "microbatches": m, "stages": ids,
+                            "param_bytes": param_bytes})
