@@ -35,6 +35,11 @@ notebooks: $(STAMP)
 	for nb in notebooks/[0-9]*.ipynb; do \
 	  $(BIN)/jupyter nbconvert --to notebook --execute --inplace $$nb || exit 1; done
 
+# A real browser: JupyterLab in headless Chromium runs lesson 07 and moves a widget (needs apt: root or sudo).
+browser: $(STAMP)
+	tests/browser/install_browser.sh $(VENV)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m browser tests/browser -q
+
 bench: $(STAMP)
 	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done
 

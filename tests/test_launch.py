@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import distlab as dl
 launch_module = importlib.import_module("distlab.launch")   # the module, not dl.launch the function
-from conftest import child_pids
+from _processes import child_pids
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 

@@ -38,7 +38,8 @@ class MemoryCalculator(Explorer):
         powers = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
         super().__init__({
             "model": dropdown("model", [*theory.MODELS, "custom"], model),
-            "params_b": W.FloatText(value=7.0, description="custom params (B)"),
+            "params_b": W.FloatText(value=7.0, description="custom params (B)",
+                                     style={"description_width": "initial"}),
             "precision": dropdown("precision", ["bf16-mixed", "fp16-mixed", "fp32"], "bf16-mixed"),
             "master_weights": W.Checkbox(value=True, description="fp32 master weights"),
             "optimizer": dropdown("optimizer", ["adam", "adamw", "sgd-momentum", "sgd"], "adam"),
@@ -83,13 +84,15 @@ class MemoryCalculator(Explorer):
             bottom = [b + h for b, h in zip(bottom, heights)]
         for name, card in theory.GPUS.items():
             ax.axhline(card.memory / GiB, ls="--", lw=0.8, color="grey")
-            ax.annotate(name, (len(labels) - 0.5, card.memory / GiB), fontsize=7, ha="right", va="bottom")
+            ax.annotate(name, (1.0, card.memory / GiB), xycoords=("axes fraction", "data"),
+                        fontsize=7, ha="right", va="bottom")
         ax.set_ylabel("GiB per GPU")
         ax.set_title(f"{self.value('model')}: {result.total_gb:.1f} GB on the fullest GPU")
         ax.legend(fontsize=7, loc="upper left")
         verdicts = ", ".join(f"{g} {'fits' if ok else 'no'}" for g, ok in result.fits.items())
         cheapest = f"<br>cheapest that fits: {result.cheapest}" if result.cheapest else ""
-        return fig, f"<p>{verdicts}{cheapest}</p>"
+        return fig, (f"<p><b>{result.total_gb:.1f} GB</b> per GPU on the fullest stage<br>"
+                     f"{verdicts}{cheapest}</p>")
 
 
 def memory_calculator(model: str = "llama2-7b") -> MemoryCalculator:

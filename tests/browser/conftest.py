@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -28,8 +27,10 @@ from pathlib import Path
 
 import pytest
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
+# Debian's packages by default; elsewhere (an Ubuntu CI runner, where apt's chromium is a snap shim)
+# point these at an installed Chrome/Chromium and its matching chromedriver.
+CHROMIUM = Path(os.environ.get("DISTLAB_CHROMIUM", "/usr/bin/chromium"))
+CHROMEDRIVER = Path(os.environ.get("DISTLAB_CHROMEDRIVER", "/usr/bin/chromedriver"))
 INSTALL_HINT = "run tests/browser/install_browser.sh (apt chromium + chromium-driver, pip selenium)"
 CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
                   "--no-first-run", "--disable-background-networking", "--disable-component-update",
@@ -195,7 +196,6 @@ def chrome(browser_tmp: Path, monkeypatch):
     service = Service(executable_path=str(CHROMEDRIVER), log_output=str(browser_tmp / "chromedriver.log"))
     driver = webdriver.Chrome(service=service, options=options)
     try:
-        driver.set_window_size(1400, 1600)
         yield driver
     finally:
         try:
