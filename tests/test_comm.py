@@ -246,3 +246,21 @@ def test_eight_ranks():
     want_gather = [float(k) for k in range(8) for _ in range(k % 3)]
     want_bcast = (torch.arange(13.0) * 6).tolist()
     assert all(res == (want_sum, want_gather, want_bcast) for res in results)
+
+
+def test_plots_read_the_trace():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trace = _run(4).trace
+    fig = dl.viz.comm(trace, model=(1e-4, 1e9), ops=["ring_all_reduce", "naive_all_reduce"])
+    assert isinstance(fig, matplotlib.figure.Figure)
+    from distlab.viz.comm import calls as comm_calls
+    calls = comm_calls(trace, "ring_all_reduce")
+    assert {c["size"] for c in calls} >= {BYTES_NUMEL * 8, EVEN_NUMEL * 4} and all(c["seconds"] > 0 for c in calls)
+    fig2 = dl.viz.ring_steps(4, trace=trace)
+    assert len(fig2.axes) == 2 * (4 - 1) + 1
+    with pytest.raises(ValueError, match="no 'ring_all_reduce' events over 3 ranks"):
+        dl.viz.ring_steps(3, trace=trace)
+    plt.close("all")

@@ -8,12 +8,15 @@
 
     dl.comm.ring_bytes(numel, element_size, n, rank, "all_reduce")   # exact (sent, received) bytes
 
-Files: `_p2p` (the traced send+recv exchange every algorithm uses), `ring`, `tree`, `naive`.
+    dl.comm.free_scratch()                                 # drop the receive buffers kept between calls
+
+Files: `_p2p` (group bookkeeping and the traced send+recv exchange), `_ring_stream` (the ring's
+segmented, pipelined step loop), `ring`, `tree` (broadcast), `naive`.
 """
-from ._p2p import OPS
+from ._p2p import OPS, free_scratch
 from .naive import naive_all_reduce
 from .ring import ring_all_gather, ring_all_reduce, ring_bytes, ring_reduce_scatter
 from .tree import broadcast
 
 __all__ = ["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "broadcast", "naive_all_reduce",
-           "ring_bytes", "OPS"]
+           "ring_bytes", "free_scratch", "OPS"]

@@ -5,12 +5,20 @@ neighbour and receives one from its left. Done literally (send the chunk, wait, 
 step) the link idles while the rank reduces. As gloo's own ring does (gloo/allreduce.cc), each
 chunk is cut into K segments and the steps become one stream of (N-1)K or 2(N-1)K items:
 
-    item i = (step s, segment j):  post recv i and send i, then finish item i-2
+    item i = (step s, segment j):  post recv i+1 (one ahead), post send i, then finish item i-1
                                    (wait for it, reduce it), so one segment is on the wire
                                    while the previous one is being reduced
 
-Segment j of step s+1 sends what item (s, j) just reduced, K items earlier, so with K >= 2
-nothing waits for data that is not there yet. Small chunks (K = 1) run one item at a time.
+Segment j of step s+1 sends what item (s, j) reduced, K items earlier, so with K >= 2 nothing
+waits for data that is not there yet. Small chunks (K = 1) finish item i before sending i+1.
+Posting each receive one item early means the left neighbour's data is expected before it
+arrives (gloo otherwise holds it back until the receive is posted).
+
+Why the early receive cannot overwrite data still being sent or reduced: in-place receives land
+in three rotating scratch segments (items i-1, i, i+1 in flight); out-of-place ones in three
+rotating chunk buffers (see ring_reduce_scatter); an all-gather receives into a chunk other than
+the one being sent, except with N = 2, where the left neighbour only sends it after it has
+received all of ours.
 
 Each step still records one comm event (its first post to its last completion), with the
 bytes of its whole chunk, so the trace reads exactly as the textbook steps do.
@@ -54,70 +62,80 @@ class Step:
 
 
 def run_ring(ring: Ring, name: str, steps: list[Step], op: str, *, call: int, size: int, first_step: int = 0) -> None:
-    """Run ``steps`` around the ring (send to ``ring.next``, receive from ``ring.prev``)."""
+    """Run ``steps`` around the ring (send to ``ring.next``, receive from ``ring.prev``).
+
+    Receives are posted one item ahead, so the left neighbour's data never waits for us to ask
+    for it; a send is posted as soon as its data is final (item i-K reduced).
+    """
     if not steps:
         return
     width = max(max(s.send.numel(), s.target.numel()) for s in steps)
     example = steps[0].send
     k = 1 if example.is_cuda else max(1, -(-width * example.element_size() // SEGMENT_BYTES))
-    depth = min(2, k)
+    lag = 1 if k >= 2 else 0                    # finish item i-1 (K >= 2) or item i (K = 1) at iteration i
     dst, src = ring.glob(ring.next), ring.glob(ring.prev)
     nccl = dist.get_backend(ring.group) == "nccl"
     parts = [_split(s, k) for s in steps]
-    slots = [scratch(-(-width // k), example.dtype, example.device, slot) for slot in range(depth)] \
+    slots = [scratch(-(-width // k), example.dtype, example.device, slot) for slot in range(3)] \
         if any(s.recv is None for s in steps) else []
     tr = tracer()
     began: dict[int, float] = {}
-    pending: dict[int, tuple] = {}
+    recvs: dict[int, tuple] = {}
+    sends: dict[int, object] = {}
     total = len(steps) * k
 
-    def post(i: int) -> None:
+    def post_recv(i: int) -> None:
         s, j = divmod(i, k)
-        send, recv, _, _ = parts[s][j]
-        if steps[s].recv is None:                       # in place: land in a scratch segment
-            recv = slots[i % depth][: parts[s][j][2].numel()]
+        _, recv, into, _ = parts[s][j]
+        if recv is None:                                # in place: land in a scratch segment
+            recv = slots[i % 3][: into.numel()]
         if j == 0:
             began[s] = tr.now()
-        works = []
-        if nccl:
-            ops = [dist.P2POp(dist.irecv, recv, src, ring.group)] if recv.numel() else []
-            ops += [dist.P2POp(dist.isend, send, dst, ring.group)] if send.numel() else []
-            works = dist.batch_isend_irecv(ops) if ops else []
-        else:
-            if recv.numel():
-                works.append(dist.irecv(recv, src, group=ring.group))
-            if send.numel():
-                works.append(dist.isend(send, dst, group=ring.group))
-        pending[i] = (recv, works)
+        work = None
+        if recv.numel():
+            work = (dist.batch_isend_irecv([dist.P2POp(dist.irecv, recv, src, ring.group)])[0] if nccl
+                    else dist.irecv(recv, src, group=ring.group))
+        recvs[i] = (recv, work)
+
+    def post_send(i: int) -> None:
+        send = parts[i // k][i % k][0]
+        sends[i] = None if not send.numel() else (
+            dist.batch_isend_irecv([dist.P2POp(dist.isend, send, dst, ring.group)])[0] if nccl
+            else dist.isend(send, dst, group=ring.group))
 
     def finish(i: int) -> None:
         s, j = divmod(i, k)
-        recv, works = pending.pop(i)
-        for w in works:                                  # each gloo Work is waited on exactly once
-            w.wait()
+        recv, work = recvs.pop(i)
+        if work is not None:                            # each gloo Work is waited on exactly once
+            work.wait()
         step, (_, _, into, local) = steps[s], parts[s][j]
+        result = None
         if step.recv is None:
             reduce_into(into, recv, op)
             result = into
         elif local is not None:
             reduce_into(recv, local, op)
             result = recv
-        else:
-            result = None
         if step.divide and result is not None:
             result.div_(step.divide)
+        work = sends.pop(i)
+        if work is not None:
+            work.wait()
         if j == k - 1:
-            info = step.info or {}
             tr.comm(name, start=began.pop(s), end=tr.now(), sent=_nbytes(step.send),
                     received=_nbytes(step.target), peer=dst if step.send.numel() else None,
                     src=src if step.target.numel() else None, step=first_step + s, call=call, size=size,
-                    world=ring.size, **info)
+                    world=ring.size, **(step.info or {}))
 
-    for i in range(total + depth):
-        if i >= depth:
-            finish(i - depth)
-        if i < total:
-            post(i)
+    post_recv(0)
+    for i in range(total):
+        if i + 1 < total:
+            post_recv(i + 1)
+        post_send(i)
+        if i >= lag:
+            finish(i - lag)
+    for i in range(total - lag, total):
+        finish(i)
 
 
 def _split(step: Step, k: int) -> list[tuple]:

@@ -48,7 +48,8 @@ def ring_reduce_scatter(t: torch.Tensor, op: str = "sum", group=None, out: torch
     Returns chunk ``rank`` of ``torch.tensor_split(t.flatten(), N)`` reduced with ``op``
     (sum, avg, max, min, prod). ``t`` is left unchanged; every rank must pass the same numel and dtype.
     ``out`` (contiguous, the chunk's size) receives the result without allocating. N-1 steps; the
-    partial results travel through two reusable chunk-sized buffers, the last step lands in ``out``.
+    partial results travel through three rotating reusable chunk-sized buffers (so that a receive
+    posted early never lands in one still being sent); the last step lands in ``out``.
     """
     check_op(op, t)
     ring = Ring.of(group)
@@ -65,11 +66,11 @@ def ring_reduce_scatter(t: torch.Tensor, op: str = "sum", group=None, out: torch
         out_flat.copy_(flat)
         return out
     width = max(c.numel() for c in chunks)
-    buffers = [scratch(width, t.dtype, t.device, slot) for slot in (2, 3)]
+    buffers = [scratch(width, t.dtype, t.device, slot) for slot in (3, 4, 5)[: min(3, n - 2)]]
     steps, sending = [], chunks[(r - 1) % n]          # step 0 sends my own data of chunk r-1
     for s in range(n - 1):
         c_in = (r - s - 2) % n
-        incoming = out_flat if s == n - 2 else buffers[s % 2][: chunks[c_in].numel()]
+        incoming = out_flat if s == n - 2 else buffers[s % 3][: chunks[c_in].numel()]
         steps.append(Step(send=sending, recv=incoming, local=chunks[c_in],   # arriving partial (op)= mine
                           divide=n if op == "avg" and s == n - 2 else 0,
                           info=dict(phase="reduce_scatter", send_chunk=(r - s - 1) % n, recv_chunk=c_in)))

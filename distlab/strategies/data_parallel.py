@@ -7,10 +7,15 @@ the strategies *average* over N ranks, so the loss backpropagated is
     L_r = (N n_r / B) * mean_r(loss)   =>   (1/N) sum_r grad L_r = sum_r (n_r / B) grad mean_r = grad mean(loss)
 
 i.e. exactly the single-process gradient of the global batch. Gradient accumulation divides by
-``grad_accum`` the same way.
+``grad_accum`` the same way, and runs the first ``grad_accum - 1`` micro-steps under the wrapper's
+``no_sync()``, so a step sends what one big-batch step sends (DDP, ZeRO-1, ZeRO-2: 2 (N-1)/N Psi)
+whatever ``grad_accum`` is. ZeRO-3 does not by default: there ``no_sync`` saves only the k-1
+reduce-scatters and holds full gradients meanwhile, undoing ZeRO-3's gradient sharding (see
+`distlab.parallel.zero.engine`); pass ``no_sync=True`` to make that trade.
 
 ``spec.options`` (all optional): ``bucket_mb`` (25.0), ``overlap`` (True), ``comm`` ("torch" or
-"ring"), ``naive`` (DDP, False), ``prefetch`` (ZeRO-3, False).
+"ring"), ``naive`` (DDP, False), ``prefetch`` (ZeRO-3, False), ``no_sync`` (accumulate locally;
+True except for ZeRO-3).
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from .base import (RankResult, TrainSpec, build_model, global_batch, loss_fn, ma
                    optimizer_class, optimizer_kwargs)
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
-OPTIONS = ("bucket_mb", "overlap", "comm", "naive", "prefetch")
+OPTIONS = ("bucket_mb", "overlap", "comm", "naive", "prefetch", "no_sync")
 
 
 class LocalOptimizer:
@@ -111,6 +116,8 @@ def train_rank(spec: TrainSpec) -> RankResult:
     compute_dtype = next(model.parameters()).dtype
     criterion, ledger = loss_fn(spec), Ledger()
     no_sync = getattr(wrapped, "no_sync", None)
+    if not spec.options.get("no_sync", spec.strategy != "zero3"):
+        no_sync = None                                    # communicate on every micro-step
     losses, t_start = [], tr.now()
     for step in range(spec.steps):
         tr.mark("step", step=step)

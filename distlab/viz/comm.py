@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import matplotlib.pyplot as plt
+import numpy as np
 from matplotlib.patches import Rectangle
 
 from ..theory.comm import busbw, comm_time
@@ -94,7 +95,8 @@ def comm(trace: Trace, model=None, ops: list[str] | None = None, title: str | No
         if alpha_beta is not None:
             latency, bandwidth = alpha_beta
             for n in sorted({c["world"] for c in measured}):
-                sizes = sorted({c["size"] for c in measured if c["world"] == n})
+                ends = [c["size"] for c in measured if c["world"] == n]
+                sizes = np.geomspace(min(ends), max(ends), 40) if max(ends) > min(ends) else ends
                 predicted = [busbw(collective, s, comm_time(collective, s, n, bandwidth, latency, algorithm), n) / 1e9
                              for s in sizes]
                 ax_bw.plot(sizes, predicted, "-", color=colour, alpha=0.7, label=f"{op} model (N={n})")

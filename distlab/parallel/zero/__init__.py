@@ -2,6 +2,7 @@
 
     opt = dl.ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)    # stage 1 on its own
     model = dl.ZeRO(module, stage=3, optim=torch.optim.AdamW, lr=1e-3)         # .module .optimizer
+    with model.no_sync(): loss.backward()          # gradient accumulation: no reduce-scatter (see engine)
 
 Files: `optimizer` (ShardedOptimizer, stage 1 and the optimizer of every stage), `engine` (ZeRO,
 stage 2's backward hooks), `stage3` (gather/free per unit). Layout helpers in `..flat`.

@@ -12,8 +12,30 @@ Per rank, for Psi parameters over N ranks with K bytes of optimizer state per pa
     model = dl.ZeRO(module, stage=2, optim=torch.optim.AdamW, lr=1e-3)
     loss = loss_fn(model(x), y); loss.backward()
     model.optimizer.step(); model.optimizer.zero_grad()
+
+Gradient accumulation over k micro-steps, ``with model.no_sync():`` on the first k-1 (as DDP and
+FSDP): those backward passes keep their gradients local, summed by autograd into the parameters'
+own ``.grad`` (the local accumulation buffer), and the first backward outside reduce-scatters the sum.
+Bytes sent per rank per optimizer step, and the gradient memory held while accumulating:
+
+    stage  without no_sync        with no_sync           gradients held between micro-steps
+    1      2 (N-1)/N Psi          2 (N-1)/N Psi          4 Psi either way (stage 1 communicates only in step())
+    2      (k+1) (N-1)/N Psi      2 (N-1)/N Psi          4 Psi with no_sync, 4 Psi / N without
+    3      3k (N-1)/N Psi         (2k+1) (N-1)/N Psi     4 Psi with no_sync, 4 Psi / N without
+
+The price is ZeRO-2/3's gradient saving, for the length of the accumulation: the memory of a full
+gradient, as FSDP's ``no_sync`` documents ("higher memory usage because FSDP will accumulate the full
+model gradients (instead of gradient shards) until the eventual sync").
+DeepSpeed makes the other choice: its ``engine.no_sync()`` refuses stages 2 and 3 ("incompatible with
+gradient partitioning") and reduce-scatters every micro-step, as this class does without no_sync.
+Stage 3 keeps its parameters sharded, so every micro-step still all-gathers them for forward and
+backward: only the k-1 reduce-scatters are saved. We allow it (FSDP's behaviour) rather than raise,
+since which is scarcer, bandwidth or memory, is the user's call, and the lessons measure both sides;
+`dl.train` turns it on for stage 3 only when asked (``no_sync=True``).
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn as nn
@@ -46,6 +68,7 @@ class ZeRO(nn.Module):
             for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values():
                 self.comm.broadcast(t.data, src=0)
         self.stage3 = None
+        self._sync = True                                   # False inside no_sync()
         self._peak_buffers = 0                              # stage 2: flat gradient buckets in flight
         if stage == 3:
             units = units if units is not None else default_units(module)
@@ -65,10 +88,33 @@ class ZeRO(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside keep their gradients local (no reduce-scatter); the first backward
+        outside, or else ``optimizer.step()``, reduce-scatters the accumulated sum.
+
+        Stage 1: a no-op (it communicates only in ``step()``). Stages 2 and 3: full gradients stay in
+        ``p.grad`` until then, 4 Psi bytes instead of 4 Psi / N; stage 3 still all-gathers parameters
+        every micro-step (see the module docstring for the bytes and the trade-off).
+        """
+        before = self._sync                                 # nesting is harmless: restore, not reset
+        self._set_sync(False)
+        try:
+            yield
+        finally:
+            self._set_sync(before)
+
+    def _set_sync(self, sync: bool) -> None:
+        self._sync = sync
+        if self.stage3 is not None:
+            self.stage3.sync = sync
+
     # -- stage 2: reduce-scatter during backward -------------------------------------------------
     def _bucket_ready(self, b: int) -> None:
+        if not self._sync:
+            return                                          # no_sync: autograd keeps summing into p.grad
         bucket = self.optimizer.buckets[b]
-        flat = bucket.flat_grads()                          # the bucket's full gradients, briefly
+        flat = bucket.flat_grads()                          # the bucket's full (accumulated) gradients, briefly
         for p in bucket.params:
             p.grad = None                                   # ...and no full gradient stays behind
         shard = torch.empty(bucket.shard_numel, dtype=flat.dtype, device=flat.device)

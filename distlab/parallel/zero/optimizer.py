@@ -52,6 +52,7 @@ class ShardedOptimizer:
         for m in self.masters:
             m.requires_grad_(True)
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.buckets)
+        self._reduced = [False] * len(self.buckets)       # local p.grad already folded into grad_shards
         self.optimizer = optim(self.masters, **optim_kwargs)
 
     # -- the torch.optim surface -------------------------------------------------------------
@@ -67,13 +68,20 @@ class ShardedOptimizer:
         for p in self.params:
             p.grad = None
         self.grad_shards = [None] * len(self.buckets)
+        self._reduced = [False] * len(self.buckets)
         for m in self.masters:
             m.grad = None
 
     def reduce_grads(self) -> None:
-        """Bring each bucket's gradients to their owners (reduce-scatter, averaged), once per step."""
+        """Bring each bucket's gradients to their owners (reduce-scatter, averaged), once per step.
+
+        ZeRO-1 reduces its whole local gradients here. ZeRO-2/3 did it during backward (their ``p.grad``
+        are then None) unless the last micro-steps ran under ``no_sync``: what is still local is
+        reduce-scattered now and added to the shard backward produced.
+        """
         for b, bucket in enumerate(self.buckets):
-            if self.grad_shards[b] is not None:
+            local = not self._reduced[b] and any(p.grad is not None for p in bucket.params)
+            if self.grad_shards[b] is not None and not local:
                 continue                                   # already there (ZeRO-2/3 did it in backward)
             flat = bucket.flat_grads()
             shard = torch.empty(bucket.shard_numel, dtype=flat.dtype, device=flat.device)
@@ -81,7 +89,9 @@ class ShardedOptimizer:
                 self.comm.reduce_scatter(flat, shard, op="avg")
             else:
                 shard.copy_(bucket.chunk(flat, self.comm.rank))
-            self.grad_shards[b] = shard
+            prev = self.grad_shards[b]
+            self.grad_shards[b] = shard if prev is None else prev.add_(shard)
+            self._reduced[b] = True
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradient shards so the *global* L2 norm is at most ``max_norm``; returns the norm.
@@ -113,6 +123,7 @@ class ShardedOptimizer:
         if not self.sharded_params:
             self.gather_params()
         self.grad_shards = [None] * len(self.buckets)
+        self._reduced = [False] * len(self.buckets)
 
     def gather_params(self) -> None:
         """All-gather every bucket's shards into its full buffer (the module's parameters)."""

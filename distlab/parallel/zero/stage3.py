@@ -15,6 +15,10 @@ post-accumulate-grad hook on the unit's last parameter reduce-scatters and frees
 references to the parameters are views into the same storage, so they see the re-gathered values.
 ``prefetch=True`` starts the next unit's all-gather (in forward, or backward, order) early.
 
+Under ``ZeRO.no_sync()`` (``sync = False``) a unit's gradients are *not* reduce-scattered: they stay
+unsharded in ``p.grad``, where autograd sums the next micro-steps, until a synced backward (or the
+optimizer's step) reduce-scatters the sum. The parameters are still gathered and freed per unit.
+
 This is what PyTorch FSDP does (Zhao et al. 2023, "PyTorch FSDP"); FSDP2's ``fully_shard`` shards
 per parameter instead of per flat unit, with the same communication volume.
 """
@@ -51,6 +55,7 @@ class Stage3:
         self.units, self.opt, self.comm = units, opt, opt.comm
         self.buckets: list[FlatBucket] = opt.buckets
         self.prefetch = prefetch
+        self.sync = True                            # False under ZeRO.no_sync(): keep gradients local
         self._gathers: dict[int, object] = {}      # unit -> pending all-gather handle
         self._live: set[int] = set()                # units whose full parameters are allocated
         self._fwd_order: list[int] = []
@@ -131,7 +136,11 @@ class Stage3:
         return self._fwd_order[k] if 0 <= k < len(self._fwd_order) else None
 
     def _grads_ready(self, i: int) -> None:
-        """Unit i's gradients are complete: reduce-scatter them into this rank's shard; free the rest."""
+        """Unit i's gradients are complete: reduce-scatter them into this rank's shard; free the rest.
+        Under no_sync: just free the gathered parameters; the full gradients stay in ``p.grad``."""
+        if not self.sync:
+            self.free(i)
+            return
         b = self.buckets[i]
         flat = b.flat_grads()
         for p in b.params:

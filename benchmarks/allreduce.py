@@ -1,0 +1,187 @@
+"""Ring all-reduce from send/recv (dl.comm) beside torch.distributed's own all_reduce.
+
+    python benchmarks/allreduce.py                       # 1 KB .. 64 MB, 2 and 4 ranks, gloo on CPU
+    python benchmarks/allreduce.py --ranks 2 --sizes 1M,16M --impls ring,torch,naive
+    python benchmarks/allreduce.py --backend nccl        # one GPU per rank
+
+Reported as bus bandwidth, the nccl-tests definition (github.com/NVIDIA/nccl-tests, PERFORMANCE.md):
+
+    algbw = S / t            busbw = algbw * 2 (N-1) / N
+
+busbw is what each link must carry for a ring all-reduce, so it is comparable across N and with
+the link's raw speed. t is, for each repeat, the slowest rank's time from a common barrier to the
+end of the call; the median over repeats is reported. Implementations alternate repeat by repeat
+so that both see the same background load. Writes <out>.json and <out>.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import distlab as dl  # noqa: E402
+
+UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "M": 2**20, "MB": 2**20, "G": 2**30, "GB": 2**30}
+DEFAULT_SIZES = [2**k for k in range(10, 27)]           # 1 KiB .. 64 MiB
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper()
+    digits = text.rstrip("KMGB")
+    return int(float(digits) * UNITS[text[len(digits):]])
+
+
+def human(nbytes: int) -> str:
+    for unit in ("GB", "MB", "KB"):
+        if nbytes >= UNITS[unit]:
+            return f"{nbytes / UNITS[unit]:g} {unit}"
+    return f"{nbytes} B"
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _call(impl: str, x: torch.Tensor):
+    if impl == "ring":
+        dl.comm.ring_all_reduce(x)
+    elif impl == "naive":
+        dl.comm.naive_all_reduce(x)
+    else:
+        dist.all_reduce(x)
+
+
+def measure(sizes, impls, budget_s, min_reps, max_reps):
+    """Inside each rank: per size, per repeat, the time of each implementation (alternating)."""
+    device = dl.device()
+    dl.tracer().enabled = False                 # measure the collectives, not the bookkeeping
+    out = {}
+    for nbytes in sizes:
+        x = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(dl.rank())).to(device)
+        check = {}
+        for impl in impls:                      # warm up, and check every result against torch's
+            y = x.clone()
+            _call(impl, y)
+            _call(impl, x.clone())
+            check[impl] = y
+        for impl in impls:
+            if not torch.allclose(check[impl], check[impls[0]], rtol=1e-4, atol=1e-4):
+                raise AssertionError(f"{impl} disagrees with {impls[0]} at {nbytes} bytes")
+        dist.barrier()
+        t0 = time.perf_counter()
+        _call(impls[0], x)
+        _sync(device)
+        estimate = torch.tensor([(time.perf_counter() - t0) * len(impls)], dtype=torch.float64)
+        dist.broadcast(estimate, 0)             # every rank must run the same number of repeats
+        reps = int(min(max_reps, max(min_reps, budget_s / max(float(estimate), 1e-6))))
+        times = {impl: [] for impl in impls}
+        for rep in range(reps):
+            order = impls if rep % 2 == 0 else impls[::-1]
+            for impl in order:
+                dist.barrier()
+                _sync(device)
+                t0 = time.perf_counter()
+                _call(impl, x)
+                _sync(device)
+                times[impl].append(time.perf_counter() - t0)
+        out[nbytes] = times
+        if dl.rank() == 0:
+            print(f"n={dl.world_size()} {human(nbytes):>7}: "
+                  + "  ".join(f"{k} {statistics.median(v) * 1e3:8.3f} ms" for k, v in times.items()), flush=True)
+    return out
+
+
+def summarise(per_rank, n):
+    rows = []
+    for nbytes, by_impl in per_rank[0].items():
+        for impl in by_impl:
+            slowest = [max(r[nbytes][impl][i] for r in per_rank) for i in range(len(by_impl[impl]))]
+            t = statistics.median(slowest)
+            rows.append({"world_size": n, "bytes": nbytes, "impl": impl, "median_s": t,
+                         "algbw_GBps": nbytes / t / 1e9, "busbw_GBps": nbytes / t / 1e9 * 2 * (n - 1) / n,
+                         "repeats": len(slowest)})
+    return rows
+
+
+def plot(rows, path, backend):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax_ratio) = plt.subplots(1, 2, figsize=(11, 4))
+    for n in sorted({r["world_size"] for r in rows}):
+        for impl, style in (("ring", "-o"), ("torch", "--s"), ("naive", ":^")):
+            pts = [r for r in rows if r["world_size"] == n and r["impl"] == impl]
+            if pts:
+                ax.plot([p["bytes"] for p in pts], [p["busbw_GBps"] for p in pts], style, ms=3,
+                        label=f"{'dl ' + impl if impl != 'torch' else backend} (N={n})")
+        ring = {r["bytes"]: r["median_s"] for r in rows if r["world_size"] == n and r["impl"] == "ring"}
+        ref = {r["bytes"]: r["median_s"] for r in rows if r["world_size"] == n and r["impl"] == "torch"}
+        common = sorted(set(ring) & set(ref))
+        if common:
+            ax_ratio.plot(common, [ref[s] / ring[s] for s in common], "-o", ms=3, label=f"N={n}")
+    ax.set(xscale="log", yscale="log", xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)",
+           title="all-reduce bus bandwidth")
+    ax.legend(fontsize=8)
+    ax_ratio.axhline(0.9, color="grey", ls=":", label="target 0.9")
+    ax_ratio.axhline(1.0, color="black", lw=0.5)
+    ax_ratio.axvline(4 * 2**20, color="grey", lw=0.5)
+    ax_ratio.set(xscale="log", xlabel="message size (bytes)", ylabel=f"busbw ring / busbw {backend}",
+                 title=f"dl ring vs {backend} all_reduce")
+    ax_ratio.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default=None, help="comma list like 1K,1M,64M (default: powers of 2, 1K..64M)")
+    p.add_argument("--ranks", default="2,4", help="world sizes, comma list (default 2,4)")
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--impls", default="ring,torch", help="any of ring,torch,naive (default ring,torch)")
+    p.add_argument("--budget", type=float, default=1.5, help="seconds of repeats per size (default 1.5)")
+    p.add_argument("--min-reps", type=int, default=7)
+    p.add_argument("--max-reps", type=int, default=40)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "allreduce"))
+    a = p.parse_args(argv)
+    sizes = [parse_size(s) for s in a.sizes.split(",")] if a.sizes else DEFAULT_SIZES
+    impls = [s.strip() for s in a.impls.split(",")]
+    if any(i not in ("ring", "torch", "naive") for i in impls):
+        p.error(f"--impls takes ring, torch, naive; got {a.impls}")
+    rows, backend, started = [], None, time.time()
+    for n in [int(x) for x in a.ranks.split(",")]:
+        run = dl.launch(measure, world_size=n, args=(sizes, impls, a.budget, a.min_reps, a.max_reps),
+                        backend=a.backend, output="live", timeout=1800)
+        backend = run.backend
+        rows += summarise(run.results, n)
+    ratios = {}
+    for n in sorted({r["world_size"] for r in rows}):
+        ring = {r["bytes"]: r["busbw_GBps"] for r in rows if r["world_size"] == n and r["impl"] == "ring"}
+        ref = {r["bytes"]: r["busbw_GBps"] for r in rows if r["world_size"] == n and r["impl"] == "torch"}
+        big = [ring[s] / ref[s] for s in ring if s in ref and s >= 4 * 2**20]
+        if big:
+            ratios[n] = {"min_ratio_from_4MB": min(big), "median_ratio_from_4MB": statistics.median(big)}
+            print(f"N={n}: ring/{backend} busbw from 4 MB up: min {min(big):.2f}, median {statistics.median(big):.2f}")
+    meta = {"backend": backend, "torch": torch.__version__, "python": platform.python_version(),
+            "machine": platform.machine(), "cpus": os.cpu_count(), "cuda": torch.cuda.is_available(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(time.time() - started, 1),
+            "dtype": "float32", "statistic": "median over repeats of the slowest rank's time",
+            "busbw": "algbw * 2(N-1)/N (nccl-tests)", "load_average": os.getloadavg()}
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out + ".json", "w") as f:
+        json.dump({"meta": meta, "ratio_ring_over_torch": ratios, "results": rows}, f, indent=1)
+    plot(rows, a.out + ".png", backend)
+    print(f"wrote {a.out}.json and {a.out}.png")
+
+
+if __name__ == "__main__":
+    main()
