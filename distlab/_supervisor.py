@@ -22,6 +22,7 @@ _SECONDARY = re.compile(
     r"NCCL communicator was aborted|ProcessGroupGloo.*(closed|failed)", re.S)
 
 GRACE_SECONDS = 1.0      # after the first failure, how long to gather the others' reports
+EXIT_SECONDS = 5.0       # after every rank has returned, how long they may take to exit
 
 
 class RankStatus:
@@ -56,7 +57,9 @@ class Supervisor:
         self.live = live
         self.stream = stream or sys.stdout
         self.first_failure_at: float | None = None
+        self.all_returned_at: float | None = None
         self.timed_out = False
+        self.stuck_at_exit: list[int] = []
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> None:
@@ -66,6 +69,8 @@ class Supervisor:
                 return
             if now > self.deadline:
                 self.timed_out = True
+                return
+            if self._returned_but_stuck(now):
                 return
             waitables = {}
             for r in self.ranks:
@@ -85,6 +90,17 @@ class Supervisor:
                 else:
                     self._on_exit(rank)
             self._give_up_on_stuck_pipes()
+
+    def _returned_but_stuck(self, now: float) -> bool:
+        """Every rank returned its result but some never exit (say, a send nobody received)."""
+        if self.all_returned_at is None:
+            if all(r.result is not None for r in self.ranks):
+                self.all_returned_at = now
+            return False
+        if now > self.all_returned_at + EXIT_SECONDS:
+            self.stuck_at_exit = [r.rank for r in self.ranks if r.exited_at is None]
+            return True
+        return False
 
     def _read_output(self, r: RankStatus) -> None:
         try:

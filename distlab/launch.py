@@ -39,7 +39,7 @@ import cloudpickle
 import multiprocessing as mp
 
 from . import _child
-from ._supervisor import RankStatus, Supervisor, shutdown
+from ._supervisor import EXIT_SECONDS, RankStatus, Supervisor, shutdown
 from .progress import ProgressBar
 from .trace import Trace
 
@@ -227,6 +227,10 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
     if output == "ordered":
         _print_ordered(ranks)
     _raise_if_failed(supervisor, timeout, outputs)
+    if supervisor.stuck_at_exit:
+        print(f"distlab: rank(s) {supervisor.stuck_at_exit} returned but did not exit within "
+              f"{EXIT_SECONDS:g} s (an unmatched send or receive left behind?); they were stopped.",
+              file=sys.stderr)
     return Run(results=[r.result[1] for r in ranks],
                trace=Trace.merge({r.rank: r.trace for r in ranks}), outputs=outputs,
                world_size=world_size, backend=backend, start_method=method,

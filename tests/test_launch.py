@@ -335,3 +335,36 @@ def test_rank_zero_progress_reaches_the_parent_and_ends_at_the_total(monkeypatch
     assert seen[-1] == "closed" and seen[-2] == (30, 30, "step")
     steps = [s[0] for s in seen[:-1]]
     assert steps == sorted(steps) and 1 <= len(steps) < 30   # throttled, rank 0 only
+
+
+def hangs_after_returning():
+    if dl.rank() == 1:
+        dist.destroy_process_group = lambda *a, **k: time.sleep(60)   # this rank's teardown never ends
+    return dl.rank()
+
+
+def test_a_rank_that_returned_but_hangs_at_exit_is_stopped_and_the_results_kept(capsys):
+    start = time.monotonic()
+    run = dl.launch(hangs_after_returning, 2, output="quiet")
+    assert run.results == [0, 1]
+    assert time.monotonic() - start < 20
+    assert "rank(s) [1] returned but did not exit" in capsys.readouterr().err
+
+
+# -- GPUs (skipped where there are none) ------------------------------------------------------------
+def cuda_collectives():
+    t = torch.full((5,), float(dl.rank() + 1), device=dl.device())
+    dist.all_reduce(t)
+    ours = dl.comm.ring_all_reduce(torch.full((5,), float(dl.rank() + 1), device=dl.device()))
+    return str(dl.device()), t.cpu().tolist(), ours.cpu().tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs")
+def test_auto_backend_uses_nccl_with_one_gpu_per_rank():
+    n = torch.cuda.device_count()
+    run = dl.launch(cuda_collectives, n, output="quiet")
+    total = float(sum(range(1, n + 1)))
+    assert run.backend == "nccl"
+    assert [r[0] for r in run.results] == [f"cuda:{i}" for i in range(n)]
+    assert all(r[1] == [total] * 5 and r[2] == [total] * 5 for r in run.results)
