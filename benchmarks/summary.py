@@ -1,0 +1,129 @@
+"""Markdown tables of the results in benchmarks/results/*.json, for README.md.
+
+    python benchmarks/summary.py            # prints the tables
+    python benchmarks/summary.py --readme   # replaces the block between the markers in README.md
+
+Every number comes from a JSON file that a benchmark script wrote; nothing is typed in by hand.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+README = HERE.parent / "README.md"
+BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
+
+
+def _load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+def _load_note(meta: dict) -> str:
+    load = meta.get("load_average")
+    return f" Load average during the run: {load[0]:.1f}." if load else ""
+
+
+def launch_latency() -> list[str]:
+    d = _load("launch_latency")
+    if not d:
+        return []
+    rows = [f"| {name} | {_ms(s['median_s'])} | {_ms(s['min_s'])} | {s['repeats']} |"
+            for name, s in d["results"].items()]
+    met = "met" if d["target"]["met"] else "**not met**"
+    return [f"**Launch latency** ({d['ranks']} ranks, process group + barrier + trivial function; "
+            f"`benchmarks/launch_latency.py`). Target: distlab fork median <= 0.15 s, {met}.", "",
+            "| launcher | median | min | repeats |", "|---|---|---|---|", *rows, ""]
+
+
+def allreduce() -> list[str]:
+    d = _load("allreduce")
+    if not d:
+        return []
+    by = {}
+    for r in d["results"]:
+        by.setdefault((r["world_size"], r["bytes"]), {})[r["impl"]] = r["busbw_GBps"]
+    rows = []
+    for (n, nbytes), v in sorted(by.items()):
+        if nbytes >= 1 << 20 and "ring" in v and "torch" in v:
+            rows.append(f"| {n} | {nbytes >> 20} MiB | {v['ring']:.3f} | {v['torch']:.3f} | "
+                        f"{v['ring'] / v['torch']:.2f}x |")
+    ratios = ", ".join(f"{n} ranks: median {r['median_ratio_from_4MB']:.2f}x (min {r['min_ratio_from_4MB']:.2f}x)"
+                       for n, r in d["ratio_ring_over_torch"].items())
+    return [f"**Ring all-reduce** (distlab's ring built from send/recv vs torch's gloo all_reduce, bus bandwidth "
+            f"as nccl-tests define it; `benchmarks/allreduce.py`). Target: >= 0.9x gloo from 4 MB up; measured "
+            f"{ratios}.{_load_note(d['meta'])}", "",
+            "| ranks | size | distlab ring busbw (GB/s) | gloo busbw (GB/s) | ratio |", "|---|---|---|---|---|",
+            *rows, ""]
+
+
+def data_parallel() -> list[str]:
+    d = _load("data_parallel")
+    if not d:
+        return []
+    rows = []
+    for r in d["results"]:
+        for pair, v in r["pairs"].items():
+            ours, theirs = [k for k in v if isinstance(v[k], dict)]
+            rows.append(f"| {r['world_size']} | {ours} vs {theirs} | {_ms(v[ours]['median_step_s'])} | "
+                        f"{_ms(v[theirs]['median_step_s'])} | {v['time_ratio_dl_over_torch']:.2f}x | "
+                        f"{v['memory_ratio_dl_over_torch']:.2f}x | {v['max_rel_loss_diff']:.1e} |")
+    return ["**Data parallelism** (gpt-small, AdamW; `benchmarks/data_parallel.py`). Targets: DDP <= 1.05x torch "
+            f"DDP's step time, ZeRO-3 <= 1.2x FSDP2's, ZeRO memory per rank <= torch's.{_load_note(d['meta'])}", "",
+            "| ranks | pair | distlab step | torch step | time ratio | model-state memory ratio | max loss diff |",
+            "|---|---|---|---|---|---|---|", *rows, ""]
+
+
+def tensor_parallel() -> list[str]:
+    d = _load("tensor_parallel")
+    if not d:
+        return []
+    rows = [f"| {r['world_size']} | {_ms(r['dl.tp']['median_step_s'])} | {_ms(r['torch DTensor']['median_step_s'])} "
+            f"| {r['ratio_dl_over_torch']:.2f}x | {r['max_rel_loss_diff']:.1e} |" for r in d["results"]]
+    return [f"**Tensor parallelism** ({d['meta']['model']}; distlab's Megatron layers vs DTensor "
+            f"`parallelize_module` with ColwiseParallel/RowwiseParallel; `benchmarks/tensor_parallel.py`). "
+            f"Target: <= 1.1x.{_load_note(d['meta'])}", "",
+            "| ranks | distlab step | DTensor step | ratio | max loss diff |", "|---|---|---|---|---|", *rows, ""]
+
+
+def pipeline() -> list[str]:
+    d = _load("pipeline")
+    if not d:
+        return []
+    rows = [f"| {r['p']} | {r['schedule']} vs {r['torch_schedule']} | {r['microbatches']} | "
+            f"{_ms(r['distlab_step_s'])} | {_ms(r['torch_step_s'])} | {r['ratio']:.2f}x | {r['max_loss_diff']:.1e} |"
+            for r in d["rows"]]
+    return [f"**Pipeline parallelism** (distlab's executor vs `torch.distributed.pipelining`, median of "
+            f"{d['steps']} steps; `benchmarks/pipeline.py`). Target: <= 1.1x.", "",
+            "| stages | schedule | microbatches | distlab step | torch step | ratio | max loss diff |",
+            "|---|---|---|---|---|---|---|", *rows, ""]
+
+
+def tables() -> str:
+    parts = launch_latency() + allreduce() + data_parallel() + tensor_parallel() + pipeline()
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--readme", action="store_true", help="write the tables into README.md")
+    args = parser.parse_args()
+    text = tables()
+    if not args.readme:
+        print(text)
+        return
+    readme = README.read_text()
+    start, end = readme.index(BEGIN) + len(BEGIN), readme.index(END)
+    README.write_text(readme[:start] + "\n" + text + readme[end:])
+    print(f"updated {README}")
+
+
+if __name__ == "__main__":
+    main()
