@@ -120,6 +120,18 @@ class DDP(nn.Module):
                 if bucket.params[i].grad is None:
                     bucket.params[i].grad = bucket.views[i]
 
+    def finish_grad_sync(self) -> None:
+        """All-reduce (average) every bucket now (Megatron's ``finish_grad_sync``).
+
+        For callers that drive backward themselves, such as a pipeline whose micro-steps all ran
+        under ``no_sync()``: gradients assigned outside autograd's accumulation (a zero-bubble W
+        pass sets ``p.grad`` directly) are first copied into their bucket, so every one takes part.
+        """
+        for bucket in self.buckets:
+            for i in range(len(bucket.params)):
+                bucket.absorb(i)
+            self.comm.all_reduce(bucket.grad, op="avg")
+
     # -- accounting ------------------------------------------------------------------------
     def memory_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds by category (params, grads, optimizer)."""

@@ -1,0 +1,190 @@
+"""The 3D device mesh: every rank at one (dp, pp, tp) coordinate, one process group per axis.
+
+The whole mesh is one expression (Megatron-LM's rank order: tensor-parallel fastest, so a TP
+group is a run of consecutive ranks -- one node's fast links -- and data-parallel slowest)::
+
+    grid = torch.arange(world).view(dp, pp, tp)        # grid[d, p, t] = global rank
+
+    world = 8, dp = pp = tp = 2:            tp=0  tp=1
+                              dp=0  pp=0 [   0     1  ]     TP groups: a row          {0,1} {2,3} {4,5} {6,7}
+                                    pp=1 [   2     3  ]     PP groups: down a block   {0,2} {1,3} {4,6} {5,7}
+                              dp=1  pp=0 [   4     5  ]     DP groups: across blocks  {0,4} {1,5} {2,6} {3,7}
+                                    pp=1 [   6     7  ]
+
+A rank finds its coordinates by lookup (``(grid == rank).nonzero()``), and the members of its group
+along an axis by fixing the two other coordinates: ``grid[d, p, :]`` is its TP group,
+``grid[d, :, t]`` its pipeline, ``grid[:, p, t]`` its data-parallel replicas. Every group along an
+axis partitions the world: each rank is in exactly one TP, one PP and one DP group.
+
+What travels on each kind of link in 3D training (Narayanan et al. 2021, "Efficient Large-Scale
+Language Model Training on GPU Clusters Using Megatron-LM", Sec. 3):
+
+    TP   all-reduces of activations, twice per layer forward and backward: the most, most often
+    PP   one activation forward and one gradient backward per microbatch and stage boundary
+    DP   one all-reduce of this rank's gradient shard per step (Psi / (tp pp) parameters)
+
+``Mesh(dp, tp, pp)`` inside a launched rank creates every group on every rank in the same order
+(``torch.distributed.new_group`` is collective over the world); outside one (or with
+``groups=False``) it is the pure layout, for drawing and checking.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+AXES = ("dp", "pp", "tp")          # the grid's dimensions, slowest to fastest
+
+
+@dataclass(frozen=True)
+class Coord:
+    """Where a rank sits in the mesh."""
+
+    dp: int
+    pp: int
+    tp: int
+
+    def __str__(self) -> str:
+        return f"(dp={self.dp}, pp={self.pp}, tp={self.tp})"
+
+
+class Mesh:
+    """A ``dp x pp x tp`` grid of ranks and its three families of process groups.
+
+    ``mesh.coords(r)`` -> `Coord`; ``mesh.rank_at(dp=, pp=, tp=)``; ``mesh.ranks("tp", r)``: the
+    ranks in r's TP group (in group-rank order); ``mesh.all_groups("pp")``: every PP group;
+    ``mesh.group("dp")`` / ``mesh.dp_group``: this rank's process group; ``mesh.dp_rank`` etc.:
+    this rank's coordinates.
+    """
+
+    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, *, world_size: int | None = None,
+                 groups: bool = True):
+        sizes = {"dp": dp, "pp": pp, "tp": tp}
+        for axis, n in sizes.items():
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"{axis}={n!r}: every mesh degree must be a positive integer")
+        self.sizes = sizes
+        self.dp, self.pp, self.tp = dp, pp, tp
+        distributed = dist.is_available() and dist.is_initialized()
+        if world_size is None:
+            world_size = dist.get_world_size() if distributed else dp * pp * tp
+        if dp * pp * tp != world_size:
+            raise ValueError(f"mesh dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} ranks, but the world has "
+                             f"{world_size}: choose degrees whose product is {world_size} "
+                             f"(e.g. {_suggest(world_size)}) or launch with world_size={dp * tp * pp}")
+        self.world_size = world_size
+        self.grid = torch.arange(world_size).view(dp, pp, tp)
+        self.rank = dist.get_rank() if distributed else None
+        self._groups: dict[str, object] = {}
+        if distributed and groups:
+            self._create_groups()
+
+    # -- the layout (pure) -------------------------------------------------------------------
+    def coords(self, rank: int | None = None) -> Coord:
+        """The (dp, pp, tp) coordinates of ``rank`` (default: this rank), found by lookup in the grid."""
+        rank = self._me(rank)
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not in a mesh of {self.world_size} ranks")
+        d, p, t = (self.grid == rank).nonzero()[0].tolist()
+        return Coord(d, p, t)
+
+    def rank_at(self, dp: int = 0, pp: int = 0, tp: int = 0) -> int:
+        """The global rank at a coordinate."""
+        return int(self.grid[dp, pp, tp])
+
+    def all_groups(self, axis: str) -> list[list[int]]:
+        """Every group along ``axis``, each a list of global ranks in group-rank order.
+
+        Move ``axis`` last and read the grid row by row: each row varies only along ``axis``.
+        """
+        k = self._axis(axis)
+        order = [i for i in range(3) if i != k] + [k]
+        return self.grid.permute(*order).reshape(-1, self.grid.shape[k]).tolist()
+
+    def ranks(self, axis: str, rank: int | None = None) -> list[int]:
+        """The members of ``rank``'s group along ``axis`` (``rank`` included), in group-rank order."""
+        self._axis(axis)
+        c = self.coords(rank)
+        index = [slice(None) if a == axis else getattr(c, a) for a in AXES]
+        return self.grid[tuple(index)].tolist()
+
+    def links(self, rank: int | None = None) -> dict[str, list[int]]:
+        """The ranks ``rank`` talks to on each axis (its group members other than itself)."""
+        me = self._me(rank)
+        return {axis: [r for r in self.ranks(axis, me) if r != me] for axis in AXES}
+
+    # -- this rank's groups ------------------------------------------------------------------
+    def group(self, axis: str):
+        """This rank's process group along ``axis`` (only inside a launched rank)."""
+        self._axis(axis)
+        if axis not in self._groups:
+            raise RuntimeError("this Mesh has no process groups: build it inside a launched rank "
+                               "(dl.launch) with groups=True")
+        return self._groups[axis]
+
+    @property
+    def dp_group(self):
+        return self.group("dp")
+
+    @property
+    def pp_group(self):
+        return self.group("pp")
+
+    @property
+    def tp_group(self):
+        return self.group("tp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords().dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords().pp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords().tp
+
+    def _create_groups(self) -> None:
+        """Every rank creates every group, axis by axis in `AXES` order, and keeps the ones it is in."""
+        for axis in AXES:
+            for members in self.all_groups(axis):
+                group = dist.new_group(members)
+                if self.rank in members:
+                    self._groups[axis] = group
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _me(self, rank: int | None) -> int:
+        if rank is not None:
+            return int(rank)
+        if self.rank is None:
+            raise ValueError("outside a launched rank pass rank= explicitly")
+        return self.rank
+
+    @staticmethod
+    def _axis(axis: str) -> int:
+        if axis not in AXES:
+            raise ValueError(f"unknown mesh axis {axis!r}: choose one of {AXES}")
+        return AXES.index(axis)
+
+    def table(self) -> str:
+        """The grid as text: one line per (dp, pp), the ranks along tp."""
+        lines = [" " * 12 + "".join(f"tp={t:<4d}" for t in range(self.tp))]
+        for d in range(self.dp):
+            for p in range(self.pp):
+                lines.append(f"dp={d} pp={p}  " + "".join(f"{int(r):<7d}" for r in self.grid[d, p]))
+        return "\n".join(line.rstrip() for line in lines)
+
+    def __repr__(self) -> str:
+        where = "" if self.rank is None else f", rank {self.rank} at {self.coords()}"
+        return f"Mesh(dp={self.dp}, tp={self.tp}, pp={self.pp}{where})"
+
+
+def _suggest(world: int) -> str:
+    for tp in (2, 1):
+        for pp in (2, 1):
+            if world % (tp * pp) == 0:
+                return f"dp={world // (tp * pp)}, tp={tp}, pp={pp}"
+    return f"dp={world}, tp=1, pp=1"
