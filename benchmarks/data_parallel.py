@@ -1,0 +1,279 @@
+"""distlab's data parallelism beside torch's own, on the same model and data, in one run.
+
+    python benchmarks/data_parallel.py                        # gpt-small, 2 and 4 ranks, gloo on CPU
+    python benchmarks/data_parallel.py --ranks 2 --steps 30 --rows 16
+
+Three pairs, each side built from the same seed (identical weights) and fed the same batches:
+
+    pair    distlab                                   torch
+    ddp     dl.DDP(model) + AdamW                     DistributedDataParallel(model, gradient_as_bucket_view=True) + AdamW
+    zero1   model + dl.ShardedOptimizer(AdamW)        DistributedDataParallel + ZeroRedundancyOptimizer(AdamW)
+    zero3   dl.ZeRO(model, stage=3, AdamW)            fully_shard(each block), fully_shard(model) (FSDP2) + AdamW
+
+Both DDPs use 25 MB buckets and overlap communication with backward; both ZeRO-3s gather per transformer
+block (the root module holds the embeddings, final norm and head) and reshard after forward.
+
+Step time: zero_grad + forward + backward + optimizer step, behind a barrier; for each step the slowest
+rank's time; the median over the steps after warm-up. All six implementations live in one launch and take
+their steps in turn (the two sides of a pair alternating which goes first), so they see the same background
+load. Memory per rank: the model states (parameters, gradients, optimizer state) counted by distinct storage
+after backward and after the optimizer step (the larger of the two per category: a ZeRO optimizer may free its
+gradient shards inside ``step``), from each side's own tensors (a DTensor counts its local shard); on CUDA also
+the allocator's peak for each implementation run alone. Losses of the two sides of a pair must agree.
+Writes <out>.json and <out>.png.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import distlab as dl  # noqa: E402
+from distlab.models import PRESETS, build, dataset_for  # noqa: E402
+from distlab.parallel.flat import storage_bytes  # noqa: E402
+
+PAIRS = {"ddp": ("dl.DDP", "torch DDP"), "zero1": ("dl.ShardedOptimizer", "torch ZeroRedundancyOptimizer"),
+         "zero3": ("dl.ZeRO stage 3", "torch FSDP2 fully_shard")}
+STATES = ("params", "grads", "optimizer")
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _torch_states(model, optimizer) -> dict[str, int]:
+    """Model-state bytes of a torch-side implementation, by distinct storage (DTensors: the local shard)."""
+    inner = getattr(optimizer, "optim", optimizer)            # ZeroRedundancyOptimizer wraps the local one
+    state = [_local(t) for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    params = list(model.parameters())
+    return {"params": storage_bytes(_local(p) for p in params),
+            "grads": storage_bytes(_local(p.grad) for p in params if p.grad is not None),
+            "optimizer": storage_bytes(state)}
+
+
+class Impl:
+    """One implementation: ``step(x, y) -> loss`` and ``states()`` (model-state bytes on this rank)."""
+
+    def __init__(self, name: str, model_name: str, seed: int, lr: float, zero3_prefetch: bool):
+        self.name = name
+        gpt = build(model_name, seed).to(dl.device())
+        adamw = dict(lr=lr)
+        if name == "dl.DDP":
+            self.model = dl.DDP(gpt)
+            self.opt = torch.optim.AdamW(gpt.parameters(), **adamw)
+            self.states = lambda: {**self.model.memory_bytes(self.opt)}
+        elif name == "torch DDP":
+            from torch.nn.parallel import DistributedDataParallel
+            self.model = DistributedDataParallel(gpt, gradient_as_bucket_view=True)
+            self.opt = torch.optim.AdamW(gpt.parameters(), **adamw)
+            self.states = lambda: _torch_states(gpt, self.opt)
+        elif name == "dl.ShardedOptimizer":
+            self.model = gpt
+            self.opt = dl.ShardedOptimizer(gpt.parameters(), torch.optim.AdamW, **adamw)
+            self.states = lambda: {"params": storage_bytes(b.full for b in self.opt.buckets),
+                                   "grads": storage_bytes(p.grad for p in gpt.parameters()),
+                                   "optimizer": self.opt.state_bytes()}
+        elif name == "torch ZeroRedundancyOptimizer":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            from torch.nn.parallel import DistributedDataParallel
+            self.model = DistributedDataParallel(gpt, gradient_as_bucket_view=True)
+            self.opt = ZeroRedundancyOptimizer(gpt.parameters(), optimizer_class=torch.optim.AdamW, **adamw)
+            self.states = lambda: _torch_states(gpt, self.opt)
+        elif name == "dl.ZeRO stage 3":
+            self.model = dl.ZeRO(gpt, stage=3, optim=torch.optim.AdamW, prefetch=zero3_prefetch, **adamw)
+            self.opt = self.model.optimizer
+            self.states = lambda: {k: v for k, v in self.model.memory_bytes().items() if k in STATES}
+        elif name == "torch FSDP2 fully_shard":
+            from torch.distributed.fsdp import fully_shard
+            for block in gpt.blocks:
+                fully_shard(block)
+            self.model = fully_shard(gpt)
+            self.opt = torch.optim.AdamW(gpt.parameters(), **adamw)
+            self.states = lambda: _torch_states(gpt, self.opt)
+        else:
+            raise ValueError(f"unknown implementation {name!r}")
+
+    def step(self, x, y, sample: bool = False):
+        """One training step; with ``sample``, ``self.peak`` gets each model-state category's larger value
+        of two samples, after backward (gradients present) and after the step (optimizer state present)."""
+        self.opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        before = self.states() if sample else None
+        self.opt.step()
+        if sample:
+            after = self.states()
+            self.peak = {c: max(before[c], after[c]) for c in STATES}
+        return loss.detach()
+
+
+def _sync():
+    if dl.device().type == "cuda":
+        torch.cuda.synchronize(dl.device())
+
+
+def measure(model: str, steps: int, warmup: int, rows: int, seed: int, lr: float, pairs: list[str],
+            zero3_prefetch: bool):
+    n, r, device = dl.world_size(), dl.rank(), dl.device()
+    data = dataset_for(model, seed)
+    names = [name for p in pairs for name in PAIRS[p]]
+    batches = [tuple(t.to(device) for t in data.batch(step, rows * n)) for step in range(warmup + steps)]
+    mine = lambda t: t.chunk(n)[r]                                          # noqa: E731
+    cuda_peak = {}
+    if device.type == "cuda":                     # each implementation alone, for the allocator's peak
+        for name in names:
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            impl = Impl(name, model, seed, lr, zero3_prefetch)
+            for x, y in batches[:2]:
+                impl.step(mine(x), mine(y))
+            _sync()
+            cuda_peak[name] = torch.cuda.max_memory_allocated(device) - base
+            del impl
+    impls = {name: Impl(name, model, seed, lr, zero3_prefetch) for name in names}
+    times = {name: [] for name in names}
+    losses = {name: [] for name in names}
+    states = {}
+    for step, (x, y) in enumerate(batches):
+        for pair in pairs:
+            order = PAIRS[pair] if step % 2 == 0 else PAIRS[pair][::-1]
+            for name in order:
+                dl.tracer().clear()
+                dist.barrier()
+                _sync()
+                t0 = time.perf_counter()
+                loss = impls[name].step(mine(x), mine(y))
+                _sync()
+                elapsed = time.perf_counter() - t0
+                if step >= warmup:
+                    times[name].append(elapsed)
+                losses[name].append(loss)
+    for name in names:                           # one more, untimed step that samples the model states
+        x, y = batches[-1]
+        impls[name].step(mine(x), mine(y), sample=True)
+        states[name] = impls[name].peak
+    for name in names:                           # the global mean loss, for comparing the two sides
+        t = torch.stack(losses[name]).float()
+        dist.all_reduce(t)
+        losses[name] = (t / n).tolist()
+    return {"times": times, "losses": losses, "states": states, "cuda_peak": cuda_peak}
+
+
+def summarise(per_rank: list[dict], n: int, pairs: list[str]) -> dict:
+    out = {"world_size": n, "pairs": {}}
+    for pair in pairs:
+        row = {}
+        for name in PAIRS[pair]:
+            k = len(per_rank[0]["times"][name])
+            slowest = [max(rk["times"][name][i] for rk in per_rank) for i in range(k)]
+            states = [rk["states"][name] for rk in per_rank]
+            row[name] = {"median_step_s": statistics.median(slowest), "steps": k,
+                         "states_per_rank": [{c: s[c] for c in STATES} for s in states],
+                         "max_states_bytes": max(sum(s[c] for c in STATES) for s in states),
+                         "losses": per_rank[0]["losses"][name]}
+            if per_rank[0]["cuda_peak"]:
+                row[name]["cuda_peak_bytes"] = max(rk["cuda_peak"][name] for rk in per_rank)
+        ours, theirs = PAIRS[pair]
+        row["time_ratio_dl_over_torch"] = row[ours]["median_step_s"] / row[theirs]["median_step_s"]
+        row["memory_ratio_dl_over_torch"] = row[ours]["max_states_bytes"] / row[theirs]["max_states_bytes"]
+        a, b = row[ours]["losses"], row[theirs]["losses"]
+        row["max_rel_loss_diff"] = max(abs(x - y) / abs(y) for x, y in zip(a, b))
+        out["pairs"][pair] = row
+    return out
+
+
+def plot(rows: list[dict], path: str, model: str, pairs: list[str]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(13, 4.4))
+    labels, width = [], 0.38
+    for i, (row, pair) in enumerate((row, pair) for row in rows for pair in pairs):
+        ours, theirs = PAIRS[pair]
+        res = row["pairs"][pair]
+        labels.append(f"{pair}\nN={row['world_size']}")
+        for k, (name, colour) in enumerate(((ours, "#4C72B0"), (theirs, "#DD8452"))):
+            ax_t.bar(i + (k - 0.5) * width, res[name]["median_step_s"] * 1e3, width, color=colour,
+                     label=("distlab" if k == 0 else "torch") if i == 0 else None)
+            ax_m.bar(i + (k - 0.5) * width, res[name]["max_states_bytes"] / 2**20, width, color=colour,
+                     label=("distlab" if k == 0 else "torch") if i == 0 else None)
+        top = max(res[ours]["median_step_s"], res[theirs]["median_step_s"]) * 1e3
+        ax_t.text(i, top * 1.02, f"{res['time_ratio_dl_over_torch']:.2f}x", ha="center", fontsize=8)
+        top = max(res[ours]["max_states_bytes"], res[theirs]["max_states_bytes"]) / 2**20
+        ax_m.text(i, top * 1.02, f"{res['memory_ratio_dl_over_torch']:.3f}x", ha="center", fontsize=8)
+    for ax in (ax_t, ax_m):
+        ax.set_xticks(range(len(labels)), labels, fontsize=8)
+        ax.legend(fontsize=8)
+    ax_t.set(ylabel="median step time (ms), slowest rank", title=f"{model}: step time (ratio distlab/torch)")
+    ax_m.set(ylabel="model states per rank (MiB), largest rank",
+             title="params + grads + optimizer state (ratio distlab/torch)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="gpt-small", choices=sorted(PRESETS))
+    p.add_argument("--ranks", default="2,4")
+    p.add_argument("--pairs", default="ddp,zero1,zero3")
+    p.add_argument("--steps", type=int, default=40, help="timed steps per implementation")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rows", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--zero3-prefetch", action="store_true", help="dl.ZeRO stage 3 with prefetch=True")
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                 "data_parallel"))
+    a = p.parse_args(argv)
+    pairs = a.pairs.split(",")
+    unknown = set(pairs) - set(PAIRS)
+    if unknown:
+        p.error(f"unknown pairs {sorted(unknown)}: choose from {sorted(PAIRS)}")
+    rows, backend, started = [], None, time.time()
+    for n in [int(x) for x in a.ranks.split(",")]:
+        run = dl.launch(measure, world_size=n, backend=a.backend, output="live", timeout=1800,
+                        args=(a.model, a.steps, a.warmup, a.rows, a.seed, a.lr, pairs, a.zero3_prefetch))
+        backend = run.backend
+        rows.append(summarise(run.results, n, pairs))
+        for pair in pairs:
+            res, (ours, theirs) = rows[-1]["pairs"][pair], PAIRS[pair]
+            print(f"N={n} {pair:5}: {ours} {res[ours]['median_step_s'] * 1e3:7.1f} ms, {theirs} "
+                  f"{res[theirs]['median_step_s'] * 1e3:7.1f} ms (x{res['time_ratio_dl_over_torch']:.2f}); "
+                  f"model states {res[ours]['max_states_bytes']} vs {res[theirs]['max_states_bytes']} B "
+                  f"(x{res['memory_ratio_dl_over_torch']:.3f}); loss diff {res['max_rel_loss_diff']:.1e}",
+                  flush=True)
+    meta = {"backend": backend, "model": a.model, "rows_per_rank": a.rows, "steps": a.steps, "warmup": a.warmup,
+            "zero3_prefetch": a.zero3_prefetch, "torch": torch.__version__, "python": platform.python_version(),
+            "machine": platform.machine(), "cpus": os.cpu_count(), "cuda": torch.cuda.is_available(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(time.time() - started, 1),
+            "dtype": "float32", "optimizer": "AdamW",
+            "statistic": "median over steps of the slowest rank's step time (zero_grad+fwd+bwd+step)",
+            "memory": "model states (params, grads, optimizer state) by distinct storage, per category the larger "
+                      "of after-backward and after-step; "
+                      "cuda_peak_bytes: allocator peak of each implementation alone (CUDA only)",
+            "targets": {"ddp": "time <= 1.05x torch DDP", "zero1": "memory <= torch ZeroRedundancyOptimizer",
+                        "zero3": "time <= 1.2x FSDP2, memory <= FSDP2"},
+            "load_average": os.getloadavg()}
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out + ".json", "w") as f:
+        json.dump({"meta": meta, "results": rows}, f, indent=1)
+    plot(rows, a.out + ".png", a.model, pairs)
+    print(f"wrote {a.out}.json and {a.out}.png")
+
+
+if __name__ == "__main__":
+    main()
