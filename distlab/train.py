@@ -7,6 +7,10 @@
     report.comm[r]         # rank r's bytes: {"sent", "received", "sent_per_step", "sent_by_op"}
     report.run.trace       # everything recorded (None for "single", which runs in this process)
 
+Checkpoints (single, ddp, zero1-3; see `distlab.checkpoint`): ``checkpoint_dir=..., checkpoint_every=k``
+saves every k steps and at the end (``keep_last=n`` keeps the newest n); ``resume=True`` continues from
+the latest complete checkpoint, bit-exact; ``fail_at_step=s`` kills a rank on purpose (lessons, tests).
+
 A strategy is a ``train_rank(spec)`` function (`distlab.strategies`), run on every rank by
 `dl.launch`; ``single`` runs right here on one process and is the reference every strategy must match
 on the same global batch.
@@ -63,6 +67,7 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
                      lr=lr, optimizer=optimizer, weight_decay=weight_decay, grad_accum=grad_accum,
                      precision=precision, clip=clip, options={**(options or {}), **more_options})
     train_rank = load(strategy)
+    _check_checkpoint_options(spec)
     start = time.perf_counter()
     if strategy == "single":
         if world_size != 1:
@@ -86,3 +91,11 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
     params = next((r.params for r in results if r.params is not None), None)
     return Report(spec, world_size, holder.losses, params, run, [r.info.get("memory", {}) for r in results],
                   [r.info.get("comm", {}) for r in results], results, time.perf_counter() - start)
+
+
+def _check_checkpoint_options(spec: TrainSpec) -> None:
+    """Checkpoint options on a strategy that does not checkpoint yet would be silently ignored: refuse."""
+    from .checkpoint.training import SUPPORTED, requested
+    if requested(spec.options) and spec.strategy not in SUPPORTED:
+        raise ValueError(f"checkpointing (checkpoint_dir, resume, fail_at_step, ...) is implemented for "
+                         f"{SUPPORTED}, not {spec.strategy!r}: drop those options or pick one of these")

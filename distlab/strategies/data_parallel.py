@@ -15,7 +15,9 @@ reduce-scatters and holds full gradients meanwhile, undoing ZeRO-3's gradient sh
 
 ``spec.options`` (all optional): ``bucket_mb`` (25.0), ``overlap`` (True), ``comm`` ("torch" or
 "ring"), ``naive`` (DDP, False), ``prefetch`` (ZeRO-3, False), ``no_sync`` (accumulate locally;
-True except for ZeRO-3).
+True except for ZeRO-3). Checkpoints: ``checkpoint_dir``, ``checkpoint_every``, ``keep_last``,
+``resume`` (True: the latest; or a step), and fault injection ``fail_at_step``/``fail_rank``/``fail_in``
+(see `distlab.checkpoint.training`).
 """
 from __future__ import annotations
 
@@ -118,8 +120,13 @@ def train_rank(spec: TrainSpec) -> RankResult:
     no_sync = getattr(wrapped, "no_sync", None)
     if not spec.options.get("no_sync", spec.strategy != "zero3"):
         no_sync = None                                    # communicate on every micro-step
-    losses, t_start = [], tr.now()
-    for step in range(spec.steps):
+    from ..checkpoint import training as checkpointing   # lazy: only runs that ask pay for it
+    ckpt = checkpointing.for_spec(spec)
+    start, losses = ckpt.resume(model, wrapped, opt) if ckpt else (0, [])
+    t_start = tr.now()
+    for step in range(start, spec.steps):
+        if ckpt:
+            ckpt.before_step(step)                        # fault injection (fail_at_step)
         tr.mark("step", step=step)
         step_loss = 0.0
         for micro in range(spec.grad_accum):
@@ -146,15 +153,20 @@ def train_rank(spec: TrainSpec) -> RankResult:
         ledger.sample("step", **memory_bytes())
         opt.zero_grad()
         losses.append(step_loss)
+        if ckpt:
+            with tr.span("checkpoint", cat="io", step=step + 1):
+                ckpt.after_step(step + 1, model, wrapped, opt, losses)
     t_end = tr.now()
-    comm = _comm_totals(tr, t_start, t_end, spec.steps)
+    comm = _comm_totals(tr, t_start, t_end, max(1, spec.steps - start))
     losses = _global_losses(losses, n)
     state = wrapped.full_state_dict() if hasattr(wrapped, "full_state_dict") else model.state_dict()
     params = {k: v.detach().float().cpu().clone() for k, v in state.items()} if r == 0 else None
     if hasattr(wrapped, "comm"):
         wrapped.comm.close()
-    return RankResult(losses=losses if r == 0 else None, params=params,
-                      info={"memory": ledger.as_dict(), "comm": comm})
+    info = {"memory": ledger.as_dict(), "comm": comm}
+    if ckpt:
+        info["checkpoint"] = ckpt.summary(start)
+    return RankResult(losses=losses if r == 0 else None, params=params, info=info)
 
 
 def _comm_totals(tr, t_start: float, t_end: float, steps: int) -> dict:

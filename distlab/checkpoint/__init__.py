@@ -1,0 +1,15 @@
+"""`dl.checkpoint`: sharded, atomic, resumable checkpoints.
+
+    dl.checkpoint.save("ck", step, state, replicated=None, group=None, keep_last=None)  # on every rank
+    state = dl.checkpoint.load("ck", step="latest")     # this rank's state, weights_only=True, verified
+    dl.checkpoint.latest("ck"); dl.checkpoint.steps("ck"); dl.checkpoint.manifest("ck", step)
+
+    dl.train("zero2", world_size=4, steps=20, checkpoint_dir="ck", checkpoint_every=5, keep_last=2)
+    dl.train("zero2", world_size=4, steps=20, checkpoint_dir="ck", resume=True)   # bit-exact continuation
+
+Files: `store` (the on-disk format and the atomic commit), `training` (what each strategy of
+`dl.train` saves and restores; fault injection with ``fail_at_step``).
+"""
+from .store import CheckpointError, latest, load, manifest, save, steps
+
+__all__ = ["save", "load", "latest", "steps", "manifest", "CheckpointError"]

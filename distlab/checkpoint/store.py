@@ -1,0 +1,287 @@
+"""Sharded, atomic checkpoints on disk: every rank writes what it owns, rank 0 commits with one rename.
+
+    directory/
+      step_4/                 a complete checkpoint (it has a manifest: it was renamed into place)
+        manifest.json         world size, step, meta, and per shard: file, bytes, sha256, replicated_from
+        rank_0.pt             rank 0's own state + the replicated state of its replica group
+        rank_1.pt             rank 1's own state (e.g. its ZeRO optimizer shard)
+      step_6.tmp/             an interrupted save: never loaded, removed by the next save
+
+The commit protocol (the same idea as torch.distributed.checkpoint and Megatron's, reduced to its bones):
+
+    rank 0:  remove stale *.tmp, mkdir step_N.tmp            -- barrier --
+    rank r:  torch.save -> step_N.tmp/rank_r.pt, fsync       -- all-gather (bytes, sha256): a barrier --
+    rank 0:  write manifest.json, fsync, rename step_N.tmp -> step_N, fsync directory, rotate keep_last
+    all:     receive rank 0's verdict (raise together if the commit failed)
+
+``rename`` is atomic on POSIX file systems, so a reader sees either no ``step_N`` or a complete
+one; a crash anywhere before it leaves only ``step_N.tmp``. Rotation renames a victim to ``.tmp``
+before deleting it, so a crash mid-delete cannot leave a half-deleted "complete" checkpoint.
+All ranks must see the same file system (one machine, or a shared mount).
+
+Replicated state (DDP's model and optimizer, ZeRO-1/2's parameters) is written once, by the first
+rank of its replica ``group``; every rank's manifest entry records where to read it from. Loading
+uses ``torch.load(..., weights_only=True)``: tensors, numbers, strings and containers only, no
+arbitrary pickled code from a checkpoint someone handed you.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+FORMAT = "distlab-checkpoint/1"
+MANIFEST = "manifest.json"
+_COMPLETE = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, corrupt, or does not fit this run; the message says what to do."""
+
+
+# -- where am I ------------------------------------------------------------------------------------
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _replica_writer(group) -> int:
+    """Global rank that writes the replicated state for ``group`` (its first member; 0 by default)."""
+    if group is None or not dist.is_initialized():
+        return 0
+    return dist.get_global_rank(group, 0)
+
+
+def _all_gather(obj) -> list:
+    _, n = _rank_world()
+    if n == 1:
+        return [obj]
+    out = [None] * n
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(obj):
+    if _rank_world()[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# -- listing ---------------------------------------------------------------------------------------
+def steps(directory) -> list[int]:
+    """Steps with a complete checkpoint in ``directory`` (a ``step_N`` with a manifest), ascending."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for entry in directory.iterdir():
+        m = _COMPLETE.match(entry.name)
+        if m and (entry / MANIFEST).is_file():
+            found.append(int(m.group(1)))
+    return sorted(found)
+
+
+def latest(directory) -> int | None:
+    """The newest complete step in ``directory``, or None; interrupted ``.tmp`` saves are ignored."""
+    found = steps(directory)
+    return found[-1] if found else None
+
+
+def manifest(directory, step: int | str = "latest") -> dict:
+    """The manifest of checkpoint ``step`` (default: the latest complete one)."""
+    path = _step_dir(directory, step) / MANIFEST
+    with open(path) as f:
+        data = json.load(f)
+    if data.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a {FORMAT} manifest (format={data.get('format')!r})")
+    return data
+
+
+def _step_dir(directory, step: int | str) -> Path:
+    directory = Path(directory)
+    if step == "latest":
+        step = latest(directory)
+        if step is None:
+            extra = sorted(p.name for p in directory.glob("*.tmp")) if directory.is_dir() else []
+            note = f" (only interrupted saves, which are never loaded: {extra})" if extra else ""
+            raise CheckpointError(f"no complete checkpoint in {directory}{note}: train without resume first")
+    path = directory / f"step_{int(step)}"
+    if not (path / MANIFEST).is_file():
+        raise CheckpointError(f"no complete checkpoint for step {step} in {directory}; "
+                              f"complete steps: {steps(directory)}")
+    return path
+
+
+# -- saving ----------------------------------------------------------------------------------------
+def save(directory, step: int, state: dict, *, replicated: dict | None = None, group=None,
+         keep_last: int | None = None, meta: dict | None = None,
+         hook: Callable[[str], None] | None = None) -> Path:
+    """Save checkpoint ``step``; call on every rank (a collective). Returns the ``step_N`` path.
+
+    ``state``: what this rank alone owns (its ZeRO shards, its loss history), written by every rank.
+    ``replicated``: state identical across the replica ``group`` (default: all ranks), written only by
+    the group's first rank. ``keep_last``: keep the newest k complete checkpoints, delete older ones.
+    ``meta``: JSON-able facts for the manifest (strategy, model, ...). ``hook(stage)`` is called at
+    "prepared", "written" and (rank 0) "committing": a place to inject faults in tests and lessons.
+    """
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 (or None to keep all), got {keep_last}")
+    if int(step) != step or step < 0:
+        raise ValueError(f"step must be a non-negative integer, got {step!r}")
+    clash = set(state) & set(replicated or {})
+    if clash:
+        raise ValueError(f"keys {sorted(clash)} are in both state and replicated: rename one of them")
+    directory, step = Path(directory), int(step)
+    r, n = _rank_world()
+    writer = _replica_writer(group)
+    tmp = directory / f"step_{step}.tmp"
+    if r == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in directory.glob("*.tmp"):
+            shutil.rmtree(stale, ignore_errors=True)      # earlier interrupted saves
+        tmp.mkdir()
+    _all_gather(None)                                      # barrier: the .tmp directory exists
+    _call(hook, "prepared")
+
+    payload = {"step": step, "rank": r, "world_size": n, "state": _compact(state)}
+    if replicated is not None and r == writer:
+        payload["replicated"] = _compact(replicated)
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    data = buf.getbuffer()
+    name = f"rank_{r}.pt"
+    _write_synced(tmp / name, data)
+    entry = {"rank": r, "file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+             "has_replicated": "replicated" in payload,
+             "replicated_from": writer if replicated is not None else None}
+    _call(hook, "written")
+    entries = _all_gather(entry)                           # barrier: every shard is on disk
+
+    verdict = None
+    if r == 0:
+        try:
+            _call(hook, "committing")
+            verdict = _commit(directory, step, tmp, entries, n, meta or {}, keep_last)
+        except Exception as err:                           # tell the others instead of leaving them waiting
+            verdict = f"{type(err).__name__}: {err}"
+    verdict = _broadcast(verdict)
+    if verdict is not None:
+        raise CheckpointError(f"saving step {step} to {directory} failed on rank 0: {verdict}")
+    return directory / f"step_{step}"
+
+
+def _commit(directory: Path, step: int, tmp: Path, entries: list[dict], n: int, meta: dict,
+            keep_last: int | None) -> None:
+    for e in entries:
+        src = e["replicated_from"]
+        if src is not None and not entries[src]["has_replicated"]:
+            raise CheckpointError(f"rank {e['rank']} expects replicated state from rank {src}, which passed "
+                                  f"none: pass replicated= on every rank of the group")
+    record = {"format": FORMAT, "step": step, "world_size": n, "meta": meta, "shards": entries,
+              "total_bytes": sum(e["bytes"] for e in entries)}
+    _write_synced(tmp / MANIFEST, json.dumps(record, indent=1, sort_keys=True).encode())
+    _fsync_dir(tmp)
+    final = directory / f"step_{step}"
+    if final.exists():                                     # re-saving a step: move the old one aside first
+        aside = directory / f"step_{step}.replaced.tmp"
+        os.replace(final, aside)
+        os.replace(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(tmp, final)                             # the commit point
+    _fsync_dir(directory)
+    if keep_last is not None:
+        for old in steps(directory)[:-keep_last]:
+            victim = directory / f"step_{old}.deleting.tmp"
+            os.replace(directory / f"step_{old}", victim)  # no longer "complete" before any file goes
+            shutil.rmtree(victim, ignore_errors=True)
+        _fsync_dir(directory)
+
+
+def _compact(obj, memo: dict | None = None):
+    """Detached CPU copies of the tensors in ``obj``; views are cloned, so a 1/N shard that is a view
+    of a full flat buffer saves 1/N of the bytes, not the whole buffer (torch.save writes storages)."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in memo:
+            t = obj.detach()
+            whole = t.untyped_storage().nbytes() == t.numel() * t.element_size()
+            memo[id(obj)] = t.cpu() if whole else t.cpu().clone()
+        return memo[id(obj)]
+    if isinstance(obj, dict):
+        return {k: _compact(v, memo) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_compact(v, memo) for v in obj)
+    return obj
+
+
+def _write_synced(path: Path, data) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _call(hook, stage: str) -> None:
+    if hook is not None:
+        hook(stage)
+
+
+# -- loading ---------------------------------------------------------------------------------------
+def load(directory, step: int | str = "latest", *, map_location="cpu", verify: bool = True) -> dict:
+    """This rank's state of checkpoint ``step`` (default: the latest complete one): its own ``state``
+    merged with the ``replicated`` state of its replica group. Call on every rank (no communication).
+
+    Checks the world size (it must equal the one that saved) and, with ``verify``, each file's sha256.
+    """
+    path = _step_dir(directory, step)
+    info = manifest(directory, step)
+    r, n = _rank_world()
+    if info["world_size"] != n:
+        raise CheckpointError(
+            f"checkpoint {path} was saved by {info['world_size']} ranks, this run has {n}: resume with "
+            f"world_size={info['world_size']} (each rank's shard belongs to the rank that wrote it), or "
+            f"start a new run without resume")
+    entry = info["shards"][r]
+    own = _read(path, entry, verify, map_location)
+    if own.get("rank") != r or own.get("step") != info["step"]:
+        raise CheckpointError(f"{path / entry['file']} holds rank {own.get('rank')} step {own.get('step')}, "
+                              f"expected rank {r} step {info['step']}: the directory was tampered with")
+    out = dict(own["state"])
+    src = entry["replicated_from"]
+    if src is not None:
+        holder = own if src == r else _read(path, info["shards"][src], verify, map_location)
+        out.update(holder["replicated"])
+    return out
+
+
+def _read(path: Path, entry: dict, verify: bool, map_location) -> dict:
+    file = path / entry["file"]
+    try:
+        data = file.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} is missing: the checkpoint is incomplete; load an earlier step "
+                              f"(complete: {steps(path.parent)})") from None
+    if verify and (len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]):
+        raise CheckpointError(f"{file} does not match its manifest (size or sha256): the file is corrupt; "
+                              f"load an earlier step (complete: {steps(path.parent)})")
+    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
