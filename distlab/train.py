@@ -68,6 +68,7 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
                      precision=precision, clip=clip, options={**(options or {}), **more_options})
     train_rank = load(strategy)
     _check_checkpoint_options(spec)
+    _check_mesh(spec, world_size)
     start = time.perf_counter()
     if strategy == "single":
         if world_size != 1:
@@ -91,6 +92,15 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
     params = next((r.params for r in results if r.params is not None), None)
     return Report(spec, world_size, holder.losses, params, run, [r.info.get("memory", {}) for r in results],
                   [r.info.get("comm", {}) for r in results], results, time.perf_counter() - start)
+
+
+def _check_mesh(spec: TrainSpec, world_size: int) -> None:
+    """A 3D mesh whose degrees do not multiply to the world size fails here, before any rank starts."""
+    if spec.strategy.startswith("3d:"):
+        from .parallel.mesh import Mesh
+        from .strategies.mesh import parse
+        degrees = parse(spec.strategy, spec.options)
+        Mesh(degrees["dp"], degrees["tp"], degrees["pp"], world_size=world_size, groups=False)
 
 
 def _check_checkpoint_options(spec: TrainSpec) -> None:

@@ -152,3 +152,10 @@ def test_3d_options_match_single(name, kw):
     # Adam turns k.bias's rounding noise (true gradient 0) into lr-sized steps of random sign
     skip = {n for n in ref.params if n.endswith("attn.k.bias")} if kw["optimizer"] != "sgd" else ()
     _assert_matches_single(report, ref, skip)
+
+
+def test_train_refuses_a_mesh_that_does_not_fill_the_world_before_launching():
+    from _processes import child_pids
+    with pytest.raises(ValueError, match="launch with world_size=8"):
+        dl.train("3d:dp=2,tp=2,pp=2", world_size=4, steps=1)
+    assert child_pids() == []
