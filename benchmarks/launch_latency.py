@@ -87,7 +87,7 @@ def main() -> None:
         "target": {"distlab fork median_s <=": target,
                    "met": summary["distlab fork"]["median_s"] <= target},
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__,
-                    "platform": platform.platform()},
+                    "platform": platform.platform(), "load_average": list(os.getloadavg())},
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "launch_latency.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -39,7 +39,8 @@ def launch_latency() -> list[str]:
             for name, s in d["results"].items()]
     met = "met" if d["target"]["met"] else "**not met**"
     return [f"**Launch latency** ({d['ranks']} ranks, process group + barrier + trivial function; "
-            f"`benchmarks/launch_latency.py`). Target: distlab fork median <= 0.15 s, {met}.", "",
+            f"`benchmarks/launch_latency.py`). Target: distlab fork median <= 0.15 s, {met}."
+            f"{_load_note(d['machine'])}", "",
             "| launcher | median | min | repeats |", "|---|---|---|---|", *rows, ""]
 
 
