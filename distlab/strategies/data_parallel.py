@@ -14,7 +14,8 @@ reduce-scatters and holds full gradients meanwhile, undoing ZeRO-3's gradient sh
 `distlab.parallel.zero.engine`); pass ``no_sync=True`` to make that trade.
 
 ``spec.options`` (all optional): ``bucket_mb`` (25.0), ``overlap`` (True), ``comm`` ("torch" or
-"ring"), ``naive`` (DDP, False), ``prefetch`` (ZeRO-3, False), ``no_sync`` (accumulate locally;
+"ring"), ``naive`` (DDP, False), ``prefetch`` (ZeRO-3, False), ``max_inflight`` (ZeRO, 1: flat gradient
+buckets alive at once), ``no_sync`` (accumulate locally;
 True except for ZeRO-3). Checkpoints: ``checkpoint_dir``, ``checkpoint_every``, ``keep_last``,
 ``resume`` (True: the latest; or a step), and fault injection ``fail_at_step``/``fail_rank``/``fail_in``
 (see `distlab.checkpoint.training`).
@@ -34,7 +35,7 @@ from .base import (RankResult, TrainSpec, build_model, global_batch, loss_fn, ma
                    optimizer_class, optimizer_kwargs)
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
-OPTIONS = ("bucket_mb", "overlap", "comm", "naive", "prefetch", "no_sync")
+OPTIONS = ("bucket_mb", "overlap", "comm", "naive", "prefetch", "no_sync", "max_inflight")
 
 
 class LocalOptimizer:
@@ -92,7 +93,7 @@ def _wrap(spec: TrainSpec, model: torch.nn.Module):
     stage = int(spec.strategy[-1])
     zero = ZeRO(model, stage=stage, optim=optimizer_class(spec), bucket_mb=opts.get("bucket_mb", 25.0),
                 overlap=opts.get("overlap", True), prefetch=opts.get("prefetch", False), comm=comm,
-                **optimizer_kwargs(spec))
+                max_inflight=opts.get("max_inflight", 1), **optimizer_kwargs(spec))
     return zero, zero.optimizer, zero.memory_bytes
 
 

@@ -75,8 +75,8 @@ md("""
 on every rank: the exact bytes of the distinct storages holding parameters, gradients and optimizer state
 (Adam's `exp_avg`, `exp_avg_sq` and `step`), sampled after forward, after backward and after the optimizer step.
 Two more categories are measured but not part of the model states: **activations** (tensors autograd saved for
-backward, counted with saved-tensor hooks) and **buffers** (ZeRO-2's flat gradient buckets waiting for their
-reduce-scatter, ZeRO-3's gathered parameters).
+backward, counted with saved-tensor hooks) and **buffers** (flat gradient buckets waiting for their
+reduce-scatter, in every ZeRO stage, and ZeRO-3's gathered parameters).
 
 Every strategy must still train exactly like one process on the whole batch; we check that first.
 """)
@@ -124,10 +124,20 @@ What else is in the solid bars:
   recomputation and sequence parallelism (lesson 04) attack.
 * **buffers** (purple): ZeRO-3 gathers one *unit* (a transformer block, or the root module with the embeddings
   and the head) at a time, so its transient parameters are about one block plus the root, not the whole model.
-  ZeRO-2 copies each gradient bucket into a flat buffer for its reduce-scatter; distlab keeps every bucket's
-  buffer until backward ends, so at that moment it briefly holds a whole gradient's worth. Production ZeRO-2
-  (DeepSpeed's `reduce_bucket_size`) reuses a few fixed-size buckets and bounds this transient by the bucket size.
-
+  Every ZeRO stage copies each gradient bucket into a flat buffer for its reduce-scatter and frees it as soon as
+  that reduce-scatter has completed and its shard has been taken. At most `max_inflight` of them are alive at once
+  (default 1, like FSDP2's `set_reduce_scatter_max_input_buffers`; DeepSpeed's `reduce_bucket_size` buckets play
+  the same role), so this transient is about `bucket_mb`, not Psi. Here `bucket_mb` is the default 25 MB, larger
+  than this whole model, so one bucket *is* the whole gradient and the purple bars of ZeRO-1 and ZeRO-2 are 4 Psi.
+  Smaller buckets shrink them to the largest bucket, measured below.
+""")
+code("""
+small = dl.train("zero2", world_size=N, model=MODEL, steps=2, global_batch=8, bucket_mb=0.05)
+peak_buffers = max(small.memory[r]["peak"]["buffers"] for r in range(N))
+print(f"zero2, bucket_mb=0.05: peak flat-gradient buffers {peak_buffers / (4 * PSI):.3f} x 4 Psi")
+assert peak_buffers < PSI      # under a quarter of a whole fp32 gradient
+""")
+md("""
 ## 3. Bytes communicated per stage
 
 Per step and per rank, with Ψ the bytes of one gradient copy (ZeRO paper, Sec. 7):

@@ -5,7 +5,8 @@
     with model.no_sync(): loss.backward()          # gradient accumulation: no reduce-scatter (see engine)
 
 Files: `optimizer` (ShardedOptimizer, stage 1 and the optimizer of every stage), `engine` (ZeRO,
-stage 2's backward hooks), `stage3` (gather/free per unit). Layout helpers in `..flat`.
+stage 2's backward hooks), `stage3` (gather/free per unit), `reducer` (the bounded queue of gradient
+reduce-scatters every stage uses: flat buffers freed as each completes). Layout helpers in `..flat`.
 """
 from .engine import ZeRO
 from .optimizer import ShardedOptimizer

@@ -9,6 +9,12 @@ Per rank, for Psi parameters over N ranks with K bytes of optimizer state per pa
     2      4 Psi     4 Psi / N K Psi / N   2 (N-1)/N Psi        reduce-scatter each bucket *during* backward
     3      4 Psi / N 4 Psi / N K Psi / N   3 (N-1)/N Psi        params gathered per unit, forward and backward
 
+Transient ``buffers`` on top (the ledger's fifth category): a reduce-scatter needs its bucket's gradients
+in one flat buffer until it completes. At most ``max_inflight`` of them live at once (`reducer`): each is
+freed as soon as its shard has been taken, so ZeRO-1/2 hold about max_inflight x bucket_mb of them (ZeRO-1
+in step(), ZeRO-2 during backward), never the whole 4 Psi gradient unless one bucket is the whole model;
+ZeRO-3 holds about one unit: a gathered unit waits for room among them too (see `stage3`).
+
     model = dl.ZeRO(module, stage=2, optim=torch.optim.AdamW, lr=1e-3)
     loss = loss_fn(model(x), y); loss.backward()
     model.optimizer.step(); model.optimizer.zero_grad()
@@ -51,14 +57,18 @@ class ZeRO(nn.Module):
     """Wrap ``module`` for ZeRO ``stage`` 1, 2 or 3; ``.optimizer`` is the `ShardedOptimizer`.
 
     ``bucket_mb``: gradient bucket size (stages 1-2); ``overlap``: stage 2 launches each bucket's
-    reduce-scatter asynchronously during backward; ``units``: stage 3's gather units (default: the
-    children of every ``nn.ModuleList``, then the root); ``prefetch``: stage 3 gathers the next unit
-    early; ``comm``: "torch" or "ring". Remaining keyword arguments go to ``optim``.
+    reduce-scatter asynchronously during backward; ``max_inflight``: how many flat gradient buckets
+    (stage 3: units) may be reduce-scattering at once, the older ones waited for and freed first (1, as
+    FSDP2's ``set_reduce_scatter_max_input_buffers``; 2 hides a slow reduce-scatter under more backward
+    for one more bucket of memory); ``units``: stage 3's gather units (default: the children of every
+    ``nn.ModuleList``, then the root); ``prefetch``: stage 3 gathers the next unit early; ``comm``:
+    "torch" or "ring". Remaining keyword arguments go to ``optim``.
     """
 
     def __init__(self, module: nn.Module, stage: int = 1, optim: type[torch.optim.Optimizer] = torch.optim.AdamW,
                  *, bucket_mb: float = 25.0, overlap: bool = True, units: list[nn.Module] | None = None,
-                 prefetch: bool = False, comm: str = "torch", group=None, **optim_kwargs):
+                 prefetch: bool = False, comm: str = "torch", group=None, max_inflight: int = 1,
+                 **optim_kwargs):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3 (stage 0 is plain DDP: use dl.DDP), got {stage}")
@@ -69,20 +79,19 @@ class ZeRO(nn.Module):
                 self.comm.broadcast(t.data, src=0)
         self.stage3 = None
         self._sync = True                                   # False inside no_sync()
-        self._peak_buffers = 0                              # stage 2: flat gradient buckets in flight
         if stage == 3:
             units = units if units is not None else default_units(module)
             groups = unit_params(units)
             units = [u for u, g in zip(units, groups) if g]
             groups = [g for g in groups if g]
             self.optimizer = ShardedOptimizer(None, optim, comm=self.comm, groups=groups, sharded_params=True,
-                                              **optim_kwargs)
+                                              max_inflight=max_inflight, **optim_kwargs)
             self.stage3 = Stage3(units, self.optimizer, prefetch=prefetch)
         else:
             groups = bucketize(trainable(module.parameters()), bucket_mb)
-            self.optimizer = ShardedOptimizer(None, optim, comm=self.comm, groups=groups, **optim_kwargs)
+            self.optimizer = ShardedOptimizer(None, optim, comm=self.comm, groups=groups,
+                                              max_inflight=max_inflight, **optim_kwargs)
             if stage == 2:
-                self._pending: list = []
                 self.watcher = BackwardWatcher(groups, on_ready=self._bucket_ready, on_end=self._backward_done)
 
     def forward(self, *args, **kwargs):
@@ -113,22 +122,12 @@ class ZeRO(nn.Module):
     def _bucket_ready(self, b: int) -> None:
         if not self._sync:
             return                                          # no_sync: autograd keeps summing into p.grad
-        bucket = self.optimizer.buckets[b]
-        flat = bucket.flat_grads()                          # the bucket's full (accumulated) gradients, briefly
-        for p in bucket.params:
-            p.grad = None                                   # ...and no full gradient stays behind
-        shard = torch.empty(bucket.shard_numel, dtype=flat.dtype, device=flat.device)
-        handle = self.comm.reduce_scatter(flat, shard, op="avg", async_op=self.overlap)
-        self._pending.append((b, handle, shard, flat))
-        in_flight = sum(f.untyped_storage().nbytes() for *_, f in self._pending)
-        self._peak_buffers = max(self._peak_buffers, in_flight)
+        # pack the bucket's (accumulated) gradients into a flat buffer, drop p.grad, launch the
+        # reduce-scatter; older buckets beyond max_inflight are waited for and their buffers freed first
+        self.optimizer.reducer.submit(b, self.optimizer.buckets[b], async_op=self.overlap)
 
     def _backward_done(self) -> None:
-        for b, handle, shard, _flat in self._pending:
-            handle.wait()
-            prev = self.optimizer.grad_shards[b]
-            self.optimizer.grad_shards[b] = shard if prev is None else prev.add_(shard)
-        self._pending = []
+        self.optimizer.reducer.drain()
 
     # -- utilities -------------------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
@@ -147,14 +146,15 @@ class ZeRO(nn.Module):
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes this rank holds by category: params (shards, or full buckets), grads, optimizer state,
-        and ``buffers``: the most transient bytes since the last call (stage 3: gathered units;
-        stage 2: flat gradient buckets waiting for their reduce-scatter)."""
+        and ``buffers``: the most transient bytes alive at once since the last call: flat gradient
+        buckets waiting for their reduce-scatter (every stage; at most ``max_inflight`` of them), and
+        under stage 3 the gathered units beside them."""
         opt = self.optimizer
+        buffers = opt.reducer.take_peak()
         if self.stage3 is not None:
             params = storage_bytes(opt.shards)
-            buffers, self.stage3.peak_live = self.stage3.peak_live, self.stage3.live_bytes()
+            buffers = max(buffers, self.stage3.take_peak())
         else:
             params = storage_bytes(b.full for b in opt.buckets)
-            buffers, self._peak_buffers = self._peak_buffers, 0
         grads = storage_bytes([*(p.grad for p in opt.params), *opt.grad_shards])
         return {"params": params, "grads": grads, "optimizer": opt.state_bytes(), "buffers": buffers}

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..dp_comm import Collectives
 from ..flat import FlatBucket, bucketize, storage_bytes, trainable
+from .reducer import GradReducer
 
 
 class ShardedOptimizer:
@@ -31,13 +32,14 @@ class ShardedOptimizer:
 
     ``step()`` reduce-scatters the replicas' gradients (averaging them), updates this rank's shard
     and all-gathers the parameters. Pass ``average_grads=False`` when the gradients are already
-    averaged (e.g. under `DDP`): then each rank just reads its slice.
+    averaged (e.g. under `DDP`): then each rank just reads its slice. ``max_inflight``: how many
+    buckets' flat gradient buffers may be reduce-scattering at once (`GradReducer`, ``.reducer``).
     """
 
     def __init__(self, params, optim: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
                  bucket_mb: float = 25.0, comm: str | Collectives = "torch", group=None,
                  average_grads: bool = True, groups: list[list[torch.Tensor]] | None = None,
-                 sharded_params: bool = False, **optim_kwargs):
+                 sharded_params: bool = False, max_inflight: int = 1, **optim_kwargs):
         self.comm = comm if isinstance(comm, Collectives) else Collectives(comm, group)
         n, r = self.comm.size, self.comm.rank
         self.params = trainable(params) if groups is None else [p for g in groups for p in g]
@@ -53,6 +55,7 @@ class ShardedOptimizer:
             m.requires_grad_(True)
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._reduced = [False] * len(self.buckets)       # local p.grad already folded into grad_shards
+        self.reducer = GradReducer(self.comm, self._add_shard, max_inflight)   # ZeRO-2/3 use it during backward
         self.optimizer = optim(self.masters, **optim_kwargs)
 
     # -- the torch.optim surface -------------------------------------------------------------
@@ -83,15 +86,15 @@ class ShardedOptimizer:
             local = not self._reduced[b] and any(p.grad is not None for p in bucket.params)
             if self.grad_shards[b] is not None and not local:
                 continue                                   # already there (ZeRO-2/3 did it in backward)
-            flat = bucket.flat_grads()
-            shard = torch.empty(bucket.shard_numel, dtype=flat.dtype, device=flat.device)
-            if self.average_grads:
-                self.comm.reduce_scatter(flat, shard, op="avg")
-            else:
-                shard.copy_(bucket.chunk(flat, self.comm.rank))
-            prev = self.grad_shards[b]
-            self.grad_shards[b] = shard if prev is None else prev.add_(shard)
+            # local gradients stay in p.grad (ZeRO-1 keeps them; zero_grad frees them)
+            self.reducer.submit(b, bucket, average=self.average_grads, release_grads=False)
             self._reduced[b] = True
+        self.reducer.drain()
+
+    def _add_shard(self, b: int, shard: torch.Tensor) -> None:
+        """A completed reduce-scatter's shard of bucket ``b``: the gradient shard, or added to it."""
+        prev = self.grad_shards[b]
+        self.grad_shards[b] = shard if prev is None else prev.add_(shard)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale the gradient shards so the *global* L2 norm is at most ``max_norm``; returns the norm.

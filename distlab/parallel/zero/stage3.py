@@ -11,8 +11,21 @@ head). Its parameters live in one flat padded buffer (`FlatBucket`) whose storag
 
 Hooks: a forward pre-hook gathers, a forward hook frees and puts a gradient hook on the unit's
 output, which fires just before autograd enters the unit's backward (gather again); a
-post-accumulate-grad hook on the unit's last parameter reduce-scatters and frees. Autograd's saved
-references to the parameters are views into the same storage, so they see the re-gathered values.
+post-accumulate-grad hook on the unit's last parameter frees the parameters and reduce-scatters the
+gradients through the optimizer's `GradReducer`. Every transient buffer, a gathered unit or a unit's
+flat gradients, is allocated only after the reducer has made room (`GradReducer.make_room`: the
+oldest reduce-scatters waited for and their flat buffers freed until fewer than ``max_inflight``
+remain), so ZeRO-3's ``buffers`` stay about max_inflight units (plus the root, gathered through the whole
+backward, and any prefetched unit), never a whole gradient:
+
+    backward, max_inflight = 1     gathered           flat gradients in flight
+      unit 2: gather, compute       root, unit 2       -
+              grads ready           root               unit 2     (params freed, then grads packed)
+      unit 1: gather, compute       root, unit 1       -          (unit 2's reduce-scatter retired first)
+              grads ready           root               unit 1
+
+Autograd's saved references to the parameters are views into the same storage, so they see the
+re-gathered values.
 ``prefetch=True`` starts the next unit's all-gather (in forward, or backward, order) early.
 
 Under ``ZeRO.no_sync()`` (``sync = False``) a unit's gradients are *not* reduce-scattered: they stay
@@ -59,8 +72,8 @@ class Stage3:
         self._gathers: dict[int, object] = {}      # unit -> pending all-gather handle
         self._live: set[int] = set()                # units whose full parameters are allocated
         self._fwd_order: list[int] = []
-        self._rs_pending: list = []
-        self.peak_live = 0                          # most gathered-parameter bytes at once (reset by reader)
+        self.reducer = opt.reducer                  # flat gradient units being reduce-scattered
+        self.peak_live = 0                          # most gathered + in-flight gradient bytes (see take_peak)
         for b in self.buckets:
             _free(b.full)
         self._hooks = []
@@ -80,10 +93,11 @@ class Stage3:
                 self._gathers.pop(i).wait()
             return
         b = self.buckets[i]
+        self.reducer.make_room()                    # a gathered unit takes an in-flight slot too
         _alloc(b.full)
         handle = self.comm.all_gather(b.full.data, self.opt.shards[i], async_op=async_op)
         self._live.add(i)
-        self.peak_live = max(self.peak_live, self.live_bytes())
+        self._note_peak()
         if async_op:
             self._gathers[i] = handle
 
@@ -103,7 +117,17 @@ class Stage3:
             self.free(i)
 
     def live_bytes(self) -> int:
+        """Bytes of the units' parameters gathered now."""
         return sum(self.buckets[i].full.untyped_storage().nbytes() for i in self._live)
+
+    def _note_peak(self) -> None:
+        self.peak_live = max(self.peak_live, self.live_bytes() + self.reducer.in_flight_bytes())
+
+    def take_peak(self) -> int:
+        """The most transient bytes at once since the last call: gathered parameters plus flat gradients
+        waiting for their reduce-scatter; then restart from what is held now."""
+        peak, self.peak_live = self.peak_live, self.live_bytes() + self.reducer.in_flight_bytes()
+        return peak
 
     # -- hooks -------------------------------------------------------------------------------
     def _pre_forward(self, i: int) -> None:
@@ -136,26 +160,16 @@ class Stage3:
         return self._fwd_order[k] if 0 <= k < len(self._fwd_order) else None
 
     def _grads_ready(self, i: int) -> None:
-        """Unit i's gradients are complete: reduce-scatter them into this rank's shard; free the rest.
-        Under no_sync: just free the gathered parameters; the full gradients stay in ``p.grad``."""
-        if not self.sync:
-            self.free(i)
-            return
-        b = self.buckets[i]
-        flat = b.flat_grads()
-        for p in b.params:
-            p.grad = None
-        shard = torch.empty(b.shard_numel, dtype=flat.dtype, device=flat.device)
-        handle = self.comm.reduce_scatter(flat, shard, op="avg", async_op=True)
-        self._rs_pending.append((i, handle, shard, flat))
+        """Unit i's gradients are complete: free its gathered parameters (backward no longer needs them),
+        then reduce-scatter its gradients into this rank's shard (``p.grad`` dropped; the flat copy freed
+        once the reduce-scatter is retired). Under no_sync: only the free; ``p.grad`` keeps the gradients."""
         self.free(i)
+        if self.sync:
+            self.reducer.submit(i, self.buckets[i], async_op=True)
+            self._note_peak()
 
     def _backward_done(self) -> None:
-        for i, handle, shard, _flat in self._rs_pending:
-            handle.wait()
-            prev = self.opt.grad_shards[i]
-            self.opt.grad_shards[i] = shard if prev is None else prev.add_(shard)
-        self._rs_pending = []
+        self.reducer.drain()
         self.free_all()
 
 
