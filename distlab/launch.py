@@ -29,7 +29,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Callable
 
 # Ask NVML rather than the CUDA driver whether GPUs exist, so checking does not initialise CUDA
 # in this process (which would make every later fork unusable for CUDA).

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import distlab as dl
-from _data_parallel_runs import CASES, assert_matches_single, param_numel, run, single, same_losses
+from _data_parallel_runs import CASES, assert_matches_single, param_numel, run, same_losses
 
 ZERO = [i for i, c in enumerate(CASES) if c[0].startswith("zero")]
 

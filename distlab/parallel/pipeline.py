@@ -18,18 +18,29 @@ losses when they are equal) and ``None`` elsewhere. Gradients accumulate into ``
 ``loss.backward()`` would; zero them between steps as usual.
 
 Splitting the backward (ZB-H1, Qi et al. 2023, "Zero Bubble Pipeline Parallelism"). For a linear
-layer y = x W, the backward has two independent products: dx = dy W^T (needed by the previous
-stage *now*) and dW = x^T dy (needed only by the optimizer). During F, forward hooks remember the
-output y_k of every module that owns parameters. Then:
+layer y = x W^T + b, the backward has independent products: dx = dy W (needed by the previous
+stage *now*) and dW = dy^T x, db = sum dy (needed only by the optimizer). During F, a
+``TorchFunctionMode`` hands every operation that takes a parameter its own alias of it
+(``w.view_as(w)``) and records (output y_k, aliases a_k). Every *use* of a weight is then a graph
+segment of its own, one op long::
+
+    ... x ──(f)──> x' ──┐
+                        F.linear ──> y_k ──> ... ──> stage output
+    w ──> a_k ──────────┘
 
     I:  torch.autograd.grad(out, [input, y_1 .. y_K], d_out, retain_graph=True)
-        walks the graph once, computing activation gradients only (autograd skips the weight
-        branches nobody asked for), and keeps d y_k for each module.
-    W:  for each module k: torch.autograd.grad(y_k, params_k, d y_k)
-        walks just the one op between y_k and its own parameters, and adds the result to .grad.
+        walks the graph once, computing activation gradients only (autograd skips every branch
+        that leads to no requested tensor), and keeps d y_k.
+    W:  for each use k: torch.autograd.grad(y_k, a_k, d y_k)
+        runs just the op that consumed the weight (dW = dy^T x for a linear) -- no Megatron f/g
+        operator, no upstream layer lies between y_k and a_k, so W never communicates and never
+        recomputes what I did -- then adds the result to .grad (running the parameter's hooks).
 
 So I + W cost about one ordinary backward, not two; the graph (and its saved activations) lives
-until W, which is why zero-bubble schedules trade memory for bubble.
+until W, which is why zero-bubble schedules trade memory for bubble. Weights the mode cannot see
+(a custom ``autograd.Function`` takes them directly, e.g. sequence parallelism's fused all-gather
++ linears) get their gradient inside I, with the activation gradients of the same walk: correct,
+just not deferred, and still without a second traversal.
 
 Communication lives in `distlab.parallel.pipeline_p2p`; tracing: one compute span per action
 (name F/B/I/W, args stage, microbatch, step), one comm event per transfer, and after every action
@@ -48,6 +59,7 @@ import torch.nn.functional as F
 
 from ..runtime import device, tracer
 from .pipeline_p2p import Incoming, Links
+from .pipeline_zb import WeightUses, accumulate_grads
 from .schedule import Action, schedule as make_schedule
 
 
@@ -64,7 +76,7 @@ class _Stash:
 
     input: torch.Tensor
     output: torch.Tensor                     # stage output; on the last stage, the scaled loss
-    hooked: list = field(default_factory=list)   # (params, y) per parameter-owning module (zero bubble)
+    uses: "WeightUses | None" = None        # zero bubble: every use of a weight in this forward
     grads: list = field(default_factory=list)    # d y_k after I
     grad_output: torch.Tensor | None = None
     nbytes: int = 0
@@ -125,7 +137,7 @@ class Pipeline:
     # -- one training step -------------------------------------------------------------------
     def step(self, x: torch.Tensor | None = None, target: torch.Tensor | None = None) -> torch.Tensor | None:
         """Forward and backward every microbatch of one batch, in this rank's schedule order."""
-        m, tr = self.microbatches, tracer()
+        tr = tracer()
         self.links.step = self.steps
         self._inputs = self._split(x, "x", "input batch") if self.first else None
         if self.last:
@@ -196,8 +208,9 @@ class Pipeline:
         module, stash = self.modules[s], _Stash(inp, None)
         measure = (s, j) not in self._saved_bytes
         with tracer().span("F", stage=s, microbatch=j, step=self.steps):
-            with _SavedBytes(module) if measure else _nothing() as counter, \
-                    _capture_outputs(module, stash.hooked) if self.split_backward else _nothing():
+            if self.split_backward:
+                stash.uses = WeightUses(module)
+            with _SavedBytes(module) if measure else _nothing() as counter, stash.uses or _nothing():
                 out = module(inp)
                 if s == self.num_stages - 1:
                     loss = self.loss_fn(out, self._targets[j])
@@ -236,57 +249,36 @@ class Pipeline:
         stash = self._stash[(a.stage, a.microbatch)]
         stash.grad_output = self._grad_output(a, stash)
         wants_input = stash.input.requires_grad
-        targets = ([stash.input] if wants_input else []) + [y for _, y in stash.hooked]
         with tracer().span("I", stage=a.stage, microbatch=a.microbatch, step=self.steps):
-            grads = (torch.autograd.grad(stash.output, targets, stash.grad_output, retain_graph=True,
-                                         allow_unused=True) if targets and stash.output.requires_grad
+            eager = stash.uses.unseen_parameters(stash.output) if stash.output.requires_grad else []
+            ys = [y for outputs, _ in stash.uses.deferred for y in outputs]
+            targets = ([stash.input] if wants_input else []) + ys + eager
+            grads = (list(torch.autograd.grad(stash.output, targets, stash.grad_output, retain_graph=bool(ys),
+                                              allow_unused=True)) if targets and stash.output.requires_grad
                      else [None] * len(targets))
-        input_grad = grads[0] if wants_input else None
-        stash.grads = list(grads[1:] if wants_input else grads)
+            input_grad = grads.pop(0) if wants_input else None
+            stash.grads = grads[:len(ys)]
+            accumulate_grads(eager, grads[len(ys):], hooks=False)   # autograd ran their hooks; done in this walk
         self._send_input_grad(a, stash, input_grad)
 
     def _backward_weight(self, a: Action) -> None:
         stash = self._stash.pop((a.stage, a.microbatch))
-        covered = set()
         with tracer().span("W", stage=a.stage, microbatch=a.microbatch, step=self.steps):
-            for (params, y), dy in zip(stash.hooked, stash.grads):
-                covered.update(id(p) for p in params)
-                if dy is not None:
-                    _accumulate(params, torch.autograd.grad(y, params, dy, retain_graph=True, allow_unused=True))
-            rest = [p for p in self.modules[a.stage].parameters() if p.requires_grad and id(p) not in covered]
-            if rest and stash.output.requires_grad:     # parameters used outside any hooked module
-                _accumulate(rest, torch.autograd.grad(stash.output, rest, stash.grad_output,
-                                                      retain_graph=True, allow_unused=True))
-
-
-def _accumulate(params, grads) -> None:
-    for p, g in zip(params, grads):
-        if g is not None:
-            p.grad = g if p.grad is None else p.grad + g
-
-
-class _capture_outputs:
-    """Forward hooks that record (own parameters, output) of every module that owns parameters."""
-
-    def __init__(self, root: nn.Module, into: list):
-        self.root, self.into, self.handles = root, into, []
-
-    def __enter__(self):
-        for module in self.root.modules():
-            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            if params:
-                self.handles.append(module.register_forward_hook(self._hook(params)))
-        return self
-
-    def _hook(self, params):
-        def hook(module, args, output):
-            if isinstance(output, torch.Tensor) and output.requires_grad:
-                self.into.append((params, output))
-        return hook
-
-    def __exit__(self, *exc):
-        for h in self.handles:
-            h.remove()
+            dys = iter(stash.grads)
+            total: dict[int, list] = {}                    # id(param) -> [param, summed gradient]
+            for outputs, aliases in stash.uses.deferred:
+                pairs = [(y, dy) for y, dy in zip(outputs, [next(dys) for _ in outputs]) if dy is not None]
+                if not pairs:
+                    continue
+                ys, dy = zip(*pairs)
+                grads = torch.autograd.grad(ys, [alias for _, alias in aliases], dy, retain_graph=True,
+                                            allow_unused=True)
+                for (p, _), g in zip(aliases, grads):
+                    if g is not None:
+                        entry = total.setdefault(id(p), [p, None])
+                        entry[1] = g if entry[1] is None else entry[1] + g
+            accumulate_grads([p for p, _ in total.values()], [g for _, g in total.values()])
+        stash.uses = None
 
 
 class _SavedBytes:

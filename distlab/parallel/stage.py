@@ -191,22 +191,12 @@ class _TimedPath(torch.autograd.Function):
         return grad, None, None
 
 
-class _TimedWeight(torch.autograd.Function):
-    """``w`` broadcast to ``shape``; its backward (the weight-gradient path) takes ``t_bwd`` seconds."""
-
-    @staticmethod
-    def forward(ctx, w, shape, t_bwd):
-        ctx.t_bwd = t_bwd
-        return w.expand(shape).clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.t_bwd)
-        return grad.reshape(-1, grad.shape[-1]).sum(0), None, None
-
-
 class _TimedBias(nn.Module):
-    """x + w; computing d loss / d w takes ``t_w`` seconds (the W pass)."""
+    """x + w; computing d loss / d w takes ``t_w`` seconds (the W pass).
+
+    ``w`` is broadcast by a plain ``expand`` whose backward node sleeps first: that node is the one
+    op between ``w`` and the graph, so the zero-bubble executor runs it in W, and 1F1B inside B.
+    """
 
     def __init__(self, features: int, t_w: float):
         super().__init__()
@@ -214,7 +204,13 @@ class _TimedBias(nn.Module):
         self.weight = nn.Parameter(torch.zeros(features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + _TimedWeight.apply(self.weight, x.shape, self.t_w)
+        w = self.weight.expand(x.shape)
+        if w.grad_fn is not None:
+            w.grad_fn.register_prehook(self._spend)
+        return x + w
+
+    def _spend(self, grad_outputs):
+        time.sleep(self.t_w)
 
 
 class TimedStage(nn.Module):

@@ -7,6 +7,7 @@ world size, and can be compared with the single-process reference step by step.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -113,3 +114,23 @@ def loss_fn(spec: TrainSpec):
     def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
     return cross_entropy
+
+
+def autocast(spec: TrainSpec):
+    """bf16 autocast on this rank's device for ``precision="bf16-mixed"`` (weights stay fp32), else nothing."""
+    if spec.precision == "bf16-mixed":
+        return torch.autocast(device().type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def microbatch_count(requested: int | None, rows: int, p: int, schedule: str, where: str) -> int:
+    """Microbatches for a p-stage pipeline over ``rows`` rows: ``requested``, else 2p when the rows allow
+    (a smaller bubble, (p-1)/(m+p-1)), else p. ``where`` names the rows in the error message."""
+    m = requested if requested is not None else (2 * p if rows >= 2 * p else p)
+    if m > rows:
+        raise ValueError(f"{m} microbatches need at least {m} rows per {where}, got {rows}: raise global_batch "
+                         "or set options={'microbatches': ...}")
+    if schedule == "interleaved" and m % p:
+        raise ValueError(f"the interleaved schedule needs microbatches to be a multiple of the {p} pipeline "
+                         f"ranks, got {m}")
+    return m

@@ -41,7 +41,7 @@ from ..parallel.mesh import AXES, Mesh
 from ..parallel.pipeline import Pipeline
 from ..parallel.stage import GPTStage, stage_module
 from ..runtime import device, rank, tracer
-from .base import RankResult, TrainSpec, build_model, global_batch, loss_fn, make_optimizer, optimizer_class, \
+from .base import autocast, microbatch_count, RankResult, TrainSpec, build_model, global_batch, loss_fn, make_optimizer, optimizer_class, \
     optimizer_kwargs
 
 INT_OPTIONS = ("dp", "tp", "pp", "microbatches", "virtual", "zero")
@@ -148,24 +148,6 @@ def bytes_by_axis(events) -> dict[str, int]:
     return out
 
 
-def _microbatches(opts: dict, rows: int, p: int) -> int:
-    m = opts.get("microbatches")
-    if m is None:
-        m = 2 * p if rows >= 2 * p else p
-    if m > rows:
-        raise ValueError(f"{m} microbatches need at least {m} rows per data-parallel replica and micro-step, "
-                         f"got {rows} (global_batch / grad_accum / dp): raise global_batch or set microbatches")
-    if opts["schedule"] == "interleaved" and m % p:
-        raise ValueError(f"the interleaved schedule needs microbatches a multiple of pp={p}, got {m}")
-    return m
-
-
-def _autocast(spec: TrainSpec):
-    if spec.precision == "bf16-mixed":
-        return torch.autocast(device().type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def _digest(t: torch.Tensor) -> str:
     return hashlib.sha1(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
 
@@ -183,7 +165,8 @@ def train_rank(spec: TrainSpec) -> RankResult:
     rows = torch.tensor_split(torch.arange(spec.micro_batch), D)
     if len(rows[-1]) == 0:
         raise ValueError(f"a micro-batch of {spec.micro_batch} rows cannot feed dp={D} replicas: raise global_batch")
-    m = _microbatches(opts, len(rows[-1]), P)
+    m = microbatch_count(opts.get("microbatches"), len(rows[-1]), P, opts["schedule"],
+                         "data-parallel replica and micro-step (global_batch / grad_accum / dp)")
 
     # 1. tensor parallelism over this rank's TP group, 2. keep this pipeline rank's stage(s)
     model = build_model(spec)
@@ -237,7 +220,7 @@ def train_rank(spec: TrainSpec) -> RankResult:
             for micro in range(spec.grad_accum):
                 x, y = global_batch(spec, step, micro)
                 xs, ys = x[rows[me.dp]], y[rows[me.dp]]
-                with _autocast(spec):
+                with autocast(spec):
                     loss = pipe.step(xs if pipe.first else None, ys if pipe.last else None)
                 if loss is not None:
                     total += loss.item() / D

@@ -13,7 +13,6 @@ Options: ``microbatches``, ``virtual`` (interleaved), ``balance``.
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import torch.distributed as dist
@@ -21,28 +20,9 @@ import torch.distributed as dist
 from ..parallel.pipeline import Pipeline
 from ..parallel.stage import stage_module
 from ..runtime import device, rank, tracer, world_size
-from .base import RankResult, TrainSpec, build_model, global_batch, loss_fn, make_optimizer
+from .base import autocast, microbatch_count, RankResult, TrainSpec, build_model, global_batch, loss_fn, make_optimizer
 
 SCHEDULE_OF = {"pp-gpipe": "gpipe", "pp-1f1b": "1f1b", "pp-interleaved": "interleaved", "pp-zb-h1": "zb-h1"}
-
-
-def _microbatches(spec: TrainSpec, p: int, name: str) -> int:
-    rows = spec.micro_batch
-    m = spec.options.get("microbatches")
-    if m is None:
-        m = 2 * p if rows >= 2 * p else p
-    if m > rows:
-        raise ValueError(f"{spec.strategy}: {m} microbatches need at least {m} rows per micro-step, got "
-                         f"{rows} (global_batch / grad_accum): raise global_batch or set options={{'microbatches': ...}}")
-    if name == "interleaved" and m % p:
-        raise ValueError(f"pp-interleaved needs microbatches to be a multiple of the {p} ranks, got {m}")
-    return m
-
-
-def _autocast(spec: TrainSpec):
-    if spec.precision == "bf16-mixed":
-        return torch.autocast(device().type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
@@ -67,7 +47,8 @@ def train_rank(spec: TrainSpec) -> RankResult:
     name = SCHEDULE_OF[spec.strategy]
     p, r = world_size(), rank()
     v = int(spec.options.get("virtual", 2)) if name == "interleaved" else 1
-    m = _microbatches(spec, p, name)
+    m = microbatch_count(spec.options.get("microbatches"), spec.micro_batch, p, name,
+                         "micro-step (global_batch / grad_accum)")
     model = build_model(spec)
     names = {id(q): n for n, q in model.named_parameters()}
     ids = [r + k * p for k in range(v)]
@@ -83,7 +64,7 @@ def train_rank(spec: TrainSpec) -> RankResult:
         total = 0.0
         for micro in range(spec.grad_accum):
             x, y = global_batch(spec, step, micro)
-            with _autocast(spec):
+            with autocast(spec):
                 loss = pipe.step(x if pipe.first else None, y if pipe.last else None)
             if loss is not None:
                 total += loss.item() / spec.grad_accum

@@ -11,20 +11,13 @@ group, replicated parameters counted once.
 """
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
 from ..parallel import tp as tp_lib
 from ..parallel import tp_collectives as C
 from ..runtime import device, rank, tracer
-from .base import RankResult, TrainSpec, build_model, global_batch, make_optimizer
-
-
-def _autocast(spec: TrainSpec):
-    if spec.precision == "bf16-mixed":
-        return torch.autocast(device().type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+from .base import autocast, RankResult, TrainSpec, build_model, global_batch, make_optimizer
 
 
 def _sharded_params(model) -> set[int]:
@@ -65,7 +58,7 @@ def train_rank(spec: TrainSpec) -> RankResult:
         total = 0.0
         for micro in range(spec.grad_accum):
             ids, targets = global_batch(spec, step, micro)
-            with tr.span("forward", step=step, microbatch=micro), _autocast(spec):
+            with tr.span("forward", step=step, microbatch=micro), autocast(spec):
                 loss = model.loss(ids, targets) / spec.grad_accum
             with tr.span("backward", step=step, microbatch=micro):
                 loss.backward()

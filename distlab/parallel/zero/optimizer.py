@@ -17,10 +17,8 @@ Also the optimizer of ZeRO-2 (gradients already reduce-scattered during backward
 """
 from __future__ import annotations
 
-import math
 
 import torch
-import torch.distributed as dist
 
 from ..dp_comm import Collectives
 from ..flat import FlatBucket, bucketize, storage_bytes, trainable
