@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -100,8 +101,8 @@ def both(name, schedule_cls, v, steps, warmup):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
     rows = []
     for p in (2, 4):
@@ -121,7 +122,8 @@ def main():
     out_dir = Path(__file__).resolve().parent / "results"
     out_dir.mkdir(exist_ok=True)
     meta = {"model": vars(CFG), "batch": BATCH, "microbatches": M, "steps": args.steps, "warmup": args.warmup,
-            "torch": torch.__version__, "backend": "gloo (CPU)", "rows": rows}
+            "torch": torch.__version__, "backend": "gloo (CPU)", "load_average": list(os.getloadavg()),
+            "rows": rows}
     (out_dir / "pipeline.json").write_text(json.dumps(meta, indent=2))
     _plot(rows, out_dir / "pipeline.png")
     print("wrote", out_dir / "pipeline.json")

@@ -102,7 +102,7 @@ def pipeline() -> list[str]:
             f"{_ms(r['distlab_step_s'])} | {_ms(r['torch_step_s'])} | {r['ratio']:.2f}x | {r['max_loss_diff']:.1e} |"
             for r in d["rows"]]
     return [f"**Pipeline parallelism** (distlab's executor vs `torch.distributed.pipelining`, median of "
-            f"{d['steps']} steps; `benchmarks/pipeline.py`). Target: <= 1.1x.", "",
+            f"{d['steps']} steps; `benchmarks/pipeline.py`). Target: <= 1.1x.{_load_note(d)}", "",
             "| stages | schedule | microbatches | distlab step | torch step | ratio | max loss diff |",
             "|---|---|---|---|---|---|---|", *rows, ""]
 
