@@ -23,6 +23,7 @@ How it works (see `_child` for what happens inside a rank, `_supervisor` for the
 """
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import sys
@@ -260,6 +261,18 @@ def _raise_if_failed(supervisor: Supervisor, timeout: float, outputs: list[str])
             rank=None, failures={}, unfinished=unfinished, outputs=outputs)
 
 
+def _leave_process_group() -> None:
+    """At exit, leave together and tear the group down: a process that exits with a live gloo group
+    while a peer already closed its end can abort ("terminate called without an active exception")."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
 def _launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout) -> Run:
     """Already one of N processes (torchrun): run here, gather every rank's result to all."""
     import torch
@@ -274,6 +287,7 @@ def _launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout) -> Ru
         if backend == "nccl":
             torch.cuda.set_device(local)
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        atexit.register(_leave_process_group)
     n, me = dist.get_world_size(), dist.get_rank()
     if n != world_size and me == 0:
         print(f"distlab: running under torchrun with {n} ranks (world_size={world_size} ignored)",
