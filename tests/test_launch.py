@@ -269,11 +269,13 @@ def test_auto_backend_is_gloo_without_gpus_and_nccl_without_gpus_is_a_clear_erro
 def test_under_torchrun_launch_runs_in_place_and_gathers_results(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(
+        "import os\n"
         "import distlab as dl\n"
         "def f(x):\n"
         "    return dl.rank() * x\n"
         "run = dl.launch(f, world_size=2, args=(3,))\n"
-        "print('RESULTS', dl.rank(), run.results, run.start_method, flush=True)\n")
+        "line = f'RESULTS {dl.rank()} {run.results} {run.start_method}\\n'\n"
+        "os.write(1, line.encode())   # one write: the two ranks share this pipe\n")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(script)],
