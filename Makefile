@@ -41,7 +41,9 @@ browser: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m browser tests/browser -q
 
 bench: $(STAMP)
-	for b in benchmarks/*.py; do $(BIN)/python $$b || exit 1; done
+	for b in launch_latency allreduce data_parallel tensor_parallel pipeline; do \
+	  OMP_NUM_THREADS=1 $(BIN)/python benchmarks/$$b.py || exit 1; done
+	$(BIN)/python benchmarks/summary.py --readme
 
 clean:
 	rm -rf $(VENV) .pytest_cache
