@@ -64,14 +64,22 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(d_model, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        split = lambda t: t.view(b, s, -1, self.head_dim).transpose(1, 2)   # (b, heads, s, d_head)
-        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
-        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
-        attn = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
-        y = (attn @ v).transpose(1, 2).reshape(b, s, -1)
-        return self.proj(y)
+        return self.proj(causal_attention(self.q(x), self.k(x), self.v(x), self.head_dim))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """softmax(Q K^T / sqrt(d_head) + causal mask) V over (b, s, heads * d_head) projections.
+
+    The head count is whatever the projections hold, so tensor parallelism calls this on its
+    shard of the heads unchanged.
+    """
+    b, s, _ = q.shape
+    split = lambda t: t.view(b, s, -1, head_dim).transpose(1, 2)   # (b, heads, s, d_head)
+    q, k, v = split(q), split(k), split(v)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(head_dim)
+    mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    attn = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
+    return (attn @ v).transpose(1, 2).reshape(b, s, -1)
 
 
 class FeedForward(nn.Module):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import distlab as dl
-from distlab.strategies import StrategyNotImplemented, TrainSpec, global_batch, load
+from distlab.strategies import REGISTRY, TrainSpec, global_batch, load
 
 
 def test_single_learns_and_reports():
@@ -34,10 +34,8 @@ def test_bad_input_says_what_to_do():
         TrainSpec("ddp", global_batch=10, grad_accum=3)
     with pytest.raises(ValueError, match="optimizer"):
         TrainSpec("ddp", optimizer="lamb")
-    try:
-        load("pp-1f1b")
-    except StrategyNotImplemented as err:
-        assert "not implemented yet" in str(err)
+    assert all(callable(load(name)) for name in REGISTRY)      # every registered strategy exists
+    assert load("3d:dp=2,tp=1,pp=2") is load("3d")
 
 
 def test_mlp_uneven_split_and_cli(capsys, tmp_path):

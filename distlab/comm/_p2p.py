@@ -62,6 +62,13 @@ class Ring:
         """Global rank of the member ``group_rank`` (taken modulo the size, so rank-1 and rank+1 work)."""
         return self.members[group_rank % self.size]
 
+    def local(self, global_rank: int, what: str) -> int:
+        """Group rank of the member whose global rank is ``global_rank`` (``what`` names it in errors)."""
+        if global_rank not in self.members:
+            raise ValueError(f"{what}={global_rank} is not in the group (its global ranks are {list(self.members)}); "
+                             f"{what} is a global rank, as in torch.distributed.broadcast")
+        return self.members.index(global_rank)
+
     @property
     def next(self) -> int:
         return (self.rank + 1) % self.size

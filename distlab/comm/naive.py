@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 
 from ._p2p import Ring, check_op, exchange, finish_avg, flat_view, new_call, scratch
-from .tree import _group_rank_of
 
 
 def naive_all_reduce(t: torch.Tensor, op: str = "sum", group=None, root: int = 0) -> torch.Tensor:
@@ -28,7 +27,7 @@ def naive_all_reduce(t: torch.Tensor, op: str = "sum", group=None, root: int = 0
     check_op(op, t)
     ring = Ring.of(group)
     n = ring.size
-    root_g = _group_rank_of(ring, root, "root")
+    root_g = ring.local(root, "root")
     if n == 1:
         return t
     flat = flat_view(t)

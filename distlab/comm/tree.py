@@ -22,13 +22,6 @@ import torch
 from ._p2p import Ring, exchange, flat_view, new_call
 
 
-def _group_rank_of(ring: Ring, global_rank: int, what: str) -> int:
-    if global_rank not in ring.members:
-        raise ValueError(f"{what}={global_rank} is not in the group (its global ranks are {list(ring.members)}); "
-                         f"{what} is a global rank, as in torch.distributed.broadcast")
-    return ring.members.index(global_rank)
-
-
 def broadcast(t: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
     """Copy ``t`` from global rank ``src`` into ``t`` on every rank of ``group``, in place; returns t.
 
@@ -37,7 +30,7 @@ def broadcast(t: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
     """
     ring = Ring.of(group)
     n = ring.size
-    root = _group_rank_of(ring, src, "src")
+    root = ring.local(src, "src")
     if n == 1:
         return t
     flat = flat_view(t)

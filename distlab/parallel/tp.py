@@ -39,8 +39,8 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
 
 
 class TensorParallelGPT(GPT):
-    """A `GPT` after `parallelize`: ``forward`` returns this rank's vocabulary slice of the logits,
-    (b, s, V/t) for ids [vocab_start, vocab_start + V/t); ``loss`` never gathers them."""
+    """A `GPT` after `parallelize`: the inherited ``forward`` returns this rank's vocabulary slice of the
+    logits, (b, s, V/t) for ids [vocab_start, vocab_start + V/t); ``loss`` never gathers them."""
 
     tp_group = None
     sequence_parallel = False
@@ -52,12 +52,6 @@ class TensorParallelGPT(GPT):
             check_divisible("sequence length", s, t, "use a sequence length that is a multiple of the TP degree")
             positions = positions.chunk(t)[C.group_rank(self.tp_group)]
         return self.tok(ids) + self.pos(positions)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self(ids)

@@ -13,12 +13,12 @@ entry saves only the sequence shard of X for the backward (`tp_ops.GatheredLinea
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..models import causal_attention
 from . import tp_collectives as C
 from . import tp_ops as ops
 from .tensor import ColumnParallelLinear, RowParallelLinear, check_divisible
@@ -52,14 +52,7 @@ class ParallelAttention(nn.Module):
         else:
             x = ops.copy_to_region(x, self.group, self.where)
             q, k, v = (F.linear(x, lin.weight, lin.bias) for lin in (self.q, self.k, self.v))
-        b, s, _ = q.shape
-        split = lambda t: t.view(b, s, -1, self.head_dim).transpose(1, 2)   # (b, my heads, s, d_head)
-        q, k, v = split(q), split(k), split(v)
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
-        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
-        attn = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
-        y = (attn @ v).transpose(1, 2).reshape(b, s, -1)
-        return self.proj(y)
+        return self.proj(causal_attention(q, k, v, self.head_dim))     # on this rank's heads only
 
 
 class ParallelMLP(nn.Module):

@@ -19,11 +19,10 @@ records nothing: a TP model of degree 1 is the plain model.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 import torch.distributed as dist
 
+from ..comm import ring_bytes
 from ..runtime import tracer
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -48,29 +47,10 @@ def group_rank(group=None) -> int:
     return r
 
 
-@lru_cache(maxsize=None)
-def _chunks(numel: int, n: int) -> tuple[int, ...]:
-    q, rem = divmod(numel, n)
-    return tuple(q + 1 if i < rem else q for i in range(n))
-
-
-def ring_bytes(op: str, numel: int, element_size: int, n: int, r: int) -> tuple[int, int]:
-    """(sent, received) bytes of rank ``r`` in a ring ``op`` over a message of ``numel`` elements."""
-    c = [k * element_size for k in _chunks(numel, n)]
-    s = numel * element_size
-    if op == "all_reduce":
-        return 2 * s - c[r] - c[(r + 1) % n], 2 * s - c[(r - 1) % n] - c[r]
-    if op == "all_gather":
-        return s - c[(r + 1) % n], s - c[r]
-    if op == "reduce_scatter":
-        return s - c[r], s - c[(r - 1) % n]
-    raise ValueError(f"unknown collective {op!r}")
-
-
 def _record(op: str, start: float, t: torch.Tensor, numel: int, group, **tags) -> None:
     tr = tracer()
     n, r = group_size(group), group_rank(group)
-    sent, received = ring_bytes(op, numel, t.element_size(), n, r)
+    sent, received = ring_bytes(numel, t.element_size(), n, r, op)
     tr.comm(op, start=start, end=tr.now(), sent=sent, received=received,
             size=numel * t.element_size(), world=n, **tags)
 

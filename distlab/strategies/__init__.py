@@ -1,7 +1,8 @@
 """Registry of training strategies: name -> ``"module:function"`` of its ``train_rank(spec)``.
 
-Modules load lazily, on first use, so a strategy that is not written yet only fails when asked for,
-with a message saying so. `load` returns the ``train_rank`` callable.
+Modules load lazily, on first use (a rank imports only the strategy it runs). Mesh strategies are
+named by their degrees, ``"3d:dp=2,tp=2,pp=2"``, and all share the ``"3d"`` entry. `load` returns the
+``train_rank`` callable.
 """
 from __future__ import annotations
 
@@ -21,11 +22,8 @@ REGISTRY: dict[str, str] = {
     "pp-1f1b": "distlab.strategies.pipeline:train_rank",
     "pp-interleaved": "distlab.strategies.pipeline:train_rank",
     "pp-zb-h1": "distlab.strategies.pipeline:train_rank",
+    "3d": "distlab.strategies.mesh:train_rank",
 }
-
-
-class StrategyNotImplemented(NotImplementedError):
-    """The strategy is registered but its module is not written (or not importable) yet."""
 
 
 def names() -> list[str]:
@@ -33,26 +31,14 @@ def names() -> list[str]:
 
 
 def load(strategy: str):
-    """The ``train_rank`` function for ``strategy`` (e.g. "zero2")."""
-    if strategy.startswith("3d:"):
-        target = REGISTRY.get("3d", "distlab.strategies.mesh:train_rank")
-    elif strategy in REGISTRY:
-        target = REGISTRY[strategy]
-    else:
-        raise ValueError(f"unknown strategy {strategy!r}: choose one of {names()}")
-    module_name, func_name = target.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name and module_name.startswith(err.name):
-            raise StrategyNotImplemented(
-                f"strategy {strategy!r} is not implemented yet ({module_name} does not exist)") from None
-        raise
-    try:
-        return getattr(module, func_name)
-    except AttributeError:
-        raise StrategyNotImplemented(f"strategy {strategy!r}: {module_name} has no {func_name}() yet") from None
+    """The ``train_rank`` function for ``strategy`` (e.g. "zero2", "3d:dp=2,tp=2,pp=1")."""
+    key = "3d" if strategy.startswith("3d:") else strategy
+    if key not in REGISTRY:
+        raise ValueError(f"unknown strategy {strategy!r}: choose one of {names()} "
+                         "(meshes as '3d:dp=2,tp=2,pp=2')")
+    module_name, func_name = REGISTRY[key].split(":")
+    return getattr(importlib.import_module(module_name), func_name)
 
 
-__all__ = ["REGISTRY", "StrategyNotImplemented", "names", "load", "TrainSpec", "RankResult",
+__all__ = ["REGISTRY", "names", "load", "TrainSpec", "RankResult",
            "build_model", "make_optimizer", "global_batch", "loss_fn"]

@@ -134,3 +134,17 @@ def microbatch_count(requested: int | None, rows: int, p: int, schedule: str, wh
         raise ValueError(f"the interleaved schedule needs microbatches to be a multiple of the {p} pipeline "
                          f"ranks, got {m}")
     return m
+
+
+def clip_to_norm(params, squared_norm: torch.Tensor, max_norm: float) -> float:
+    """Scale every gradient by min(1, max_norm / ||g||) given the global ``squared_norm``; returns ||g||.
+
+    ``torch.nn.utils.clip_grad_norm_``'s rule; each strategy sums ``squared_norm`` over its own shards
+    and groups first, since no rank sees the whole gradient.
+    """
+    norm = squared_norm.sqrt()
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef)
+    return float(norm)

@@ -41,8 +41,8 @@ from ..parallel.mesh import AXES, Mesh
 from ..parallel.pipeline import Pipeline
 from ..parallel.stage import GPTStage, stage_module
 from ..runtime import device, rank, tracer
-from .base import autocast, microbatch_count, RankResult, TrainSpec, build_model, global_batch, loss_fn, make_optimizer, optimizer_class, \
-    optimizer_kwargs
+from .base import (RankResult, TrainSpec, autocast, build_model, clip_to_norm, global_batch, loss_fn,
+                   make_optimizer, microbatch_count, optimizer_class, optimizer_kwargs)
 
 INT_OPTIONS = ("dp", "tp", "pp", "microbatches", "virtual", "zero")
 OPTIONS = INT_OPTIONS + ("schedule", "balance", "sequence_parallel", "sp", "bucket_mb")
@@ -119,12 +119,7 @@ def clip_grad_norm(params, sharded: set[int], max_norm: float, mesh: Mesh) -> fl
             (sq_shards if id(p) in sharded else sq_replicated).add_(p.grad.float().pow(2).sum())
     sq = C.all_reduce(sq_shards, mesh.tp_group, phase="step", operator="grad_norm", axis="tp") + sq_replicated
     sq = C.all_reduce(sq, mesh.pp_group, phase="step", operator="grad_norm", axis="pp")
-    norm = sq.sqrt()
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(coef)
-    return float(norm)
+    return clip_to_norm(params, sq, max_norm)
 
 
 def axis_of(event) -> str:

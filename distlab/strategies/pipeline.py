@@ -20,7 +20,8 @@ import torch.distributed as dist
 from ..parallel.pipeline import Pipeline
 from ..parallel.stage import stage_module
 from ..runtime import device, rank, tracer, world_size
-from .base import autocast, microbatch_count, RankResult, TrainSpec, build_model, global_batch, loss_fn, make_optimizer
+from .base import (RankResult, TrainSpec, autocast, build_model, clip_to_norm, global_batch, loss_fn,
+                   make_optimizer, microbatch_count)
 
 SCHEDULE_OF = {"pp-gpipe": "gpipe", "pp-1f1b": "1f1b", "pp-interleaved": "interleaved", "pp-zb-h1": "zb-h1"}
 
@@ -33,12 +34,7 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
             sq += p.grad.float().pow(2).sum()
     if dist.is_initialized():
         dist.all_reduce(sq)
-    norm = sq.sqrt()
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(coef)
-    return float(norm)
+    return clip_to_norm(params, sq, max_norm)
 
 
 def train_rank(spec: TrainSpec) -> RankResult:

@@ -17,7 +17,7 @@ import torch
 from ..parallel import tp as tp_lib
 from ..parallel import tp_collectives as C
 from ..runtime import device, rank, tracer
-from .base import autocast, RankResult, TrainSpec, build_model, global_batch, make_optimizer
+from .base import RankResult, TrainSpec, autocast, build_model, clip_to_norm, global_batch, make_optimizer
 
 
 def _sharded_params(model) -> set[int]:
@@ -37,11 +37,7 @@ def clip_grad_norm(model, max_norm: float, group=None) -> float:
         else:
             sq_replicated += p.grad.float().pow(2).sum()
     sq_shards = C.all_reduce(sq_shards.reshape(1), group, phase="step", operator="grad_norm").reshape(())
-    norm = (sq_shards + sq_replicated).sqrt()
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for p in params:
-        p.grad.mul_(coef)
-    return float(norm)
+    return clip_to_norm(params, sq_shards + sq_replicated, max_norm)
 
 
 def train_rank(spec: TrainSpec) -> RankResult:
