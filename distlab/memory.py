@@ -18,6 +18,10 @@ sample also carries the caching allocator's ``cuda_allocated`` and ``cuda_peak``
     ledger.sample("after forward", params=..., grads=..., optimizer=...)
     ledger.peak          # {"params": ..., "grads": ..., ...} max over samples, per category
     ledger.record()      # into dl.tracer(), for dl.viz.memory(run.trace)
+
+Two saved-tensor counters: `SavedTensors` follows what is *alive* over a whole step (released as
+backward frees it, with its peak), for the ledger; `SavedActivations` totals what one forward saved
+(the pipeline's stash per microbatch, the per-layer check against Korthikanti et al.).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import contextlib
 import weakref
 
 import torch
+import torch.nn as nn
 
 from .parallel.flat import storage_bytes
 from .runtime import tracer
@@ -90,6 +95,39 @@ class SavedTensors:
     def hooks(self):
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield self
+
+
+class SavedActivations:
+    """``with SavedActivations(model) as m: loss = model(x)...`` then ``m.bytes``: bytes saved for backward.
+
+    Tensors sharing a storage are counted once (the storage's size); ``model``'s parameters are
+    excluded. ``m.tensors`` lists (shape, dtype, bytes) of each distinct storage, in saving order.
+    """
+
+    def __init__(self, *modules: nn.Module):
+        self._param_storages = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
+        self._seen: dict[int, int] = {}
+        self.tensors: list[tuple[tuple, torch.dtype, int]] = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self._param_storages and ptr not in self._seen:
+            self._seen[ptr] = storage.nbytes()
+            self.tensors.append((tuple(t.shape), t.dtype, storage.nbytes()))
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._seen.values())
+
+    def __enter__(self) -> "SavedActivations":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
 
 
 class Ledger:

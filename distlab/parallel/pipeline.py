@@ -54,9 +54,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 
+from ..memory import SavedActivations
 from ..runtime import device, tracer
 from .pipeline_p2p import Incoming, Links
 from .pipeline_zb import WeightUses, accumulate_grads
@@ -210,14 +210,14 @@ class Pipeline:
         with tracer().span("F", stage=s, microbatch=j, step=self.steps):
             if self.split_backward:
                 stash.uses = WeightUses(module)
-            with _SavedBytes(module) if measure else _nothing() as counter, stash.uses or _nothing():
+            with SavedActivations(module) if measure else _nothing() as counter, stash.uses or _nothing():
                 out = module(inp)
                 if s == self.num_stages - 1:
                     loss = self.loss_fn(out, self._targets[j])
                     self._losses[j] = loss.detach()
                     out = loss * self._weights[j]
         if measure:
-            self._saved_bytes[(s, j)] = counter.nbytes
+            self._saved_bytes[(s, j)] = counter.bytes
         stash.output, stash.nbytes = out, self._saved_bytes[(s, j)]
         self._stash[(s, j)] = stash
         if s < self.num_stages - 1:
@@ -279,31 +279,6 @@ class Pipeline:
                         entry[1] = g if entry[1] is None else entry[1] + g
             accumulate_grads([p for p, _ in total.values()], [g for _, g in total.values()])
         stash.uses = None
-
-
-class _SavedBytes:
-    """Bytes autograd saves for the backward during a forward (parameters excluded, storages once)."""
-
-    def __init__(self, module: nn.Module):
-        self.params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        self.seen: set[int] = set()
-        self.nbytes = 0
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self.params and ptr not in self.seen:
-            self.seen.add(ptr)
-            self.nbytes += storage.nbytes()
-        return t
-
-    def __enter__(self):
-        self.hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.hooks.__exit__(*exc)
 
 
 class _nothing:

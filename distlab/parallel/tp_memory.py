@@ -27,40 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..memory import SavedActivations
 from ..theory import activation_bytes_per_layer
-
-
-class SavedActivations:
-    """``with SavedActivations(model) as m: loss = model(x)...`` then ``m.bytes``: bytes saved for backward.
-
-    Tensors sharing a storage are counted once (the storage's size); ``model``'s parameters are
-    excluded. ``m.tensors`` lists (shape, dtype, bytes) of each distinct storage, in saving order.
-    """
-
-    def __init__(self, *modules: nn.Module):
-        self._param_storages = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
-        self._seen: dict[int, int] = {}
-        self.tensors: list[tuple[tuple, torch.dtype, int]] = []
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self._param_storages and ptr not in self._seen:
-            self._seen[ptr] = storage.nbytes()
-            self.tensors.append((tuple(t.shape), t.dtype, storage.nbytes()))
-        return t
-
-    @property
-    def bytes(self) -> int:
-        return sum(self._seen.values())
-
-    def __enter__(self) -> "SavedActivations":
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
 
 
 def measure_layer(block: nn.Module, x: torch.Tensor) -> int:
