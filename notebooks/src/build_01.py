@@ -131,9 +131,11 @@ for n, S, ring, naive in rows:
 md("""
 ## 3. The cost model, fitted on this machine
 
-Time one ring all-reduce over message sizes from 4 KB to 16 MB on N = 2 and N = 4 ranks: for each size the
-slowest rank's time, the best of 15 repeats, the sizes interleaved so that a burst of background load hits
-every size alike. Why the best and not the median: with N processes sharing 2 cores, a rank that waits for a
+Time one ring all-reduce over message sizes from 4 KB to 16 MB on N = 2 and N = 4 ranks. The collective
+cannot start before its last rank enters it and is done when its last rank leaves, so its duration is
+(latest exit) - (latest entry) on the machine's one monotonic clock; this leaves out how unevenly the ranks
+came out of the barrier before it. For each size we keep the best of 30 repeats, the sizes interleaved so
+that a burst of background load hits every size alike. Why the best and not the median: with N processes sharing 2 cores, a rank that waits for a
 message sometimes waits a few milliseconds more for its turn on a core, and for small messages those stalls
 come and go in bursts that can swallow a median; the minimum measures the algorithm, not the scheduler
 (Python's `timeit` documentation recommends the minimum for the same reason). Then fit the
@@ -147,7 +149,7 @@ memory-copy speed and α the cost of waking a process and a few system calls; wi
 """)
 code("""
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
-REPEATS = 15
+REPEATS = 30
 
 def time_ring(sizes, repeats):
     dl.tracer().enabled = False                    # time the collective alone
@@ -158,16 +160,19 @@ def time_ring(sizes, repeats):
     for _ in range(repeats):                       # sizes interleaved: a burst of load hits all alike
         for S in sizes:
             dist.barrier()
-            t0 = time.perf_counter()
+            entry = time.perf_counter()            # one monotonic clock for every process on this machine
             dl.comm.ring_all_reduce(xs[S])
-            times[S].append(time.perf_counter() - t0)
+            times[S].append((entry, time.perf_counter()))
     return times
+
+def collective_seconds(per_rank, S, i):
+    \"\"\"Repeat i of size S: from the last rank's entry to the last rank's exit.\"\"\"
+    return max(rank[S][i][1] for rank in per_rank) - max(rank[S][i][0] for rank in per_rank)
 
 measured = {}
 for n in (2, 4):
     per_rank = dl.launch(time_ring, world_size=n, args=(SIZES, REPEATS)).results
-    measured[n] = [min(max(rank[S][i] for rank in per_rank) for i in range(REPEATS))   # best of the repeats
-                   for S in SIZES]
+    measured[n] = [min(collective_seconds(per_rank, S, i) for i in range(REPEATS)) for S in SIZES]   # best
 """)
 code("""
 def fit_alpha_beta(sizes, seconds, n):
