@@ -1,24 +1,28 @@
-"""The ring's engine: its steps cut into segments and streamed, two segments in flight.
+"""The ring's engine: its steps cut into segments and streamed, several segments in flight.
 
 A ring collective is a list of steps; at each step every rank sends one chunk to its right
 neighbour and receives one from its left. Done literally (send the chunk, wait, reduce, next
-step) the link idles while the rank reduces. As gloo's own ring does (gloo/allreduce.cc), each
-chunk is cut into K segments and the steps become one stream of (N-1)K or 2(N-1)K items:
+step) the link idles while the rank reduces, and every step pays a full round trip. As gloo's own
+ring does (gloo/allreduce.cc), each chunk is cut into K segments and the steps become one stream
+of (N-1)K or 2(N-1)K items, item i = (step i // K, segment i % K), finished strictly in order:
 
-    item i = (step s, segment j):  post recv i+1 (one ahead), post send i, then finish item i-1
-                                   (wait for it, reduce it), so one segment is on the wire
-                                   while the previous one is being reduced
+    receives:  up to WINDOW posted ahead of the item being finished, so the left neighbour's data
+               is expected before it arrives (gloo otherwise holds it back until it is asked for)
+    sends:     posted the moment their data is final: all of step 0 at once (this rank's own data),
+               segment j of step s+1 as soon as item (s, j) has been received and reduced
+    finish i:  wait for receive i, reduce it, wait for send i
 
-Segment j of step s+1 sends what item (s, j) reduced, K items earlier, so with K >= 2 nothing
-waits for data that is not there yet. Small chunks (K = 1) finish item i before sending i+1.
-Posting each receive one item early means the left neighbour's data is expected before it
-arrives (gloo otherwise holds it back until the receive is posted).
+so a segment is on the wire while the previous one is being reduced, and no rank waits a round
+trip per segment. Measured on 2 shared CPU cores, a window of 4 instead of 1 raised the median
+bus bandwidth from 4 MB up from about 0.8x to about 0.93x of gloo's own all-reduce.
 
-Why the early receive cannot overwrite data still being sent or reduced: in-place receives land
-in three rotating scratch segments (items i-1, i, i+1 in flight); out-of-place ones in three
-rotating chunk buffers (see ring_reduce_scatter); an all-gather receives into a chunk other than
-the one being sent, except with N = 2, where the left neighbour only sends it after it has
-received all of ours.
+Why an early receive cannot overwrite data still being sent or reduced:
+  * in-place receives land in WINDOW rotating scratch segments; item i uses the slot of item
+    i - WINDOW, which is finished before receive i is posted;
+  * every other receive lands in its final place (an all-gather's chunk, an out-of-place
+    reduce-scatter's rotating buffer), and the neighbour sends into it only after it has itself
+    received, from us, everything that place held before: causality, not bookkeeping, keeps it
+    safe (for N = 2 too, where the chunk received is the one this rank sent a step earlier).
 
 Each step still records one comm event (its first post to its last completion), with the
 bytes of its whole chunk, so the trace reads exactly as the textbook steps do.
@@ -36,6 +40,8 @@ from ._p2p import Ring, reduce_into, scratch
 SEGMENT_BYTES = 1 << 22
 """Target segment size. Small enough to overlap reduction with transfer, large enough that the
 per-segment cost (a few tens of microseconds of Python and gloo bookkeeping) stays small."""
+WINDOW = 4
+"""Receives posted ahead of the one being waited on (and in-place scratch segments kept)."""
 
 
 @dataclass
@@ -64,31 +70,32 @@ class Step:
 def run_ring(ring: Ring, name: str, steps: list[Step], op: str, *, call: int, size: int, first_step: int = 0) -> None:
     """Run ``steps`` around the ring (send to ``ring.next``, receive from ``ring.prev``).
 
-    Receives are posted one item ahead, so the left neighbour's data never waits for us to ask
-    for it; a send is posted as soon as its data is final (item i-K reduced).
+    Items (step, segment) are finished in order. Up to ``WINDOW`` receives are posted ahead of the
+    one being finished, and every send is posted as soon as its data is final (step 0 sends this
+    rank's own data at once; segment j of step s+1 waits for item (s, j) to be reduced).
     """
     if not steps:
         return
     width = max(max(s.send.numel(), s.target.numel()) for s in steps)
     example = steps[0].send
     k = 1 if example.is_cuda else max(1, -(-width * example.element_size() // SEGMENT_BYTES))
-    lag = 1 if k >= 2 else 0                    # finish item i-1 (K >= 2) or item i (K = 1) at iteration i
     dst, src = ring.glob(ring.next), ring.glob(ring.prev)
     nccl = dist.get_backend(ring.group) == "nccl"
     parts = [_split(s, k) for s in steps]
-    slots = [scratch(-(-width // k), example.dtype, example.device, slot) for slot in range(3)] \
+    total = len(steps) * k
+    window = min(WINDOW, total)
+    slots = [scratch(-(-width // k), example.dtype, example.device, slot) for slot in range(window)] \
         if any(s.recv is None for s in steps) else []
     tr = tracer()
     began: dict[int, float] = {}
     recvs: dict[int, tuple] = {}
     sends: dict[int, object] = {}
-    total = len(steps) * k
 
     def post_recv(i: int) -> None:
         s, j = divmod(i, k)
         _, recv, into, _ = parts[s][j]
-        if recv is None:                                # in place: land in a scratch segment
-            recv = slots[i % 3][: into.numel()]
+        if recv is None:                                # in place: land in a scratch segment, free since
+            recv = slots[i % window][: into.numel()]    # item i - window (its last user) is finished
         if j == 0:
             began[s] = tr.now()
         work = None
@@ -127,15 +134,15 @@ def run_ring(ring: Ring, name: str, steps: list[Step], op: str, *, call: int, si
                     src=src if step.target.numel() else None, step=first_step + s, call=call, size=size,
                     world=ring.size, **(step.info or {}))
 
-    post_recv(0)
-    for i in range(total):
-        if i + 1 < total:
-            post_recv(i + 1)
-        post_send(i)
-        if i >= lag:
-            finish(i - lag)
-    for i in range(total - lag, total):
-        finish(i)
+    posted_recv = posted_send = 0
+    for done in range(total):                           # items 0 .. done-1 are finished
+        while posted_recv < min(total, done + window):
+            post_recv(posted_recv)
+            posted_recv += 1
+        while posted_send < total and posted_send - k < done:   # its data (item - k) is final
+            post_send(posted_send)
+            posted_send += 1
+        finish(done)
 
 
 def _split(step: Step, k: int) -> list[tuple]:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from ._p2p import Ring, check_op, flat_view, new_call, scratch
-from ._ring_stream import Step, run_ring
+from ._ring_stream import WINDOW, Step, run_ring
 
 
 def _chunk_sizes(numel: int, n: int) -> list[int]:
@@ -66,7 +66,8 @@ def ring_reduce_scatter(t: torch.Tensor, op: str = "sum", group=None, out: torch
         out_flat.copy_(flat)
         return out
     width = max(c.numel() for c in chunks)
-    buffers = [scratch(width, t.dtype, t.device, slot) for slot in (3, 4, 5)[: min(3, n - 2)]]
+    first = WINDOW                                    # slots 0..WINDOW-1 are run_ring's own
+    buffers = [scratch(width, t.dtype, t.device, first + i) for i in range(min(3, n - 2))]
     steps, sending = [], chunks[(r - 1) % n]          # step 0 sends my own data of chunk r-1
     for s in range(n - 1):
         c_in = (r - s - 2) % n
