@@ -7,7 +7,7 @@
     report.comm[r]         # rank r's bytes: {"sent", "received", "sent_per_step", "sent_by_op"}
     report.run.trace       # everything recorded (None for "single", which runs in this process)
 
-Checkpoints (single, ddp, zero1-3; see `distlab.checkpoint`): ``checkpoint_dir=..., checkpoint_every=k``
+Checkpoints (every strategy; see `distlab.checkpoint`): ``checkpoint_dir=..., checkpoint_every=k``
 saves every k steps and at the end (``keep_last=n`` keeps the newest n); ``resume=True`` continues from
 the latest complete checkpoint, bit-exact; ``fail_at_step=s`` kills a rank on purpose (lessons, tests).
 
@@ -67,7 +67,6 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
                      lr=lr, optimizer=optimizer, weight_decay=weight_decay, grad_accum=grad_accum,
                      precision=precision, clip=clip, options={**(options or {}), **more_options})
     train_rank = load(strategy)
-    _check_checkpoint_options(spec)
     _check_mesh(spec, world_size)
     start = time.perf_counter()
     if strategy == "single":
@@ -102,10 +101,3 @@ def _check_mesh(spec: TrainSpec, world_size: int) -> None:
         degrees = parse(spec.strategy, spec.options)
         Mesh(degrees["dp"], degrees["tp"], degrees["pp"], world_size=world_size, groups=False)
 
-
-def _check_checkpoint_options(spec: TrainSpec) -> None:
-    """Checkpoint options on a strategy that does not checkpoint yet would be silently ignored: refuse."""
-    from .checkpoint.training import SUPPORTED, requested
-    if requested(spec.options) and spec.strategy not in SUPPORTED:
-        raise ValueError(f"checkpointing (checkpoint_dir, resume, fail_at_step, ...) is implemented for "
-                         f"{SUPPORTED}, not {spec.strategy!r}: drop those options or pick one of these")

@@ -1,4 +1,4 @@
-"""Checkpoint, resume and fault injection for `dl.train`'s data-parallel strategies.
+"""Checkpoint, resume and fault injection for every strategy of `dl.train`.
 
     dl.train("zero2", world_size=4, steps=20, checkpoint_dir="ck", checkpoint_every=5)   # step_5, ..., step_20
     dl.train("zero2", world_size=4, steps=20, checkpoint_dir="ck", resume=True)          # from the latest
@@ -10,8 +10,15 @@ What each rank writes, for Psi fp32 parameters with Adam (K = 8 bytes of state p
     zero1/zero2  model 4 Psi + its 8 Psi / N      its optimizer shard 8 Psi / N 4 Psi + 8 Psi
     zero3        its 4 Psi / N + 8 Psi / N        its 12 Psi / N                12 Psi (plus padding)
 
+    tp, tp-sp    its 1/N of every big matrix, the small replicated ones, and their optimizer state
+    pp-*         its stage(s) and their optimizer state
+    3d           per (tp, pp) coordinate the first dp rank writes its stage's model (and, with DDP, its
+                 optimizer state); with zero=1 every rank writes its own optimizer shard
+
 (ZeRO shards are of the padded flat buckets, so "Psi" there includes at most N-1 padding elements
-per bucket.) Replicated state goes to disk once, from rank 0; the ZeRO shards go from whoever owns
+per bucket.) The model-parallel strategies save each rank's parameters as they lie on that rank, so
+a resume needs the same world size and the same layout (the dp, tp, pp degrees, ``virtual``,
+``balance``, ``zero``, sequence parallelism); both are checked. Replicated state goes to disk once, from rank 0; the ZeRO shards go from whoever owns
 them, in parallel, which is why sharded checkpoints save faster as N grows (Rajbhandari et al. 2020
 save ZeRO state the same way; so do DeepSpeed's ``zero_pp_rank_*`` files and FSDP's sharded state dict).
 
@@ -30,14 +37,16 @@ import signal
 
 import torch
 
-from ..runtime import rank, world_size
+from ..runtime import rank, tracer, world_size
 from . import store
 
 OPTIONS = ("checkpoint_dir", "checkpoint_every", "keep_last", "resume", "fail_at_step", "fail_rank", "fail_in")
-SUPPORTED = ("single", "ddp", "zero1", "zero2", "zero3")
+DATA_PARALLEL = ("single", "ddp", "zero1", "zero2", "zero3")
 # spec fields that must agree between the run that saved and the run that resumes (steps may grow)
 _MUST_MATCH = ("strategy", "model", "seed", "global_batch", "lr", "optimizer", "weight_decay", "grad_accum",
-               "precision", "clip")
+               "precision", "clip", "layout")
+# options that decide which parameters a rank holds, and so must agree too
+LAYOUT_OPTIONS = ("dp", "tp", "pp", "zero", "virtual", "balance", "sequence_parallel", "sp")
 
 
 def requested(options: dict) -> bool:
@@ -46,11 +55,16 @@ def requested(options: dict) -> bool:
 
 
 class Checkpointer:
-    """The checkpoint side of one rank's training loop (built by `for_spec`)."""
+    """The checkpoint side of one rank's training loop (built by `for_spec`).
 
-    def __init__(self, spec):
+    ``replica_group``: the ranks that hold identical copies of the replicated state (3d's dp group);
+    the first of them writes it. Default: all ranks.
+    """
+
+    def __init__(self, spec, replica_group=None):
         o = spec.options
         self.spec = spec
+        self.replica_group = replica_group
         self.directory = o.get("checkpoint_dir")
         self.every = o.get("checkpoint_every")
         self.keep_last = o.get("keep_last")
@@ -109,11 +123,12 @@ class Checkpointer:
             return
         if done % self.every and done != self.spec.steps:
             return
-        state, replicated = capture(self.spec, model, wrapped, opt, losses)
-        hook = self._hook if (self.fail_in == "save" and done == self.fail_at) else None
-        meta = {"strategy": self.spec.strategy, "spec": _spec_facts(self.spec)}
-        store.save(self.directory, done, state, replicated=replicated, keep_last=self.keep_last, meta=meta,
-                   hook=hook)
+        with tracer().span("checkpoint", cat="io", step=done):
+            state, replicated = capture(self.spec, model, wrapped, opt, losses)
+            hook = self._hook if (self.fail_in == "save" and done == self.fail_at) else None
+            meta = {"strategy": self.spec.strategy, "spec": _spec_facts(self.spec)}
+            store.save(self.directory, done, state, replicated=replicated, group=self.replica_group,
+                       keep_last=self.keep_last, meta=meta, hook=hook)
         self.saved.append(done)
 
     def _hook(self, stage: str) -> None:
@@ -121,12 +136,29 @@ class Checkpointer:
             _die()
 
     def summary(self, start: int) -> dict:
-        return {"resumed_from": start or None, "saved": list(self.saved)}
+        """What to add to the rank's ``info``: ``{"checkpoint": {"resumed_from", "saved"}}``."""
+        return {"checkpoint": {"resumed_from": start or None, "saved": list(self.saved)}}
 
 
-def for_spec(spec) -> Checkpointer | None:
-    """A `Checkpointer` when the spec's options ask for one, else None."""
-    return Checkpointer(spec) if requested(spec.options) else None
+class NoCheckpoints:
+    """The training loop's checkpoint side when no option asks for one: every call does nothing."""
+
+    def resume(self, model, wrapped, opt) -> tuple[int, list[float]]:
+        return 0, []
+
+    def before_step(self, step: int) -> None:
+        pass
+
+    def after_step(self, done: int, model, wrapped, opt, losses: list[float]) -> None:
+        pass
+
+    def summary(self, start: int) -> dict:
+        return {}
+
+
+def for_spec(spec, replica_group=None) -> Checkpointer | NoCheckpoints:
+    """A `Checkpointer` when the spec's options ask for one, else a `NoCheckpoints` that does nothing."""
+    return Checkpointer(spec, replica_group) if requested(spec.options) else NoCheckpoints()
 
 
 def _die() -> None:
@@ -135,13 +167,22 @@ def _die() -> None:
 
 
 def _spec_facts(spec) -> dict:
-    return {k: getattr(spec, k) for k in _MUST_MATCH}
+    facts = {k: getattr(spec, k) for k in _MUST_MATCH if k != "layout"}
+    facts["layout"] = {k: spec.options[k] for k in LAYOUT_OPTIONS if k in spec.options}
+    return facts
 
 
 # -- what each strategy owns -----------------------------------------------------------------------
-def capture(spec, model, wrapped, opt, losses: list[float]) -> tuple[dict, dict]:
-    """(this rank's own state, the replicated state) of a data-parallel training loop."""
+def capture(spec, model, wrapped, opt, losses: list[float]) -> tuple[dict, dict | None]:
+    """(this rank's own state, the replicated state) of a training loop.
+
+    ``model``: the module holding this rank's parameters (the whole model for data parallelism; the
+    TP shard, the pipeline stage(s) or the mesh stage(s) otherwise); ``wrapped``: its DDP/ZeRO
+    wrapper, if any; ``opt``: the optimizer that steps them.
+    """
     own = {"losses": torch.tensor(losses, dtype=torch.float64)}
+    if spec.strategy not in DATA_PARALLEL:
+        return _capture_model_parallel(spec, model, opt, own)
     if spec.strategy in ("single", "ddp"):
         replicated = {"model": model.state_dict(), "optimizer": opt.optimizer.state_dict()}
         if opt.mixed:
@@ -155,9 +196,24 @@ def capture(spec, model, wrapped, opt, losses: list[float]) -> tuple[dict, dict]
     return own, {"model": model.state_dict()}
 
 
+def _capture_model_parallel(spec, model, opt, own: dict) -> tuple[dict, dict | None]:
+    if not spec.strategy.startswith("3d"):                 # tp, pp: nothing is replicated rank to rank
+        own.update(model=model.state_dict(), optimizer=opt.state_dict())
+        return own, None
+    from ..strategies.mesh import parse                     # the dp replicas of a stage hold equal copies
+    if parse(spec.strategy, spec.options)["zero"]:
+        own["optimizer"] = opt.state_dict()                 # ZeRO-1 over dp: each replica its own shard
+        return own, {"model": model.state_dict()}
+    return own, {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+
 @torch.no_grad()
 def restore(spec, model, wrapped, opt, state: dict) -> None:
     """Put ``state`` (from `capture` via `store.load`) back into the model and optimizer."""
+    if spec.strategy not in DATA_PARALLEL:
+        model.load_state_dict(state["model"])               # copies into the parameters in place
+        opt.load_state_dict(state["optimizer"])
+        return
     if spec.strategy in ("single", "ddp"):
         model.load_state_dict(state["model"])
         opt.optimizer.load_state_dict(state["optimizer"])

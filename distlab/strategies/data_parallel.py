@@ -27,6 +27,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import training as checkpointing
 from ..memory import Ledger, optimizer_bytes
 from ..models import shard
 from ..parallel.flat import storage_bytes
@@ -121,13 +122,11 @@ def train_rank(spec: TrainSpec) -> RankResult:
     no_sync = getattr(wrapped, "no_sync", None)
     if not spec.options.get("no_sync", spec.strategy != "zero3"):
         no_sync = None                                    # communicate on every micro-step
-    from ..checkpoint import training as checkpointing   # lazy: only runs that ask pay for it
     ckpt = checkpointing.for_spec(spec)
-    start, losses = ckpt.resume(model, wrapped, opt) if ckpt else (0, [])
+    start, losses = ckpt.resume(model, wrapped, opt)
     t_start = tr.now()
     for step in range(start, spec.steps):
-        if ckpt:
-            ckpt.before_step(step)                        # fault injection (fail_at_step)
+        ckpt.before_step(step)                            # fault injection (fail_at_step)
         tr.mark("step", step=step)
         step_loss = 0.0
         for micro in range(spec.grad_accum):
@@ -154,9 +153,7 @@ def train_rank(spec: TrainSpec) -> RankResult:
         ledger.sample("step", **memory_bytes())
         opt.zero_grad()
         losses.append(step_loss)
-        if ckpt:
-            with tr.span("checkpoint", cat="io", step=step + 1):
-                ckpt.after_step(step + 1, model, wrapped, opt, losses)
+        ckpt.after_step(step + 1, model, wrapped, opt, losses)
     t_end = tr.now()
     comm = _comm_totals(tr, t_start, t_end, max(1, spec.steps - start))
     losses = _global_losses(losses, n)
@@ -164,9 +161,7 @@ def train_rank(spec: TrainSpec) -> RankResult:
     params = {k: v.detach().float().cpu().clone() for k, v in state.items()} if r == 0 else None
     if hasattr(wrapped, "comm"):
         wrapped.comm.close()
-    info = {"memory": ledger.as_dict(), "comm": comm}
-    if ckpt:
-        info["checkpoint"] = ckpt.summary(start)
+    info = {"memory": ledger.as_dict(), "comm": comm, **ckpt.summary(start)}
     return RankResult(losses=losses if r == 0 else None, params=params, info=info)
 
 

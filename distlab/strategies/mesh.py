@@ -35,6 +35,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import training as checkpointing
 from ..parallel import tp as tp_lib
 from ..parallel import tp_collectives as C
 from ..parallel.mesh import AXES, Mesh
@@ -205,9 +206,13 @@ def train_rank(spec: TrainSpec) -> RankResult:
         optimizer = make_optimizer(params, spec)
     sharded = _sharded(modules)
 
-    tr, losses = tracer(), []
+    held = torch.nn.ModuleList(modules)         # this rank's stage(s): what a checkpoint holds
+    ckpt = checkpointing.for_spec(spec, replica_group=mesh.dp_group)
+    start, losses = ckpt.resume(held, ddp, optimizer)
+    tr = tracer()
     t_start = tr.now()
-    for step in range(spec.steps):
+    for step in range(start, spec.steps):
+        ckpt.before_step(step)
         tr.mark("step", step=step)
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
@@ -227,6 +232,7 @@ def train_rank(spec: TrainSpec) -> RankResult:
                 clip_grad_norm(params, sharded, spec.clip, mesh)
             optimizer.step()
         losses.append(total)
+        ckpt.after_step(step + 1, held, ddp, optimizer, losses)
     t_end = tr.now()
 
     if pipe.last and D > 1:                     # each replica saw its rows: sum their weighted shares
@@ -251,7 +257,8 @@ def train_rank(spec: TrainSpec) -> RankResult:
             "shapes": {n: tuple(q.shape) for n, q in local.items()},
             "digests": {n: _digest(q) for n, q in local.items()},
             "param_bytes": sum(q.numel() * q.element_size() for q in params),
-            "comm": {"sent_by_axis": bytes_by_axis(events), "sent": sum(e.sent for e in events)}}
+            "comm": {"sent_by_axis": bytes_by_axis(events), "sent": sum(e.sent for e in events)},
+            **ckpt.summary(start)}
     if ddp is not None:
         ddp.comm.close()
     return RankResult(losses=losses if pipe.last else None, params=params_full, info=info)

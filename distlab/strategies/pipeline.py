@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import training as checkpointing
 from ..parallel.pipeline import Pipeline
 from ..parallel.stage import stage_module
 from ..runtime import device, rank, tracer, world_size
@@ -53,8 +54,12 @@ def train_rank(spec: TrainSpec) -> RankResult:
                     microbatches=m, loss_fn=loss_fn(spec))
     params = list(pipe.parameters())
     optimizer = make_optimizer(params, spec)
-    tr, losses = tracer(), []
-    for step in range(spec.steps):
+    held = torch.nn.ModuleList(modules)             # this rank's stage(s): what a checkpoint holds
+    ckpt = checkpointing.for_spec(spec)
+    start, losses = ckpt.resume(held, None, optimizer)
+    tr = tracer()
+    for step in range(start, spec.steps):
+        ckpt.before_step(step)
         tr.mark("step", step=step)
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
@@ -73,6 +78,7 @@ def train_rank(spec: TrainSpec) -> RankResult:
                 clip_grad_norm(params, spec.clip)
             optimizer.step()
         losses.append(total)
+        ckpt.after_step(step + 1, held, None, optimizer, losses)
     mine = {names[id(q)]: q.detach().cpu().clone() for q in params}
     gathered = [None] * p if r == 0 else None
     if dist.is_initialized() and p > 1:
@@ -88,4 +94,4 @@ def train_rank(spec: TrainSpec) -> RankResult:
     param_bytes = sum(q.numel() * q.element_size() for q in params)
     return RankResult(losses=losses if pipe.last else None, params=full,
                       info={"pp": p, "schedule": name, "virtual": v, "microbatches": m, "stages": ids,
-                            "param_bytes": param_bytes})
+                            "param_bytes": param_bytes, **ckpt.summary(start)})

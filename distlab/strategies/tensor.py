@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checkpoint import training as checkpointing
 from ..parallel import tp as tp_lib
 from ..parallel import tp_collectives as C
 from ..runtime import device, rank, tracer
@@ -47,8 +48,11 @@ def train_rank(spec: TrainSpec) -> RankResult:
     sp = spec.strategy == "tp-sp" or bool(spec.options.get("sequence_parallel", False))
     model = tp_lib.parallelize(build_model(spec), sequence_parallel=sp)
     optimizer = make_optimizer(model.parameters(), spec)
-    tr, losses = tracer(), []
-    for step in range(spec.steps):
+    ckpt = checkpointing.for_spec(spec)
+    start, losses = ckpt.resume(model, None, optimizer)
+    tr = tracer()
+    for step in range(start, spec.steps):
+        ckpt.before_step(step)
         tr.mark("step", step=step)
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
@@ -64,7 +68,9 @@ def train_rank(spec: TrainSpec) -> RankResult:
                 clip_grad_norm(model, spec.clip)
             optimizer.step()
         losses.append(total)
+        ckpt.after_step(step + 1, model, None, optimizer, losses)
     full = tp_lib.full_state_dict(model)
     shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return RankResult(losses=losses, params=full if rank() == 0 else None,
-                      info={"tp": C.group_size(), "sequence_parallel": sp, "param_bytes": shard_bytes})
+                      info={"tp": C.group_size(), "sequence_parallel": sp, "param_bytes": shard_bytes,
+                            **ckpt.summary(start)})

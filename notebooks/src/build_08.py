@@ -245,6 +245,34 @@ ax.legend(ncols=N, fontsize=8)
 plt.show()
 """)
 md("""
+### Model parallelism: each rank writes the part it holds
+
+Tensor and pipeline parallelism split the *parameters* themselves, so there is no one copy for rank 0 to write:
+every model-parallel rank writes its own part, as DeepSpeed's `mp_rank_*` files do. In a 3D mesh the dp replicas
+of a stage hold identical copies again, so per stage only the first dp rank writes the model and (with DDP) its
+optimizer state. Here `3d:dp=2,tp=1,pp=2` on 4 ranks: ranks 0 and 1 are pipeline stages 0 and 1 of replica 0,
+ranks 2 and 3 the same stages of replica 1 (`dl.parallel.mesh` orders tp fastest, then pp, then dp).
+
+**Prediction:** a writing rank saves 12 bytes per parameter of its stage (fp32 weights 4 + Adam's two moments
+8, `dl.theory.memory`); the other replica's ranks save only their loss history.
+""")
+code("""
+MESH = "3d:dp=2,tp=1,pp=2"
+mesh_run = dl.train(MESH, world_size=N, model=MODEL, steps=2, checkpoint_dir=str(CKPT / "mesh"), checkpoint_every=2)
+shards = dl.checkpoint.manifest(CKPT / "mesh", 2)["shards"]
+mesh_measured = [s["bytes"] for s in shards]
+stage_params = [res.info["param_bytes"] // 4 for res in mesh_run.results]         # fp32: 4 bytes each
+mesh_predicted = []
+for r, (s, params) in enumerate(zip(shards, stage_params)):
+    m = dl.theory.memory(params, precision="fp32", optimizer="adam")
+    mesh_predicted.append(m.params + m.optimizer if s["replicated_from"] == r else 0)
+for r in range(N):
+    print(f"rank {r}: stage params {stage_params[r]:>6,}  writes the stage: {shards[r]['replicated_from'] == r!s:5}  "
+          f"measured {mesh_measured[r]:>7,} bytes  predicted {mesh_predicted[r]:>7,.0f}")
+for got, want in zip(mesh_measured, mesh_predicted):
+    assert want <= got <= 1.05 * want + 16 * KIB, (got, want)
+""")
+md("""
 ## 6. What a checkpoint refuses to do
 
 A checkpoint's shards belong to the ranks that wrote them: ZeRO rank 2's file holds the optimizer state of the
