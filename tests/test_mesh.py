@@ -143,6 +143,9 @@ def test_3d_training_matches_single(name, world, single_sgd):
     # sequence parallel inside GPipe stages, accumulation and clipping by the whole-model norm
     ("3d:dp=1,tp=2,pp=2,sp=1,schedule=gpipe", dict(SGD, clip=0.5, grad_accum=2)),
     ("3d:dp=2,tp=2,pp=1,sp=1", dict(SGD, clip=0.05)),
+    # clipping under ZeRO-1: the norm summed over dp shards, then tp (replicated counted once), then pp
+    ("3d:dp=2,tp=2,pp=1,zero=1", dict(SGD, clip=0.05)),
+    ("3d:dp=2,tp=1,pp=2,zero=1", dict(SGD, clip=0.05, global_batch=9)),
 ])
 def test_3d_options_match_single(name, kw):
     kw = {**dict(model="gpt-tiny", steps=2, seed=0), **kw}

@@ -123,6 +123,21 @@ def clip_grad_norm(params, sharded: set[int], max_norm: float, mesh: Mesh) -> fl
     return clip_to_norm(params, sq, max_norm)
 
 
+def clip_sharded_grad_norm(optimizer, sharded: set[int], max_norm: float, mesh: Mesh) -> float:
+    """`clip_grad_norm` under ZeRO-1 over dp: each rank holds 1/D of its stage's averaged gradient.
+
+    The same sum, taken over the dp shards first (`ShardedOptimizer.clip_grad_norm_`), a replicated
+    parameter's square weighted 1/T so that summing over the tp group counts it once."""
+    T = mesh.tp
+
+    def outer(sq):
+        sq = C.all_reduce(sq, mesh.tp_group, phase="step", operator="grad_norm", axis="tp")
+        return C.all_reduce(sq, mesh.pp_group, phase="step", operator="grad_norm", axis="pp")
+
+    return optimizer.clip_grad_norm_(max_norm, weight=lambda p: 1.0 if id(p) in sharded else 1.0 / T,
+                                     outer=outer)
+
+
 def axis_of(event) -> str:
     """Which mesh axis a comm event travelled on: pipeline send/recv -> "pp", tensor-parallel
     collectives (tagged with an ``operator``) -> "tp", data-parallel collectives -> "dp"."""
@@ -156,8 +171,6 @@ def train_rank(spec: TrainSpec) -> RankResult:
     mesh = Mesh(opts["dp"], opts["tp"], opts["pp"])
     D, T, P = mesh.dp, mesh.tp, mesh.pp
     me = mesh.coords()
-    if opts["zero"] and spec.clip is not None:
-        raise ValueError("clip with zero=1 on a mesh is not supported: use zero=0 (DDP) or clip=None")
     rows = torch.tensor_split(torch.arange(spec.micro_batch), D)
     if len(rows[-1]) == 0:
         raise ValueError(f"a micro-batch of {spec.micro_batch} rows cannot feed dp={D} replicas: raise global_batch")
@@ -228,7 +241,9 @@ def train_rank(spec: TrainSpec) -> RankResult:
             if ddp is not None:
                 with tr.span("dp grad sync", step=step):
                     ddp.finish_grad_sync()
-            if spec.clip is not None:
+            if spec.clip is not None and opts["zero"]:
+                clip_sharded_grad_norm(optimizer, sharded, spec.clip, mesh)
+            elif spec.clip is not None:
                 clip_grad_norm(params, sharded, spec.clip, mesh)
             optimizer.step()
         losses.append(total)

@@ -94,21 +94,38 @@ class ShardedOptimizer:
         prev = self.grad_shards[b]
         self.grad_shards[b] = shard if prev is None else prev.add_(shard)
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, weight=None, outer=None) -> torch.Tensor:
         """Scale the gradient shards so the *global* L2 norm is at most ``max_norm``; returns the norm.
 
         ||g||^2 = sum over ranks of ||g_shard||^2 (padding is zero): one all-reduce of a scalar.
         Same formula as ``torch.nn.utils.clip_grad_norm_``: coef = min(1, max_norm / (norm + 1e-6)).
+
+        When these parameters are themselves one part of a larger model (a tensor-parallel shard, a
+        pipeline stage), ``weight(param) -> float`` scales each parameter's squared gradient (1/T for
+        a parameter replicated over T tensor-parallel ranks, so it counts once) and ``outer(sq)``
+        sums the data-parallel total over the other model-parallel groups.
         """
         self.reduce_grads()
-        sq = sum(g.float().pow(2).sum() for g in self.grad_shards)
-        sq = torch.as_tensor(sq, dtype=torch.float32, device=self.masters[0].device).reshape(1)
+        sq = self._grad_square_sum(weight).reshape(1)
         self.comm.all_reduce(sq, op="sum")
+        if outer is not None:
+            sq = outer(sq)
         norm = sq.sqrt()[0]
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for g in self.grad_shards:
             g.mul_(coef.to(g.dtype))
         return norm
+
+    def _grad_square_sum(self, weight=None) -> torch.Tensor:
+        """Sum of this rank's squared gradient-shard elements, each parameter's scaled by ``weight``."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.masters[0].device)
+        for bucket, g in zip(self.buckets, self.grad_shards):
+            if weight is None:
+                sq += g.float().pow(2).sum()
+                continue
+            for i, _, piece in bucket.owner_slices(self.comm.rank):
+                sq += weight(bucket.params[i]) * g[piece].float().pow(2).sum()
+        return sq
 
     @torch.no_grad()
     def step(self, closure=None):
