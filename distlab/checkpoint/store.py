@@ -258,19 +258,39 @@ def load(directory, step: int | str = "latest", *, map_location="cpu", verify: b
     r, n = _rank_world()
     if info["world_size"] != n:
         raise CheckpointError(
-            f"checkpoint {path} was saved by {info['world_size']} ranks, this run has {n}: resume with "
-            f"world_size={info['world_size']} (each rank's shard belongs to the rank that wrote it), or "
-            f"start a new run without resume")
+            f"checkpoint {path} was saved by {info['world_size']} ranks, this run has {n}: each rank's file "
+            f"belongs to the rank that wrote it. Load it with world_size={info['world_size']}, or read all of "
+            f"them with dl.checkpoint.consolidate (data-parallel checkpoints; dl.train's resume does that "
+            f"when the world size changes)")
+    return _rank_state(path, info, r, verify, map_location)
+
+
+def load_all(directory, step: int | str = "latest", *, map_location="cpu", verify: bool = True) -> list[dict]:
+    """Every rank's state of checkpoint ``step``, in rank order, whatever the world size of this run
+    (for consolidating or resharding a checkpoint; each file is read and verified once)."""
+    path = _step_dir(directory, step)
+    info = manifest(directory, step)
+    files: dict[int, dict] = {}
+    return [_rank_state(path, info, r, verify, map_location, files) for r in range(info["world_size"])]
+
+
+def _rank_state(path: Path, info: dict, r: int, verify: bool, map_location, files: dict | None = None) -> dict:
+    """Rank ``r``'s own state merged with the replicated state of its replica group."""
+    files = {} if files is None else files
+
+    def read(k: int) -> dict:
+        if k not in files:
+            files[k] = _read(path, info["shards"][k], verify, map_location)
+        return files[k]
+
     entry = info["shards"][r]
-    own = _read(path, entry, verify, map_location)
+    own = read(r)
     if own.get("rank") != r or own.get("step") != info["step"]:
         raise CheckpointError(f"{path / entry['file']} holds rank {own.get('rank')} step {own.get('step')}, "
                               f"expected rank {r} step {info['step']}: the directory was tampered with")
     out = dict(own["state"])
-    src = entry["replicated_from"]
-    if src is not None:
-        holder = own if src == r else _read(path, info["shards"][src], verify, map_location)
-        out.update(holder["replicated"])
+    if entry["replicated_from"] is not None:
+        out.update(read(entry["replicated_from"])["replicated"])
     return out
 
 

@@ -16,7 +16,7 @@ What each rank writes, for Psi fp32 parameters with Adam (K = 8 bytes of state p
                  optimizer state); with zero=1 every rank writes its own optimizer shard
 
 (ZeRO shards are of the padded flat buckets, so "Psi" there includes at most N-1 padding elements
-per bucket.) The model-parallel strategies save each rank's parameters as they lie on that rank, so
+per bucket, and each ZeRO rank also saves the bucket layout that cut its shards.) The model-parallel strategies save each rank's parameters as they lie on that rank, so
 a resume needs the same world size and the same layout (the dp, tp, pp degrees, ``virtual``,
 ``balance``, ``zero``, sequence parallelism); both are checked. Replicated state goes to disk once, from rank 0; the ZeRO shards go from whoever owns
 them, in parallel, which is why sharded checkpoints save faster as N grows (Rajbhandari et al. 2020
@@ -25,6 +25,12 @@ save ZeRO state the same way; so do DeepSpeed's ``zero_pp_rank_*`` files and FSD
 A checkpoint after step s holds the state *after* s optimizer steps and the loss history of steps
 0..s-1; data is a pure function of (seed, step) (`dl.models` data sets), so a resumed run takes
 exactly the steps the uninterrupted run would have taken, bit for bit in fp32.
+
+Resharding: a data-parallel checkpoint resumes on another world size, or under another data-parallel
+strategy (ZeRO-3 on 4 ranks -> ZeRO-1 on 3, or -> ``single`` on one process), through
+`distlab.checkpoint.reshard`: the logical state is rebuilt from every rank's file and cut again for
+the new layout. The run then equals the uninterrupted one up to the rounding of a different
+reduction order (not bit for bit).
 
 Fault injection (for tests and lessons): ``fail_at_step=s`` kills ``fail_rank`` (default: the last
 rank) with SIGKILL, either at the start of step s (``fail_in="step"``) or in the middle of saving
@@ -38,7 +44,7 @@ import signal
 import torch
 
 from ..runtime import rank, tracer, world_size
-from . import store
+from . import reshard, store
 
 OPTIONS = ("checkpoint_dir", "checkpoint_every", "keep_last", "resume", "fail_at_step", "fail_rank", "fail_in")
 DATA_PARALLEL = ("single", "ddp", "zero1", "zero2", "zero3")
@@ -96,14 +102,22 @@ class Checkpointer:
             return 0, []
         info = store.manifest(self.directory, step)
         self._check_compatible(info)
-        state = store.load(self.directory, step)
-        restore(self.spec, model, wrapped, opt, state)
-        return info["step"], state["losses"].tolist()
+        same = info["world_size"] == world_size() and info["meta"].get("strategy") == self.spec.strategy
+        if same or self.spec.strategy not in DATA_PARALLEL:
+            state = store.load(self.directory, step)       # the same layout: each rank reads its own file
+            restore(self.spec, model, wrapped, opt, state)
+            return info["step"], state["losses"].tolist()
+        logical = reshard.consolidate(self.directory, step)  # another layout: rebuild, then cut anew
+        reshard.restore(self.spec, model, opt, logical)
+        losses = logical["losses"] if rank() == 0 else torch.zeros_like(logical["losses"])
+        return info["step"], losses.tolist()                 # rank 0 carries the global history
 
     def _check_compatible(self, info: dict) -> None:
         saved = info["meta"].get("spec", {})
         ours = _spec_facts(self.spec)
-        diff = [f"{k}: saved {saved.get(k)!r}, now {ours[k]!r}" for k in _MUST_MATCH if saved.get(k) != ours[k]]
+        reshardable = saved.get("strategy") in DATA_PARALLEL and ours["strategy"] in DATA_PARALLEL
+        diff = [f"{k}: saved {saved.get(k)!r}, now {ours[k]!r}" for k in _MUST_MATCH
+                if saved.get(k) != ours[k] and not (k == "strategy" and reshardable)]
         if diff:
             raise store.CheckpointError(f"checkpoint step {info['step']} in {self.directory} was saved by a "
                                         f"different run ({'; '.join(diff)}): use the same settings, or a "
@@ -183,17 +197,21 @@ def capture(spec, model, wrapped, opt, losses: list[float]) -> tuple[dict, dict 
     own = {"losses": torch.tensor(losses, dtype=torch.float64)}
     if spec.strategy not in DATA_PARALLEL:
         return _capture_model_parallel(spec, model, opt, own)
+    names_by_id = {id(p): n for n, p in model.named_parameters()}
+    names = {"buffer_names": [n for n, _ in model.named_buffers()]}     # (for resharding: see reshard.py)
     if spec.strategy in ("single", "ddp"):
-        replicated = {"model": model.state_dict(), "optimizer": opt.optimizer.state_dict()}
+        replicated = {"model": model.state_dict(), "optimizer": opt.optimizer.state_dict(),
+                      "param_names": [names_by_id[id(p)] for p in opt.params], **names}
         if opt.mixed:
             replicated["masters"] = list(opt.masters)
         return own, replicated
     own["optimizer"] = opt.state_dict()                    # this rank's ZeRO shard of the optimizer state
     own["masters"] = [m for m, s in zip(opt.masters, opt.shards) if m is not s]   # bf16: fp32 masters
+    own["layout"] = [reshard.bucket_layout(b, names_by_id) for b in opt.buckets]  # what cut the shards
     if spec.strategy == "zero3":
         own["params"] = list(opt.shards)                   # parameters live only as shards at rest
         return own, {"buffers": dict(model.named_buffers())}
-    return own, {"model": model.state_dict()}
+    return own, {"model": model.state_dict(), **names}
 
 
 def _capture_model_parallel(spec, model, opt, own: dict) -> tuple[dict, dict | None]:

@@ -273,19 +273,48 @@ for got, want in zip(mesh_measured, mesh_predicted):
     assert want <= got <= 1.05 * want + 16 * KIB, (got, want)
 """)
 md("""
-## 6. What a checkpoint refuses to do
+## 6. Resharding: resume on fewer ranks
 
-A checkpoint's shards belong to the ranks that wrote them: ZeRO rank 2's file holds the optimizer state of the
-third slice of each flat bucket *for N = 4*. Loaded into a world of another size, it would silently mean
-something else, so `load` refuses with a message saying what to do. (Resharding on load, as
-`torch.distributed.checkpoint` does, needs each shard's global offsets in the manifest; that is the next step up.)
-This notebook's process is a world of one:
+A node is gone for good and the job restarts on 3 ranks instead of 4. A checkpoint's shards belong to the ranks
+that wrote them: ZeRO rank 2's file holds the optimizer state of the third slice of each flat bucket *for N = 4*,
+meaningless under another N. So `dl.checkpoint.load`, which reads one rank's own file, refuses a world of another
+size; this notebook's process is a world of one:
 """)
 code("""
 try:
     dl.checkpoint.load(CKPT)
 except dl.checkpoint.CheckpointError as err:
     print(str(err).replace(str(CKPT), "<checkpoint_dir>"))
+""")
+md("""
+What makes the shards readable anyway is the **layout** each ZeRO rank saves beside them: per flat bucket, the
+parameters' names and shapes in bucket order and the shard size. Concatenating the N shards in rank order gives
+the padded bucket back; cutting it at the parameters' offsets gives one tensor per name. That is
+`dl.checkpoint.consolidate` (DeepSpeed's `zero_to_fp32.py` does the same from its `param_shapes`), and what
+`resume=True` uses when the world size or the data-parallel strategy changed: it rebuilds this logical state
+from every rank's file and cuts it again for the new layout.
+""")
+code("""
+full = dl.checkpoint.consolidate(CKPT, 4)
+moments = sum(v.numel() for state in full["optimizer"].values() for k, v in state.items() if k != "step")
+print(f"step {full['step']}, saved by {full['world_size']} ranks with {full['strategy']}: "
+      f"{len(full['params'])} parameter tensors, {sum(v.numel() for v in full['params'].values())} elements; "
+      f"Adam moments {moments} elements (2 per parameter), Adam step {full['optimizer']['tok.weight']['step'].item():g}")
+assert sum(v.numel() for v in full["params"].values()) == PSI and moments == 2 * PSI
+""")
+md("""
+**Prediction:** resuming step 4 of the 4-rank ZeRO-2 run as ZeRO-1 on **3** ranks continues the same training:
+the same parameters and optimizer state, the same global batches. Only the order in which gradients are summed
+changes (three partial sums instead of four), so the losses equal the uninterrupted run's up to float32 rounding,
+within 1e-5 relative, but no longer bit for bit.
+""")
+code("""
+elastic = dl.train("zero1", world_size=3, model=MODEL, steps=STEPS, seed=0, checkpoint_dir=str(CKPT), resume=4)
+worst = max(abs(a - b) / b for a, b in zip(elastic.losses, reference.losses))
+print(f"resumed from step {elastic.results[0].info['checkpoint']['resumed_from']} on 3 ranks; "
+      f"largest relative loss difference over {STEPS} steps: {'< 1e-5' if worst < 1e-5 else worst}")
+assert elastic.results[0].info["checkpoint"]["resumed_from"] == 4
+assert worst < 1e-5
 """)
 code("""
 import shutil
@@ -296,7 +325,7 @@ md("""
 
 * **PyTorch Distributed Checkpoint** (`torch.distributed.checkpoint`, DCP): every rank saves its shards, rank 0
   writes a `.metadata` file describing each tensor's global shape and each shard's offsets, so a checkpoint can
-  be **resharded** on load to another world size or parallel layout. `async_save` copies to CPU, then writes in
+  be **resharded** on load to another world size or parallel layout (section 6 did the same for ZeRO). `async_save` copies to CPU, then writes in
   the background while training goes on.
 * **DeepSpeed** writes `mp_rank_*_model_states.pt` (the model, once per model-parallel rank) and one
   `zero_pp_rank_*_optim_states.pt` per data-parallel rank (the ZeRO shards), exactly the split above; a `latest`
@@ -311,6 +340,8 @@ md("""
 * Write to `.tmp`, fsync, then **rename**: a crash leaves either the old checkpoint set or the new one, never a
   torn one. Verify with checksums; load with `weights_only=True`.
 * A resumed run is the uninterrupted run, bit for bit: checked here after killing a rank mid-save.
+* With the layout saved beside the shards, a checkpoint can be **resharded**: consolidated into one tensor per
+  name, resumed on another world size (equal up to rounding).
 
 **Try it**: change `fail_at_step=6` to `fail_at_step=5, fail_in="step"` (a crash during training, not during a
 save): which checkpoint does the resume start from, and which steps does it redo?

@@ -1,0 +1,167 @@
+"""Resharding: a data-parallel checkpoint saved on N ranks resumed on M ranks, or by another strategy.
+
+A ZeRO shard is a range of a padded flat bucket, meaningless without the layout that cut it. So
+every ZeRO rank saves its layout beside its shards (per bucket: the parameters' names and shapes in
+bucket order, and the shard size), as torch.distributed.checkpoint's metadata records each shard's
+global offsets and DeepSpeed's ``zero_to_fp32.py`` reads its ``param_shapes``. `consolidate` reads
+every rank's file and rebuilds the *logical* state, one tensor per parameter name:
+
+    {"params":    {name: tensor},           the model's parameters (tied ones once)
+     "buffers":   {name: tensor},
+     "optimizer": {name: {"exp_avg": ..., "exp_avg_sq": ..., "step": ...}},   per-parameter state
+     "masters":   {name: fp32 tensor},      bf16-mixed only
+     "losses":    tensor,                   the global loss of every step so far
+     "strategy", "world_size", "step"}
+
+Bucket b of a run on N ranks is the parameters p_1..p_k laid end to end and padded to a multiple of
+N; rank r held elements [r * ceil(S/N), (r+1) * ceil(S/N)). Concatenating the N shards in rank order
+gives the padded bucket back, and cutting it at the offsets gives each parameter. `restore` does the
+reverse for whatever layout the new run has (another N, other bucket sizes, another stage, or plain
+DDP), so the run continues with the same parameters and optimizer state; its later steps then differ
+from the uninterrupted run only by the rounding of a different reduction order.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import store
+
+PER_RANK = ("zero1", "zero2", "zero3")         # optimizer state in per-rank shards, cut by a layout
+REPLICATED = ("single", "ddp")                 # optimizer state whole, on rank 0
+
+
+def bucket_layout(bucket, names_by_id: dict[int, str]) -> dict:
+    """What a rank saves to make its shards of ``bucket`` readable at another world size."""
+    return {"names": [names_by_id[id(p)] for p in bucket.params],
+            "shapes": [list(p.shape) for p in bucket.params], "shard_numel": bucket.shard_numel}
+
+
+def consolidate(directory, step: int | str = "latest") -> dict:
+    """The logical (layout-free) state of a data-parallel checkpoint; reads every rank's file."""
+    info = store.manifest(directory, step)
+    strategy = info["meta"].get("strategy")
+    if strategy not in PER_RANK + REPLICATED:
+        raise store.CheckpointError(f"checkpoint step {info['step']} in {directory} was saved by {strategy!r}: "
+                                    f"only data-parallel checkpoints ({REPLICATED + PER_RANK}) can be "
+                                    f"resharded; resume it with the same strategy and world_size")
+    return {"step": info["step"], **logical_state(store.load_all(directory, info["step"]), strategy)}
+
+
+def logical_state(ranks: list[dict], strategy: str) -> dict:
+    """The logical state from every rank's saved state (its own merged with its replicated state)."""
+    out = {"strategy": strategy, "world_size": len(ranks),
+           "losses": sum(r["losses"] for r in ranks)}           # each rank saved its weighted share
+    out.update(_from_replicated(ranks[0]) if strategy in REPLICATED else _from_shards(ranks, strategy))
+    return out
+
+
+def _from_replicated(state: dict) -> dict:
+    names = state["param_names"]
+    model = state["model"]
+    return {"params": {n: model[n] for n in names},
+            "buffers": {n: t for n, t in model.items() if n not in names and n in state["buffer_names"]},
+            "optimizer": {names[i]: s for i, s in state["optimizer"]["state"].items()},
+            "masters": dict(zip(names, state.get("masters", [])))}
+
+
+def _from_shards(ranks: list[dict], strategy: str) -> dict:
+    if "layout" not in ranks[0]:
+        raise store.CheckpointError("this ZeRO checkpoint records no bucket layout (saved by an older distlab): "
+                                    "resume it with the same world_size")
+    layout = ranks[0]["layout"]
+    params, optimizer, masters = {}, {}, {}
+    inner = [r["optimizer"]["optimizer"]["state"] for r in ranks]
+    for b, lay in enumerate(layout):
+        shard = lay["shard_numel"]
+        if strategy == "zero3":
+            params.update(_cut(torch.cat([r["params"][b] for r in ranks]), lay))
+        if ranks[0]["masters"]:
+            masters.update(_cut(torch.cat([r["masters"][b] for r in ranks]), lay))
+        for key, value in inner[0].get(b, {}).items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.numel() == shard:   # per element (moments)
+                pieces = _cut(torch.cat([state[b][key] for state in inner]), lay)
+            else:                                   # a per-bucket scalar ("step"): a copy each, since
+                pieces = {n: value.clone() if torch.is_tensor(value) else value   # Adam increments it
+                          for n in lay["names"]}                                  # in place
+            for name, piece in pieces.items():
+                optimizer.setdefault(name, {})[key] = piece
+    if strategy != "zero3":
+        model = ranks[0]["model"]
+        names = [n for lay in layout for n in lay["names"]]
+        params = {n: model[n] for n in names}
+        buffers = {n: t for n, t in model.items() if n in ranks[0]["buffer_names"]}
+    else:
+        buffers = dict(ranks[0]["buffers"])
+    return {"params": params, "buffers": buffers, "optimizer": optimizer, "masters": masters}
+
+
+def _cut(flat: torch.Tensor, lay: dict) -> dict[str, torch.Tensor]:
+    """A padded flat bucket cut back into its parameters."""
+    out, offset = {}, 0
+    for name, shape in zip(lay["names"], lay["shapes"]):
+        numel = 1
+        for d in shape:
+            numel *= d
+        out[name] = flat[offset:offset + numel].view(shape).clone()
+        offset += numel
+    return out
+
+
+@torch.no_grad()
+def restore(spec, model, opt, logical: dict) -> None:
+    """Put a `consolidate`d state into this rank's model and optimizer, cut for this run's layout."""
+    names_by_id = {id(p): n for n, p in model.named_parameters()}
+    missing = set(names_by_id.values()) - set(logical["params"])
+    if missing:
+        raise store.CheckpointError(f"the checkpoint has no parameters {sorted(missing)[:3]}...: it was saved "
+                                    f"for another model")
+    for name, buf in model.named_buffers():
+        if name in logical["buffers"]:                          # (non-persistent buffers are not saved)
+            buf.copy_(logical["buffers"][name])
+    if spec.strategy in REPLICATED:
+        _restore_local(model, opt, logical, names_by_id)
+    else:
+        _restore_sharded(opt, logical, names_by_id)
+
+
+def _restore_local(model, opt, logical: dict, names_by_id: dict) -> None:
+    for name, p in model.named_parameters():
+        p.copy_(logical["params"][name])
+    names = [names_by_id[id(p)] for p in opt.params]
+    state = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in logical["optimizer"][n].items()}
+             for i, n in enumerate(names) if n in logical["optimizer"]}
+    opt.optimizer.load_state_dict({"state": state, "param_groups": opt.optimizer.state_dict()["param_groups"]})
+    if opt.mixed:
+        for m, n in zip(opt.masters, names):
+            m.copy_(logical["masters"][n])
+
+
+def _restore_sharded(opt, logical: dict, names_by_id: dict) -> None:
+    r = opt.comm.rank
+    state = {}
+    for b, bucket in enumerate(opt.buckets):
+        names = [names_by_id[id(p)] for p in bucket.params]
+
+        def mine(per_name: dict, dtype: torch.dtype) -> torch.Tensor:
+            """This rank's shard of the bucket assembled from per-parameter tensors."""
+            flat = torch.zeros(bucket.padded, dtype=dtype, device=bucket.full.device)
+            for view, n in zip(bucket.views(flat), names):
+                view.copy_(per_name[n])
+            return bucket.chunk(flat, r)
+
+        if opt.sharded_params:                                  # ZeRO-3: parameters live as shards
+            opt.shards[b].copy_(mine(logical["params"], opt.shards[b].dtype))
+        else:                                                   # ZeRO-1/2: the bucket holds the parameters
+            for view, n in zip(bucket.views(bucket.full), names):
+                view.copy_(logical["params"][n])
+        if opt.masters[b] is not opt.shards[b]:
+            opt.masters[b].copy_(mine(logical["masters"], torch.float32))
+        first = logical["optimizer"].get(names[0])
+        if first is None:
+            continue
+        shape = logical["params"][names[0]].shape
+        state[b] = {key: (mine({n: logical["optimizer"][n][key] for n in names}, value.dtype)
+                          if torch.is_tensor(value) and value.dim() > 0 and value.shape == shape
+                          else value.clone() if torch.is_tensor(value) else value)   # a scalar ("step")
+                    for key, value in first.items()}
+    opt.optimizer.load_state_dict({"state": state, "param_groups": opt.optimizer.state_dict()["param_groups"]})

@@ -1,0 +1,101 @@
+"""Resharding: data-parallel checkpoints resumed on another world size or by another data-parallel
+strategy (`distlab.checkpoint.reshard`)."""
+import pytest
+import torch
+
+import distlab as dl
+from distlab.checkpoint import CheckpointError, reshard
+from distlab.checkpoint.training import Checkpointer, capture
+from distlab.strategies.base import TrainSpec, build_model
+
+# (saved strategy, its world size) -> (resuming strategy, its world size), precision
+PAIRS = [
+    (("zero3", 4), ("zero1", 3), "fp32"),          # 4 shards cut again into 3 (other padding)
+    (("zero2", 2), ("zero3", 3), "fp32"),
+    (("ddp", 2), ("zero2", 4), "fp32"),            # whole optimizer state -> shards
+    (("zero1", 3), ("single", 1), "fp32"),         # shards -> one process (like zero_to_fp32.py)
+    (("zero3", 2), ("ddp", 3), "bf16-mixed"),      # fp32 master shards -> whole masters
+    (("single", 1), ("zero3", 2), "bf16-mixed"),
+]
+
+
+def _restore_and_capture(strategy: str, precision: str, directory: str) -> dict:
+    """On each rank: build `strategy`'s model and optimizer, resume from ``directory``, and return
+    what a checkpoint would save right now."""
+    from distlab.strategies.data_parallel import _wrap
+    spec = TrainSpec(strategy, global_batch=12, precision=precision,
+                     options={"checkpoint_dir": directory, "resume": True, "bucket_mb": 0.1})
+    model = build_model(spec)
+    if precision == "bf16-mixed":
+        model = model.to(torch.bfloat16)
+    wrapped, opt, _ = _wrap(spec, model)
+    _, losses = Checkpointer(spec).resume(model, wrapped, opt)
+    own, replicated = capture(spec, model, wrapped, opt, losses)
+    if hasattr(wrapped, "comm"):
+        wrapped.comm.close()
+    return {"own": own, "replicated": replicated}
+
+
+def _logical_of_run(results: list[dict], strategy: str) -> dict:
+    shared = results[0]["replicated"]              # replicated state: identical, saved by rank 0
+    return reshard.logical_state([{**r["own"], **shared} for r in results], strategy)
+
+
+def _assert_same_logical(a: dict, b: dict):
+    for part in ("params", "buffers", "masters"):
+        assert a[part].keys() == b[part].keys(), part
+        for name, t in a[part].items():
+            assert torch.equal(t, b[part][name]), (part, name)
+    assert a["optimizer"].keys() == b["optimizer"].keys()
+    for name, state in a["optimizer"].items():
+        assert state.keys() == b["optimizer"][name].keys()
+        for key, t in state.items():
+            assert torch.equal(t, b["optimizer"][name][key]), (name, key)
+    assert torch.equal(a["losses"], b["losses"])
+
+
+@pytest.mark.parametrize("saved, resumed, precision", PAIRS,
+                         ids=[f"{s[0]}{s[1]}-to-{r[0]}{r[1]}-{p}" for s, r, p in PAIRS])
+def test_reshard_restores_the_exact_logical_state(saved, resumed, precision, tmp_path):
+    """Every parameter, buffer, fp32 master and optimizer moment (and Adam's step) that the new layout
+    holds right after resuming is, put back together, bit for bit what the old layout saved."""
+    (s_name, s_world), (r_name, r_world) = saved, resumed
+    dl.train(s_name, world_size=s_world, steps=2, global_batch=12, precision=precision,
+             checkpoint_dir=str(tmp_path), checkpoint_every=2, bucket_mb=0.2)
+    before = reshard.consolidate(tmp_path)
+    assert before["world_size"] == s_world and before["step"] == 2 and before["optimizer"]
+    assert bool(before["masters"]) == (precision == "bf16-mixed")
+    results = dl.launch(_restore_and_capture, world_size=r_world, args=(r_name, precision, str(tmp_path)),
+                        output="quiet").results
+    after = _logical_of_run(results, r_name)
+    _assert_same_logical(before, after)
+    if r_name.startswith("zero"):                   # and the new shards really are 1/M of each bucket
+        elements = [sum(t.numel() for t in r["own"]["optimizer"]["optimizer"]["state"][0].values()
+                        if t.dim() > 0) for r in results]
+        assert max(elements) - min(elements) <= 2 * r_world
+
+
+@pytest.mark.parametrize("saved, resumed", [(("zero3", 4), ("zero1", 3)), (("zero2", 2), ("ddp", 3))])
+def test_resharded_run_continues_like_the_uninterrupted_one(saved, resumed, tmp_path):
+    """Save at step 2 on one layout, finish steps 2-4 on another: losses and final parameters equal
+    the single-process run (within the 1e-5 that any change of reduction order allows)."""
+    kw = dict(steps=5, global_batch=12)
+    reference = dl.train("single", **kw)
+    first = dl.train(saved[0], world_size=saved[1], **kw, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    report = dl.train(resumed[0], world_size=resumed[1], **kw, checkpoint_dir=str(tmp_path), resume=2)
+    assert report.results[0].info["checkpoint"]["resumed_from"] == 2
+    assert len(report.trace.select("mark", rank=0, name="step")) == 3
+    assert report.losses[:2] == pytest.approx(first.losses[:2], rel=1e-12)       # the history, carried over
+    assert report.losses == pytest.approx(reference.losses, rel=1e-5)
+    flat = lambda params: torch.cat([params[k].flatten() for k in sorted(params)])   # noqa: E731
+    a, b = flat(report.params), flat(reference.params)
+    assert ((a - b).norm() / b.norm()).item() < 1e-5
+
+
+def test_what_cannot_be_resharded_says_so(tmp_path):
+    dl.train("tp", world_size=2, steps=1, checkpoint_dir=str(tmp_path / "tp"), checkpoint_every=1)
+    with pytest.raises(CheckpointError, match="only data-parallel checkpoints"):
+        reshard.consolidate(tmp_path / "tp")
+    dl.train("zero2", world_size=2, steps=1, checkpoint_dir=str(tmp_path / "z"), checkpoint_every=1)
+    with pytest.raises(dl.LaunchError, match="strategy: saved 'zero2', now 'tp'"):
+        dl.train("tp", world_size=2, steps=2, checkpoint_dir=str(tmp_path / "z"), resume=True)
