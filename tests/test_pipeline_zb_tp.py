@@ -4,9 +4,10 @@ ZB-H1 splits each backward into I (activation gradients, sent upstream at once) 
 gradients, later). On a Megatron stage the activation path crosses the f operator, whose backward
 all-reduces; W must not cross it again. So, per step and per rank, ZB-H1 moves exactly the
 tensor-parallel bytes 1F1B moves, no collective of the activation path runs inside a W span, and
-training still equals the single process. The single-process tests pin the bookkeeping that makes
-W local: a weight used twice (tied embeddings) counted once, and a weight held by a custom
-``autograd.Function`` (which W cannot isolate) differentiated inside I, never twice.
+training still equals the single process; under sequence parallelism the fused all-gather + linears
+hand their weight gradients to W too (`WeightGradStore`). The single-process tests pin the bookkeeping
+that makes W local: a weight used twice (tied embeddings) counted once, and a weight held by a custom
+``autograd.Function`` that does not defer (which W cannot isolate) differentiated inside I, never twice.
 """
 from __future__ import annotations
 
@@ -62,6 +63,16 @@ def test_zb_h1_moves_exactly_the_tp_bytes_of_1f1b(sp, single):
     assert {"F", "I", "W"} <= executed and "B" not in executed
     for _, in_w in zero_bubble:
         assert set(in_w) <= (WEIGHT_GRAD_OPERATORS if sp else set()), in_w   # no f/g, no SP gather in W
+    trace = runs["zb-h1"].run.trace
+    for r in range(4):                                 # SP's fused linears leave their dW to W, not I
+        marks = trace.select("mark", rank=r, name="deferred weight grads")
+        w_spans = [s for s in trace.spans(rank=r, cat="compute") if s.name == "W"]
+        inside = [[m for m in marks if s.start <= m.start <= s.end] for s in w_spans]
+        if sp:   # per W: q, k, v and the MLP's first linear of the stage's block, weights and biases
+            assert all(len(found) == 1 and found[0].args["count"] >= 8 for found in inside), inside
+            assert len(marks) == len(w_spans)
+        else:
+            assert marks == []
 
 
 # -- single process: the split is exact where weights are shared or hidden -----------------------

@@ -38,9 +38,10 @@ segment of its own, one op long::
 
 So I + W cost about one ordinary backward, not two; the graph (and its saved activations) lives
 until W, which is why zero-bubble schedules trade memory for bubble. Weights the mode cannot see
-(a custom ``autograd.Function`` takes them directly, e.g. sequence parallelism's fused all-gather
-+ linears) get their gradient inside I, with the activation gradients of the same walk: correct,
-just not deferred, and still without a second traversal.
+(a custom ``autograd.Function`` takes them directly) get their gradient inside I, with the
+activation gradients of the same walk: correct, just not deferred, and still without a second
+traversal -- unless the Function defers them itself: sequence parallelism's fused all-gather +
+linears leave dW to a `WeightGradStore` that W runs (and W marks ``"deferred weight grads"``).
 
 Communication lives in `distlab.parallel.pipeline_p2p`; tracing: one compute span per action
 (name F/B/I/W, args stage, microbatch, step), one comm event per transfer, and after every action
@@ -59,7 +60,7 @@ import torch.nn.functional as F
 from ..memory import SavedActivations
 from ..runtime import device, tracer
 from .pipeline_p2p import Incoming, Links
-from .pipeline_zb import WeightUses, accumulate_grads
+from .pipeline_zb import WeightGradStore, WeightUses, accumulate_grads
 from .schedule import Action, schedule as make_schedule
 
 
@@ -78,6 +79,7 @@ class _Stash:
     output: torch.Tensor                     # stage output; on the last stage, the scaled loss
     uses: "WeightUses | None" = None        # zero bubble: every use of a weight in this forward
     grads: list = field(default_factory=list)    # d y_k after I
+    deferred: "WeightGradStore | None" = None   # weight gradients custom Functions left for W
     grad_output: torch.Tensor | None = None
     nbytes: int = 0
 
@@ -253,9 +255,10 @@ class Pipeline:
             eager = stash.uses.unseen_parameters(stash.output) if stash.output.requires_grad else []
             ys = [y for outputs, _ in stash.uses.deferred for y in outputs]
             targets = ([stash.input] if wants_input else []) + ys + eager
-            grads = (list(torch.autograd.grad(stash.output, targets, stash.grad_output, retain_graph=bool(ys),
-                                              allow_unused=True)) if targets and stash.output.requires_grad
-                     else [None] * len(targets))
+            with WeightGradStore() as stash.deferred:
+                grads = (list(torch.autograd.grad(stash.output, targets, stash.grad_output,
+                                                  retain_graph=bool(ys), allow_unused=True))
+                         if targets and stash.output.requires_grad else [None] * len(targets))
             input_grad = grads.pop(0) if wants_input else None
             stash.grads = grads[:len(ys)]
             accumulate_grads(eager, grads[len(ys):], hooks=False)   # autograd ran their hooks; done in this walk
@@ -277,8 +280,14 @@ class Pipeline:
                     if g is not None:
                         entry = total.setdefault(id(p), [p, None])
                         entry[1] = g if entry[1] is None else entry[1] + g
+            deferred = stash.deferred.run()
+            if deferred:
+                tracer().mark("deferred weight grads", stage=a.stage, microbatch=a.microbatch, count=len(deferred))
+            for p, g in deferred:                           # e.g. sequence parallelism's fused linears
+                entry = total.setdefault(id(p), [p, None])
+                entry[1] = g if entry[1] is None else entry[1] + g
             accumulate_grads([p for p, _ in total.values()], [g for _, g in total.values()])
-        stash.uses = None
+        stash.uses = stash.deferred = None
 
 
 class _nothing:

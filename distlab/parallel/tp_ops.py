@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from . import tp_collectives as C
+from .pipeline_zb import DEFERS_WEIGHT_GRAD, WeightGradStore
 
 SEQ_DIM = 1
 
@@ -141,32 +142,43 @@ class GatheredLinears(torch.autograd.Function):
     Keeping the shard (s b h / t) rather than the gathered X (s b h) for the backward is how
     Korthikanti et al. 2022 (Sec. 4.2.2) reach activation memory sbh(34 + 5as/h)/t: the price is one
     extra all-gather per region in the backward (recorded with ``operator="sp_regather"``).
+
+    Under a zero-bubble schedule the backward computes dX only, on the critical path (I), and hands
+    dW_j = dY_j^T X, db_j = sum dY_j to the active `WeightGradStore` for the W pass, keeping the
+    gathered X and dY_j alive until then (the memory zero bubble trades for its smaller bubble).
     """
 
     @staticmethod
     def forward(ctx, x_shard, group, where, dim, *weights_and_biases):
         ctx.group, ctx.where, ctx.dim = group, where, dim
-        ctx.has_bias = [b is not None for b in weights_and_biases[1::2]]
+        ctx.params = weights_and_biases                       # (w_1, b_1 or None, w_2, ...)
         x = C.all_gather(x_shard, dim, group, phase="forward", operator="sp_gather", where=where)
         ctx.save_for_backward(x_shard, *[t for t in weights_and_biases if t is not None])
         return tuple(F.linear(x, w, b) for w, b in zip(weights_and_biases[::2], weights_and_biases[1::2]))
 
     @staticmethod
     def backward(ctx, *grads):
-        x_shard, *params = ctx.saved_tensors
+        x_shard, *_ = ctx.saved_tensors
         x = C.all_gather(x_shard, ctx.dim, ctx.group, phase="backward", operator="sp_regather", where=ctx.where)
         x2d = x.reshape(-1, x.shape[-1])
-        grad_x, out = None, []
-        it = iter(params)
-        for g, has_bias in zip(grads, ctx.has_bias):
-            w = next(it)
-            b = next(it) if has_bias else None
-            g2d = g.reshape(-1, g.shape[-1])
+        g2ds = [g.reshape(-1, g.shape[-1]) for g in grads]
+        grad_x = None
+        for g2d, w in zip(g2ds, ctx.params[::2]):
             grad_x = g2d @ w if grad_x is None else grad_x.addmm_(g2d, w)
-            out += [g2d.t() @ x2d, g2d.sum(0) if b is not None else None]
         grad_x = C.reduce_scatter(grad_x.view(x.shape), ctx.dim, ctx.group, phase="backward",
                                   operator="sp_gather", where=ctx.where)
-        return (grad_x, None, None, None, *out)
+
+        def weight_grads() -> list:
+            out = []
+            for g2d, b in zip(g2ds, ctx.params[1::2]):
+                out += [g2d.t() @ x2d, g2d.sum(0) if b is not None else None]
+            return out
+
+        store = WeightGradStore.current()
+        if store is None:
+            return (grad_x, None, None, None, *weight_grads())
+        store.defer(list(ctx.params), weight_grads)
+        return (grad_x, None, None, None, *[None] * len(ctx.params))
 
 
 # -- functional forms (what the layers call) ---------------------------------------------------
@@ -210,4 +222,7 @@ def gathered_linears(x_shard, linears, group=None, where=None, dim=SEQ_DIM):
     flat = [t for lin in linears for t in (lin.weight, lin.bias)]
     if C.group_size(group) == 1:
         return tuple(F.linear(x_shard, w, b) for w, b in zip(flat[::2], flat[1::2]))
+    for t in flat:
+        if t is not None:
+            setattr(t, DEFERS_WEIGHT_GRAD, True)            # zero bubble: its W comes from the store
     return GatheredLinears.apply(x_shard, group, where, dim, *flat)
