@@ -16,11 +16,13 @@ What each rank writes, for Psi fp32 parameters with Adam (K = 8 bytes of state p
                  optimizer state); with zero=1 every rank writes its own optimizer shard
 
 (ZeRO shards are of the padded flat buckets, so "Psi" there includes at most N-1 padding elements
-per bucket, and each ZeRO rank also saves the bucket layout that cut its shards.) The model-parallel strategies save each rank's parameters as they lie on that rank, so
-a resume needs the same world size and the same layout (the dp, tp, pp degrees, ``virtual``,
-``balance``, ``zero``, sequence parallelism); both are checked. Replicated state goes to disk once, from rank 0; the ZeRO shards go from whoever owns
-them, in parallel, which is why sharded checkpoints save faster as N grows (Rajbhandari et al. 2020
-save ZeRO state the same way; so do DeepSpeed's ``zero_pp_rank_*`` files and FSDP's sharded state dict).
+per bucket, and each ZeRO rank also saves the bucket layout that cut its shards.) Replicated state
+goes to disk once, from the first rank of its replica group; the shards go from whoever owns them,
+in parallel, which is why sharded checkpoints save faster as N grows (Rajbhandari et al. 2020 save
+ZeRO state the same way; so do DeepSpeed's ``zero_pp_rank_*`` files and FSDP's sharded state dict).
+The model-parallel strategies save each rank's parameters as they lie on that rank, so a resume
+needs the same world size and the same layout (the dp, tp, pp degrees, ``virtual``, ``balance``,
+``zero``, sequence parallelism); both are checked.
 
 A checkpoint after step s holds the state *after* s optimizer steps and the loss history of steps
 0..s-1; data is a pure function of (seed, step) (`dl.models` data sets), so a resumed run takes

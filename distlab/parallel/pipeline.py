@@ -277,17 +277,21 @@ class Pipeline:
                 grads = torch.autograd.grad(ys, [alias for _, alias in aliases], dy, retain_graph=True,
                                             allow_unused=True)
                 for (p, _), g in zip(aliases, grads):
-                    if g is not None:
-                        entry = total.setdefault(id(p), [p, None])
-                        entry[1] = g if entry[1] is None else entry[1] + g
+                    _add_grad(total, p, g)
             deferred = stash.deferred.run()
             if deferred:
                 tracer().mark("deferred weight grads", stage=a.stage, microbatch=a.microbatch, count=len(deferred))
             for p, g in deferred:                           # e.g. sequence parallelism's fused linears
-                entry = total.setdefault(id(p), [p, None])
-                entry[1] = g if entry[1] is None else entry[1] + g
+                _add_grad(total, p, g)
             accumulate_grads([p for p, _ in total.values()], [g for _, g in total.values()])
         stash.uses = stash.deferred = None
+
+
+def _add_grad(total: dict, p, g) -> None:
+    """Sum ``g`` into ``total[id(p)] = [p, gradient so far]`` (a weight may have several uses)."""
+    if g is not None:
+        entry = total.setdefault(id(p), [p, None])
+        entry[1] = g if entry[1] is None else entry[1] + g
 
 
 class _nothing:
