@@ -41,7 +41,7 @@ browser: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m browser tests/browser -q
 
 bench: $(STAMP)
-	for b in launch_latency allreduce data_parallel tensor_parallel pipeline; do \
+	for b in launch_latency allreduce data_parallel tensor_parallel pipeline checkpoint; do \
 	  OMP_NUM_THREADS=1 $(BIN)/python benchmarks/$$b.py || exit 1; done
 	$(BIN)/python benchmarks/summary.py --readme
 

@@ -107,8 +107,27 @@ def pipeline() -> list[str]:
             "|---|---|---|---|---|---|---|", *rows, ""]
 
 
+def checkpoint() -> list[str]:
+    d = _load("checkpoint")
+    if not d:
+        return []
+    rows = []
+    for r in d["results"]:
+        ours, theirs = r["distlab"], r["torch DCP"]
+        rows.append(f"| {r['world_size']} | {_ms(ours['median_save_s'])} | {_ms(theirs['median_save_s'])} | "
+                    f"{_ms(ours['median_load_s'])} | {_ms(theirs['median_load_s'])} | "
+                    f"{ours['bytes'] / 2**20:.1f} / {theirs['bytes'] / 2**20:.1f} MiB |")
+    return [f"**Checkpoints** ({d['meta']['model']} ZeRO-3 state after one AdamW step: `dl.checkpoint` vs "
+            f"`torch.distributed.checkpoint` on FSDP2, both loads checked to restore what was saved; "
+            f"`benchmarks/checkpoint.py`). No target: DCP is the general tool (it plans every save collectively "
+            f"and reshards any layout), distlab's format covers only its own strategies.{_load_note(d['meta'])}",
+            "",
+            "| ranks | distlab save | DCP save | distlab load | DCP load | bytes on disk (distlab / DCP) |",
+            "|---|---|---|---|---|---|", *rows, ""]
+
+
 def tables() -> str:
-    parts = launch_latency() + allreduce() + data_parallel() + tensor_parallel() + pipeline()
+    parts = launch_latency() + allreduce() + data_parallel() + tensor_parallel() + pipeline() + checkpoint()
     return "\n".join(parts).rstrip() + "\n"
 
 

@@ -1,0 +1,214 @@
+"""distlab's sharded checkpoints beside torch.distributed.checkpoint (DCP) on FSDP2, in one run.
+
+    python benchmarks/checkpoint.py                      # gpt-small, 2 and 4 ranks, gloo on CPU
+    python benchmarks/checkpoint.py --ranks 2 --repeats 3
+
+Both sides hold the same ZeRO-3 training state, built from the same seed and trained one step on the
+same batch (so Adam's moments exist): distlab `dl.ZeRO(stage=3)` + AdamW, and torch FSDP2
+(`fully_shard` per block and at the root) + AdamW.
+
+    side     save                                                 load
+    distlab  `dl.checkpoint.save` of what `dl.train` saves for    `dl.checkpoint.load` + put back into the
+             zero3 (each rank its shards; sha256 manifest;         parameter and optimizer shards
+             tmp directory then rename)
+    torch    `dcp.save(get_state_dict(model, optimizer))`          `dcp.load` + `set_state_dict`
+             (each rank its DTensor shards; .metadata)
+
+Time: each repeat from a barrier to the slowest rank's end, both sides alternating which goes first; the
+median over repeats. Bytes: the files on disk. Both loads are checked: the parameters after loading equal
+the ones saved. Writes <out>.json and <out>.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import distlab as dl  # noqa: E402
+from distlab.checkpoint import store, training  # noqa: E402
+from distlab.models import PRESETS, build, dataset_for  # noqa: E402
+from distlab.strategies.base import TrainSpec  # noqa: E402
+
+SIDES = ("distlab", "torch DCP")
+
+
+def _train_one_step(model, optimizer, x, y) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    optimizer.step()
+
+
+class DistlabSide:
+    def __init__(self, model_name: str, seed: int, lr: float):
+        self.spec = TrainSpec("zero3", model=model_name, seed=seed, lr=lr)
+        self.gpt = build(model_name, seed).to(dl.device())
+        self.zero = dl.ZeRO(self.gpt, stage=3, optim=torch.optim.AdamW, lr=lr)
+        self.model, self.optimizer = self.zero, self.zero.optimizer
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [s.detach().clone() for s in self.optimizer.shards]
+
+    def save(self, directory: str) -> None:
+        own, replicated = training.capture(self.spec, self.gpt, self.zero, self.optimizer, [])
+        store.save(directory, 1, own, replicated=replicated)
+
+    def scramble(self) -> None:
+        with torch.no_grad():
+            for s in self.optimizer.shards:
+                s.zero_()
+
+    def load(self, directory: str) -> None:
+        training.restore(self.spec, self.gpt, self.zero, self.optimizer, store.load(directory, 1))
+
+
+class TorchSide:
+    def __init__(self, model_name: str, seed: int, lr: float):
+        from torch.distributed.fsdp import fully_shard
+        self.gpt = build(model_name, seed).to(dl.device())
+        for block in self.gpt.blocks:
+            fully_shard(block)
+        self.model = fully_shard(self.gpt)
+        self.optimizer = torch.optim.AdamW(self.gpt.parameters(), lr=lr)
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [p.to_local().detach().clone() for p in self.gpt.parameters()]
+
+    def save(self, directory: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        model_state, optim_state = get_state_dict(self.gpt, self.optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
+
+    def scramble(self) -> None:
+        with torch.no_grad():
+            for p in self.gpt.parameters():
+                p.to_local().zero_()
+
+    def load(self, directory: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        model_state, optim_state = get_state_dict(self.gpt, self.optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=directory)
+        set_state_dict(self.gpt, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def measure(model: str, repeats: int, rows: int, seed: int, lr: float, root: str) -> dict:
+    n, r, device = dl.world_size(), dl.rank(), dl.device()
+    x, y = (t.to(device) for t in dataset_for(model, seed).batch(0, rows * n))
+    x, y = x.chunk(n)[r], y.chunk(n)[r]
+    sides = {"distlab": DistlabSide(model, seed, lr), "torch DCP": TorchSide(model, seed, lr)}
+    for side in sides.values():
+        _train_one_step(side.model, side.optimizer, x, y)
+    out = {name: {"save_s": [], "load_s": [], "bytes": 0, "loaded_equal": True} for name in sides}
+    for k in range(repeats):
+        for name in (SIDES if k % 2 == 0 else SIDES[::-1]):
+            side, directory = sides[name], os.path.join(root, f"{name.split()[0]}_{k}")
+            before = side.snapshot()
+            out[name]["save_s"].append(_timed(lambda: side.save(directory)))
+            side.scramble()
+            out[name]["load_s"].append(_timed(lambda: side.load(directory)))
+            out[name]["loaded_equal"] &= all(torch.equal(a, b) for a, b in zip(before, side.snapshot()))
+            if r == 0:
+                out[name]["bytes"] = sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())
+                shutil.rmtree(directory)
+    return out
+
+
+def summarise(per_rank: list[dict], n: int) -> dict:
+    row = {"world_size": n}
+    for name in SIDES:
+        row[name] = {"median_save_s": statistics.median(max(r[name]["save_s"][i] for r in per_rank)
+                                                        for i in range(len(per_rank[0][name]["save_s"]))),
+                     "median_load_s": statistics.median(max(r[name]["load_s"][i] for r in per_rank)
+                                                        for i in range(len(per_rank[0][name]["load_s"]))),
+                     "bytes": per_rank[0][name]["bytes"],
+                     "loaded_equal": all(r[name]["loaded_equal"] for r in per_rank)}
+    ours, theirs = row["distlab"], row["torch DCP"]
+    row["save_ratio_dl_over_torch"] = ours["median_save_s"] / theirs["median_save_s"]
+    row["load_ratio_dl_over_torch"] = ours["median_load_s"] / theirs["median_load_s"]
+    row["bytes_ratio_dl_over_torch"] = ours["bytes"] / theirs["bytes"]
+    return row
+
+
+def plot(rows: list[dict], path: str, model: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    width = 0.38
+    for ax, key, title in ((axes[0], "median_save_s", "save"), (axes[1], "median_load_s", "load")):
+        for i, name in enumerate(SIDES):
+            xs = [k + (i - 0.5) * width for k in range(len(rows))]
+            ax.bar(xs, [row[name][key] * 1e3 for row in rows], width, label=name)
+        ax.set_xticks(range(len(rows)), [f"{row['world_size']} ranks" for row in rows])
+        ax.set_ylabel("ms (slowest rank, median)")
+        ax.set_title(f"{title}: ZeRO-3 / FSDP2 state of {model}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="gpt-small", choices=sorted(PRESETS))
+    p.add_argument("--ranks", default="2,4")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--rows", type=int, default=4, help="sequences per rank in the one training step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                 "checkpoint"))
+    a = p.parse_args(argv)
+    rows, backend, started = [], None, time.time()
+    with tempfile.TemporaryDirectory(prefix="distlab_ckpt_bench_") as root:
+        for n in [int(x) for x in a.ranks.split(",")]:
+            run = dl.launch(measure, world_size=n, backend=a.backend, output="live", timeout=1800,
+                            args=(a.model, a.repeats, a.rows, a.seed, a.lr, root))
+            backend = run.backend
+            rows.append(summarise(run.results, n))
+            row = rows[-1]
+            for name in SIDES:
+                res = row[name]
+                print(f"N={n} {name:9}: save {res['median_save_s'] * 1e3:7.1f} ms, load "
+                      f"{res['median_load_s'] * 1e3:7.1f} ms, {res['bytes']:,} bytes on disk, "
+                      f"loaded state equal to saved: {res['loaded_equal']}", flush=True)
+            if not all(row[name]["loaded_equal"] for name in SIDES):
+                raise SystemExit("a load did not restore what was saved: the timings would mean nothing")
+    meta = {"backend": backend, "model": a.model, "repeats": a.repeats, "torch": torch.__version__,
+            "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+            "cuda": torch.cuda.is_available(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "seconds": round(time.time() - started, 1), "dtype": "float32", "optimizer": "AdamW",
+            "statistic": "median over repeats of the slowest rank's time, barrier to barrier",
+            "bytes": "all files of one checkpoint on disk",
+            "load_average": os.getloadavg()}
+    os.makedirs(os.path.dirname(a.out), exist_ok=True)
+    with open(a.out + ".json", "w") as f:
+        json.dump({"meta": meta, "results": rows}, f, indent=1)
+    plot(rows, a.out + ".png", a.model)
+    print(f"wrote {a.out}.json and {a.out}.png")
+
+
+if __name__ == "__main__":
+    main()
