@@ -16,9 +16,7 @@ so that both see the same background load. Writes <out>.json and <out>.png.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -28,6 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import distlab as dl  # noqa: E402
+from _results import default_out, machine_facts, write  # noqa: E402
 
 UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "M": 2**20, "MB": 2**20, "G": 2**30, "GB": 2**30}
 DEFAULT_SIZES = [2**k for k in range(10, 27)]           # 1 KiB .. 64 MiB
@@ -151,7 +150,7 @@ def main(argv=None):
     p.add_argument("--budget", type=float, default=1.5, help="seconds of repeats per size (default 1.5)")
     p.add_argument("--min-reps", type=int, default=7)
     p.add_argument("--max-reps", type=int, default=40)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "allreduce"))
+    p.add_argument("--out", default=default_out("allreduce"))
     a = p.parse_args(argv)
     sizes = [parse_size(s) for s in a.sizes.split(",")] if a.sizes else DEFAULT_SIZES
     impls = [s.strip() for s in a.impls.split(",")]
@@ -171,16 +170,9 @@ def main(argv=None):
         if big:
             ratios[n] = {"min_ratio_from_4MB": min(big), "median_ratio_from_4MB": statistics.median(big)}
             print(f"N={n}: ring/{backend} busbw from 4 MB up: min {min(big):.2f}, median {statistics.median(big):.2f}")
-    meta = {"backend": backend, "torch": torch.__version__, "python": platform.python_version(),
-            "machine": platform.machine(), "cpus": os.cpu_count(), "cuda": torch.cuda.is_available(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(time.time() - started, 1),
-            "dtype": "float32", "statistic": "median over repeats of the slowest rank's time",
-            "busbw": "algbw * 2(N-1)/N (nccl-tests)", "load_average": os.getloadavg()}
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out + ".json", "w") as f:
-        json.dump({"meta": meta, "ratio_ring_over_torch": ratios, "results": rows}, f, indent=1)
-    plot(rows, a.out + ".png", backend)
-    print(f"wrote {a.out}.json and {a.out}.png")
+    meta = {**machine_facts(started, backend), "dtype": "float32",
+            "statistic": "median over repeats of the slowest rank's time", "busbw": "algbw * 2(N-1)/N (nccl-tests)"}
+    write(a.out, {"meta": meta, "ratio_ring_over_torch": ratios, "results": rows}, lambda png: plot(rows, png, backend))
 
 
 if __name__ == "__main__":

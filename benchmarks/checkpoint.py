@@ -21,9 +21,7 @@ the ones saved. Writes <out>.json and <out>.png.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -37,6 +35,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import distlab as dl  # noqa: E402
+from _results import default_out, machine_facts, write  # noqa: E402
 from distlab.checkpoint import store, training  # noqa: E402
 from distlab.models import PRESETS, build, dataset_for  # noqa: E402
 from distlab.strategies.base import TrainSpec  # noqa: E402
@@ -178,8 +177,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                 "checkpoint"))
+    p.add_argument("--out", default=default_out("checkpoint"))
     a = p.parse_args(argv)
     rows, backend, started = [], None, time.time()
     with tempfile.TemporaryDirectory(prefix="distlab_ckpt_bench_") as root:
@@ -196,18 +194,10 @@ def main(argv=None):
                       f"loaded state equal to saved: {res['loaded_equal']}", flush=True)
             if not all(row[name]["loaded_equal"] for name in SIDES):
                 raise SystemExit("a load did not restore what was saved: the timings would mean nothing")
-    meta = {"backend": backend, "model": a.model, "repeats": a.repeats, "torch": torch.__version__,
-            "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-            "cuda": torch.cuda.is_available(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "seconds": round(time.time() - started, 1), "dtype": "float32", "optimizer": "AdamW",
-            "statistic": "median over repeats of the slowest rank's time, barrier to barrier",
-            "bytes": "all files of one checkpoint on disk",
-            "load_average": os.getloadavg()}
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out + ".json", "w") as f:
-        json.dump({"meta": meta, "results": rows}, f, indent=1)
-    plot(rows, a.out + ".png", a.model)
-    print(f"wrote {a.out}.json and {a.out}.png")
+    meta = {**machine_facts(started, backend), "model": a.model, "repeats": a.repeats, "dtype": "float32",
+            "optimizer": "AdamW", "statistic": "median over repeats of the slowest rank's time, barrier to barrier",
+            "bytes": "all files of one checkpoint on disk"}
+    write(a.out, {"meta": meta, "results": rows}, lambda png: plot(rows, png, a.model))
 
 
 if __name__ == "__main__":

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -39,6 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import distlab as dl  # noqa: E402
+from _results import default_out, machine_facts, write  # noqa: E402
 from distlab.models import PRESETS, build, dataset_for  # noqa: E402
 from distlab.parallel.flat import storage_bytes  # noqa: E402
 
@@ -236,8 +235,7 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--zero3-prefetch", action="store_true", help="dl.ZeRO stage 3 with prefetch=True")
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                 "data_parallel"))
+    p.add_argument("--out", default=default_out("data_parallel"))
     a = p.parse_args(argv)
     pairs = a.pairs.split(",")
     unknown = set(pairs) - set(PAIRS)
@@ -256,23 +254,15 @@ def main(argv=None):
                   f"model states {res[ours]['max_states_bytes']} vs {res[theirs]['max_states_bytes']} B "
                   f"(x{res['memory_ratio_dl_over_torch']:.3f}); loss diff {res['max_rel_loss_diff']:.1e}",
                   flush=True)
-    meta = {"backend": backend, "model": a.model, "rows_per_rank": a.rows, "steps": a.steps, "warmup": a.warmup,
-            "zero3_prefetch": a.zero3_prefetch, "torch": torch.__version__, "python": platform.python_version(),
-            "machine": platform.machine(), "cpus": os.cpu_count(), "cuda": torch.cuda.is_available(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": round(time.time() - started, 1),
-            "dtype": "float32", "optimizer": "AdamW",
+    meta = {**machine_facts(started, backend), "model": a.model, "rows_per_rank": a.rows, "steps": a.steps,
+            "warmup": a.warmup, "zero3_prefetch": a.zero3_prefetch, "dtype": "float32", "optimizer": "AdamW",
             "statistic": "median over steps of the slowest rank's step time (zero_grad+fwd+bwd+step)",
             "memory": "model states (params, grads, optimizer state) by distinct storage, per category the larger "
                       "of after-backward and after-step; "
                       "cuda_peak_bytes: allocator peak of each implementation alone (CUDA only)",
             "targets": {"ddp": "time <= 1.05x torch DDP", "zero1": "memory <= torch ZeroRedundancyOptimizer",
-                        "zero3": "time <= 1.2x FSDP2, memory <= FSDP2"},
-            "load_average": os.getloadavg()}
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out + ".json", "w") as f:
-        json.dump({"meta": meta, "results": rows}, f, indent=1)
-    plot(rows, a.out + ".png", a.model, pairs)
-    print(f"wrote {a.out}.json and {a.out}.png")
+                        "zero3": "time <= 1.2x FSDP2, memory <= FSDP2"}}
+    write(a.out, {"meta": meta, "results": rows}, lambda png: plot(rows, png, a.model, pairs))
 
 
 if __name__ == "__main__":

@@ -19,9 +19,7 @@ same background load. Writes <out>.json and <out>.png.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -32,6 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import distlab as dl  # noqa: E402
+from _results import default_out, machine_facts, write  # noqa: E402
 from distlab.models import GPT, PRESETS, dataset_for  # noqa: E402
 
 
@@ -140,8 +139,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                 "tensor_parallel"))
+    p.add_argument("--out", default=default_out("tensor_parallel"))
     a = p.parse_args(argv)
     rows, backend, started = [], None, time.time()
     for n in [int(x) for x in a.ranks.split(",")]:
@@ -153,17 +151,10 @@ def main(argv=None):
         print(f"t={n}: dl.tp {r['dl.tp']['median_step_s'] * 1e3:.2f} ms, torch DTensor "
               f"{r['torch DTensor']['median_step_s'] * 1e3:.2f} ms, ratio {r['ratio_dl_over_torch']:.2f} "
               f"(target <= 1.1); max relative loss difference {r['max_rel_loss_diff']:.1e}", flush=True)
-    meta = {"backend": backend, "model": a.model, "batch": a.batch, "steps": a.steps, "warmup": a.warmup,
-            "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-            "cpus": os.cpu_count(), "cuda": torch.cuda.is_available(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "seconds": round(time.time() - started, 1), "dtype": "float32", "optimizer": "AdamW",
-            "statistic": "median over steps of the slowest rank's step time (zero_grad+fwd+bwd+step)",
-            "load_average": os.getloadavg()}
-    os.makedirs(os.path.dirname(a.out), exist_ok=True)
-    with open(a.out + ".json", "w") as f:
-        json.dump({"meta": meta, "results": rows}, f, indent=1)
-    plot(rows, a.out + ".png", a.model)
-    print(f"wrote {a.out}.json and {a.out}.png")
+    meta = {**machine_facts(started, backend), "model": a.model, "batch": a.batch, "steps": a.steps,
+            "warmup": a.warmup, "dtype": "float32", "optimizer": "AdamW",
+            "statistic": "median over steps of the slowest rank's step time (zero_grad+fwd+bwd+step)"}
+    write(a.out, {"meta": meta, "results": rows}, lambda png: plot(rows, png, a.model))
 
 
 if __name__ == "__main__":
