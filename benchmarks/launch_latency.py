@@ -13,7 +13,6 @@ Writes benchmarks/results/launch_latency.json and .png.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import socket
@@ -21,15 +20,14 @@ import statistics
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 import distlab as dl
+from _results import default_out, write
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def trivial():
@@ -69,6 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=20, help="repeats for fork (spawn variants use a quarter)")
+    parser.add_argument("--out", default=default_out("launch_latency"))
     args = parser.parse_args()
     n, reps = args.ranks, args.repeats
     slow_reps = max(3, reps // 4)
@@ -89,14 +88,12 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__,
                     "platform": platform.platform(), "load_average": list(os.getloadavg())},
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "launch_latency.json").write_text(json.dumps(result, indent=2) + "\n")
-    _plot(summary, n, target)
+    write(args.out, result, lambda png: _plot(summary, n, target, png))
     for name, s in summary.items():
         print(f"{name:>30}: median {s['median_s'] * 1e3:8.1f} ms  (min {s['min_s'] * 1e3:.1f}, max {s['max_s'] * 1e3:.1f})")
 
 
-def _plot(summary: dict, n: int, target: float) -> None:
+def _plot(summary: dict, n: int, target: float, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -110,7 +107,7 @@ def _plot(summary: dict, n: int, target: float) -> None:
     ax.set_xlabel(f"seconds to launch {n} ranks + process group + barrier (median)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(RESULTS / "launch_latency.png", dpi=110)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

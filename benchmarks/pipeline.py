@@ -17,17 +17,16 @@ Writes benchmarks/results/pipeline.json and pipeline.png.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import distlab as dl
+from _results import default_out, write
 from distlab.models import GPT, GPTConfig, MarkovTokens
 
 CFG = GPTConfig(vocab=256, seq_len=64, d_model=128, heads=4, layers=6)   # 8 units: embed, 6 blocks, head
@@ -103,6 +102,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", default=default_out("pipeline"))
     args = parser.parse_args()
     rows = []
     for p in (2, 4):
@@ -119,14 +119,10 @@ def main():
                          "max_loss_diff": loss_diff, "losses_distlab": ours[0], "losses_torch": theirs[0]})
             print(f"p={p} {name:12} distlab {t_ours * 1e3:7.1f} ms  torch {t_theirs * 1e3:7.1f} ms  "
                   f"ratio {t_ours / t_theirs:.2f}  max |loss diff| {loss_diff:.1e}")
-    out_dir = Path(__file__).resolve().parent / "results"
-    out_dir.mkdir(exist_ok=True)
     meta = {"model": vars(CFG), "batch": BATCH, "microbatches": M, "steps": args.steps, "warmup": args.warmup,
             "torch": torch.__version__, "backend": "gloo (CPU)", "load_average": list(os.getloadavg()),
             "rows": rows}
-    (out_dir / "pipeline.json").write_text(json.dumps(meta, indent=2))
-    _plot(rows, out_dir / "pipeline.png")
-    print("wrote", out_dir / "pipeline.json")
+    write(args.out, meta, lambda png: _plot(rows, png))
 
 
 def _plot(rows, path):

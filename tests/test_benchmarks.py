@@ -1,0 +1,72 @@
+"""The benchmark scripts run end to end on tiny settings and write what README's tables are made from.
+
+No timing is asserted here (speed targets live in the benchmarks' own results): these tests only keep
+the scripts, their JSON and `benchmarks/summary.py` working, and check the correctness each benchmark
+asserts about itself (equal losses, loads that restore what was saved).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+TINY = {  # script -> arguments that make it take seconds
+    "allreduce": ["--ranks", "2", "--sizes", "4K,4M", "--budget", "0.05", "--min-reps", "2", "--max-reps", "3"],
+    "data_parallel": ["--ranks", "2", "--steps", "2", "--warmup", "1", "--rows", "2", "--model", "gpt-tiny"],
+    "tensor_parallel": ["--ranks", "2", "--steps", "2", "--warmup", "1", "--model", "gpt-tiny"],
+    "pipeline": ["--steps", "1", "--warmup", "0"],
+    "checkpoint": ["--ranks", "2", "--repeats", "1", "--model", "gpt-tiny"],
+}
+
+
+def _summary(results_dir: Path):
+    spec = importlib.util.spec_from_file_location("bench_summary", BENCH / "summary.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.RESULTS = results_dir
+    return module
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("results")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name, args in TINY.items():
+        done = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), *args, "--out", str(out / name)],
+                              capture_output=True, text=True, timeout=600, env=env, cwd=BENCH.parent)
+        assert done.returncode == 0, (name, done.stdout[-2000:], done.stderr[-2000:])
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_benchmark_writes_json_and_plot(name, results):
+    document = json.loads((results / f"{name}.json").read_text())
+    assert (results / f"{name}.png").stat().st_size > 1000
+    if name in ("data_parallel", "tensor_parallel", "checkpoint", "allreduce"):
+        assert document["meta"]["torch"] and "load_average" in document["meta"]
+
+
+def test_benchmarks_check_their_own_correctness(results):
+    dp = json.loads((results / "data_parallel.json").read_text())["results"]
+    assert all(pair["max_rel_loss_diff"] < 1e-4 for row in dp for pair in row["pairs"].values())
+    tp = json.loads((results / "tensor_parallel.json").read_text())["results"]
+    assert all(row["max_rel_loss_diff"] < 1e-4 for row in tp)
+    pp = json.loads((results / "pipeline.json").read_text())["rows"]
+    assert pp and all(row["max_loss_diff"] < 1e-4 for row in pp)
+    ckpt = json.loads((results / "checkpoint.json").read_text())["results"]
+    assert all(row[side]["loaded_equal"] for row in ckpt for side in ("distlab", "torch DCP"))
+
+
+def test_summary_renders_a_table_for_every_result(results):
+    text = _summary(results).tables()
+    for title in ("Ring all-reduce", "Data parallelism", "Tensor parallelism", "Pipeline parallelism",
+                  "Checkpoints"):
+        assert f"**{title}**" in text, title
+    assert text.count("\n|---") >= 5
