@@ -79,6 +79,19 @@ def _ddp_invariants():
     reduces = [e for e in tr.events() if e.kind == "comm" and e.start >= probe.start]
     out["buckets"], out["reduces"] = len(ddp.buckets), len(reduces)
     out["first_starts_inside_backward"] = reduces[0].start < reduces[-1].start <= probe.end
+    # start_grad_sync (a pipeline's last microbatch): backward starts every bucket and does not wait
+    for q in [*model.parameters(), *ref.parameters()]:
+        q.grad = None
+    x, y = data.batch(10, 12)
+    with ddp.no_sync(), ddp.start_grad_sync():
+        _loss(ddp, x.chunk(n)[r], y.chunk(n)[r]).backward()
+    out["in_flight_after_backward"] = ddp.in_flight
+    ddp.finish_grad_sync()
+    out["in_flight_after_finish"] = ddp.in_flight
+    _loss(ref, x, y).backward()
+    out["started_sync_grads"] = all(torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+                                    for p, q in zip(params, [q for q in ref.parameters() if q.requires_grad])
+                                    if q.grad is not None)
     # naive: one all-reduce per parameter, after backward
     naive = dl.DDP(_WithUnused(), naive=True)
     start = len(tr.export())
@@ -97,6 +110,8 @@ def test_ddp_invariants():
             assert c == dict(grads=True, unused_zero=True, frozen=True, replicas=True, tied=True), c
         assert res["buckets"] > 1 and res["reduces"] == res["buckets"]
         assert res["first_starts_inside_backward"]
+        assert res["in_flight_after_backward"] == res["buckets"] and res["in_flight_after_finish"] == 0
+        assert res["started_sync_grads"]
         assert res["naive_calls"] == res["naive_params"]
 
 

@@ -156,6 +156,24 @@ def test_3d_options_match_single(name, kw):
     _assert_matches_single(report, ref, skip)
 
 
+@pytest.mark.parametrize("schedule, overlapped", [("1f1b", True), ("zb-h1", False)])
+def test_dp_all_reduce_starts_during_the_last_backward(schedule, overlapped):
+    """1F1B: every dp bucket's all-reduce starts inside the rank's last B (DDP.start_grad_sync);
+    zero bubble's W sets gradients outside autograd, so there they all start after the last W."""
+    report = dl.train("3d:dp=2,tp=1,pp=2,bucket_mb=0.05", world_size=4, options={"schedule": schedule}, **SGD)
+    assert report.losses == pytest.approx(dl.train("single", **SGD).losses, rel=1e-5)
+    trace = report.run.trace
+    for r in range(4):
+        spans = [s for s in trace.spans(rank=r, cat="compute") if s.name in ("B", "W") and s.args["step"] == 1]
+        last = max(spans, key=lambda s: s.end)
+        dp = [e for e in trace.comms(rank=r) if axis_of(e) == "dp" and e.start >= min(s.start for s in spans)]
+        assert len(dp) > 1
+        if overlapped:
+            assert last.name == "B" and all(last.start < e.start < last.end for e in dp)
+        else:
+            assert all(e.start > last.end for e in dp)
+
+
 def test_train_refuses_a_mesh_that_does_not_fill_the_world_before_launching():
     from _processes import child_pids
     with pytest.raises(ValueError, match="launch with world_size=8"):

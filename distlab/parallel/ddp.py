@@ -79,6 +79,7 @@ class DDP(nn.Module):
         self._index = {id(p): i for ps in groups for i, p in enumerate(ps)}
         self._pending: list = []
         self._sync = True
+        self._wait_in_finish = False               # inside start_grad_sync(): finish_grad_sync waits
         self.watcher = BackwardWatcher(groups, on_ready=self._bucket_ready, on_end=self._backward_done,
                                        on_grad=self._grad_ready)
 
@@ -94,6 +95,23 @@ class DDP(nn.Module):
         finally:
             self._sync = True
 
+    @contextlib.contextmanager
+    def start_grad_sync(self):
+        """The backward inside (even under ``no_sync()``) starts each bucket's all-reduce the moment the
+        bucket is full and returns without waiting; `finish_grad_sync` waits. For a pipeline's last
+        microbatch: its input gradient goes upstream at once while the replicas' all-reduces run
+        (Megatron's ``overlap_grad_reduce``, torch.distributed.pipelining's last-backward sync)."""
+        sync, self._sync, self._wait_in_finish = self._sync, True, True
+        try:
+            yield
+        finally:
+            self._sync = sync
+
+    @property
+    def in_flight(self) -> int:
+        """Bucket all-reduces started and not yet waited for (after a `start_grad_sync` backward)."""
+        return len(self._pending)
+
     # -- backward hooks --------------------------------------------------------------------
     def _grad_ready(self, p: torch.Tensor, b: int) -> None:
         self.buckets[b].absorb(self._index[id(p)])
@@ -107,11 +125,14 @@ class DDP(nn.Module):
             self._pending.append(self.comm.all_reduce(self.buckets[b].grad, op="avg", async_op=True))
 
     def _backward_done(self) -> None:
-        if not self._sync:
+        if not self._sync or self._wait_in_finish:
             return
         if not self.overlap:                          # everything after backward, one by one
             for bucket in self.buckets:
                 self.comm.all_reduce(bucket.grad, op="avg")
+        self._wait_pending()
+
+    def _wait_pending(self) -> None:
         for handle in self._pending:
             handle.wait()
         self._pending = []
@@ -126,7 +147,13 @@ class DDP(nn.Module):
         For callers that drive backward themselves, such as a pipeline whose micro-steps all ran
         under ``no_sync()``: gradients assigned outside autograd's accumulation (a zero-bubble W
         pass sets ``p.grad`` directly) are first copied into their bucket, so every one takes part.
+        After a `start_grad_sync` backward it only waits for the all-reduces that backward started.
         """
+        if self._wait_in_finish:
+            self._wait_in_finish = False
+            if self.overlap:
+                self._wait_pending()
+                return
         for bucket in self.buckets:
             for i in range(len(bucket.params)):
                 bucket.absorb(i)

@@ -137,8 +137,13 @@ class Pipeline:
             yield from module.parameters()
 
     # -- one training step -------------------------------------------------------------------
-    def step(self, x: torch.Tensor | None = None, target: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Forward and backward every microbatch of one batch, in this rank's schedule order."""
+    def step(self, x: torch.Tensor | None = None, target: torch.Tensor | None = None, *,
+             last_backward=None) -> torch.Tensor | None:
+        """Forward and backward every microbatch of one batch, in this rank's schedule order.
+
+        ``last_backward``: a context manager entered around this rank's final B action (not I/W), e.g.
+        `DDP.start_grad_sync()`, so data parallelism starts its all-reduces during that backward.
+        """
         tr = tracer()
         self.links.step = self.steps
         self._inputs = self._split(x, "x", "input batch") if self.first else None
@@ -153,13 +158,15 @@ class Pipeline:
         grouped = self.links.grouped
         if self.actions:
             self._post_receives(self.actions[0])
+        final_b = max((i for i, a in enumerate(self.actions) if a.kind == "B"), default=None)
         for i, action in enumerate(self.actions):
             following = self.actions[i + 1] if i + 1 < len(self.actions) else None
             if following is not None and not grouped:
                 self._post_receives(following)       # gloo: post early, the data lands meanwhile
             run = {"F": self._forward, "B": self._backward, "I": self._backward_input,
                    "W": self._backward_weight}[action.kind]
-            run(action)
+            with last_backward if (i == final_b and last_backward is not None) else _nothing():
+                run(action)
             if following is not None and grouped:
                 self._post_receives(following)       # NCCL: one group with this action's sends
             self.links.flush()

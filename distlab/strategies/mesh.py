@@ -14,9 +14,14 @@ uneven allowed) and runs it through its pipeline (`dl.pp.Pipeline` over pp_group
 ``1f1b`` by default, ``microbatches`` default 2P when the rows allow, else P). Inside a stage the
 T ranks of its TP group see the same microbatch and run the Megatron f/g collectives; the last
 stage computes the vocabulary-parallel cross-entropy on logits split by vocabulary. The pipeline
-accumulates gradients over microbatches, so the dp all-reduce runs once per step after the
-pipeline flush (what Megatron's ``finalize_model_grads`` does), not once per microbatch: the
-micro-steps run under ``DDP.no_sync()`` and ``DDP.finish_grad_sync()`` all-reduces DDP's buckets.
+accumulates gradients over microbatches, so the dp all-reduce runs once per step, not once per
+microbatch: the micro-steps run under ``DDP.no_sync()``, except the last microbatch's backward on
+each rank, which runs under ``DDP.start_grad_sync()``: each bucket's all-reduce starts as soon as
+that backward has filled it, while the input gradient already travels upstream, and
+``DDP.finish_grad_sync()`` waits for them after the flush (Megatron's ``overlap_grad_reduce`` and
+``finalize_model_grads``). Where one B pass does not finish every gradient of the rank
+(interleaved chunks, zero bubble's I/W split), ``finish_grad_sync`` all-reduces every bucket after
+the flush instead.
 
 Exactness on the same global batch as ``single``: replica d's loss is scaled by D n_d / (B k)
 (n_d its rows, B the global batch, k = grad_accum), so averaging over D replicas and summing over
@@ -218,6 +223,10 @@ def train_rank(spec: TrainSpec) -> RankResult:
             ddp = DDP(torch.nn.ModuleList(modules), bucket_mb=opts["bucket_mb"], group=mesh.dp_group)
         optimizer = make_optimizer(params, spec)
     sharded = _sharded(modules)
+    # DP all-reduces start during the last microbatch's backward when one B pass finishes every
+    # gradient of this rank (one module, no split I/W); otherwise all of them run after the flush
+    kinds = {a.kind for a in pipe.actions}
+    overlap_dp = ddp is not None and v == 1 and "B" in kinds and "W" not in kinds
 
     held = torch.nn.ModuleList(modules)         # this rank's stage(s): what a checkpoint holds
     ckpt = checkpointing.for_spec(spec, replica_group=mesh.dp_group)
@@ -233,8 +242,10 @@ def train_rank(spec: TrainSpec) -> RankResult:
             for micro in range(spec.grad_accum):
                 x, y = global_batch(spec, step, micro)
                 xs, ys = x[rows[me.dp]], y[rows[me.dp]]
+                overlap = overlap_dp and micro == spec.grad_accum - 1
                 with autocast(spec):
-                    loss = pipe.step(xs if pipe.first else None, ys if pipe.last else None)
+                    loss = pipe.step(xs if pipe.first else None, ys if pipe.last else None,
+                                     last_backward=ddp.start_grad_sync() if overlap else None)
                 if loss is not None:
                     total += loss.item() / D
         with tr.span("optimizer", step=step):

@@ -132,7 +132,8 @@ md("""
 2. `dl.pp.stage_module(gpt, pp_rank, P)` and `dl.pp.Pipeline(..., group=mesh.pp_group)`: keep one stage's layers
    and run the 1F1B schedule with the other stages;
 3. `dl.DDP(stage, group=mesh.dp_group)` (or ZeRO-1 with `zero=1`): average gradients with the other replicas,
-   once per step, after the pipeline flush.
+   once per step: DDP starts each bucket's all-reduce during the rank's last backward, as soon as the bucket
+   is full (`DDP.start_grad_sync`), and waits for them after the pipeline flush (`DDP.finish_grad_sync`).
 
 Each replica trains on its rows of the global batch, the last stage computes the vocabulary-parallel loss. With
 plain SGD in fp32, every mesh must reproduce single-process training to rounding error: same losses, same
@@ -253,7 +254,8 @@ md("""
   group along an axis is the line through it. TP is the fastest axis, so TP groups are neighbouring ranks.
 * 3D training is composition, not a new algorithm: TP inside each stage, a pipeline over the pp group, DP over the
   replicas. Done right it is exactly single-process training on the same global batch.
-* The pipeline accumulates gradients over microbatches, so DP communicates once per step, after the flush.
+* The pipeline accumulates gradients over microbatches, so DP communicates once per step, overlapped with the
+  last microbatch's backward and finished after the flush.
 * Per step, TP traffic >> PP traffic, and TP's is blocking: put TP on the fastest links, PP across nodes.
 
 **Try it**: `dl.train("3d:dp=1,tp=2,pp=2,sp=1", world_size=4)` (sequence parallelism inside the stages: the
