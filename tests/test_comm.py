@@ -263,4 +263,10 @@ def test_plots_read_the_trace():
     assert len(fig2.axes) == 2 * (4 - 1) + 1
     with pytest.raises(ValueError, match="no 'ring_all_reduce' events over 3 ranks"):
         dl.viz.ring_steps(3, trace=trace)
+    kinds = {e.name for e in trace.comms()}          # communication coloured by kind, one legend entry each
+    fig3 = dl.viz.timeline(trace, comm_kind=lambda e: e.name, comm_colours={"ring_all_reduce": "#000000"})
+    legend = {t.get_text(): h for t, h in zip(fig3.axes[0].get_legend().get_texts(),
+                                              fig3.axes[0].get_legend().legend_handles)}
+    assert {f"{k} communication" for k in kinds} <= set(legend)
+    assert matplotlib.colors.to_hex(legend["ring_all_reduce communication"].get_facecolor()) == "#000000"
     plt.close("all")

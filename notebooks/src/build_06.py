@@ -41,7 +41,7 @@ import distlab as dl
 from distlab.parallel.mesh import AXES, Mesh
 from distlab.strategies.mesh import bytes_by_axis
 
-COLORS = {"dp": "tab:green", "pp": "tab:orange", "tp": "tab:blue"}
+COLORS = {"dp": "#17becf", "pp": "#ff7f0e", "tp": "#d62728"}
 """)
 
 md("""
@@ -80,8 +80,8 @@ print("each axis partitions the 8 ranks")
 md("""
 ## 2. Who talks to whom
 
-Below, each box is a rank with its (dp, pp, tp) coordinates. Blue lines join TP partners (all-reduces of
-activations, every layer), orange PP neighbours (activations forward, gradients backward), green DP replicas
+Below, each box is a rank with its (dp, pp, tp) coordinates. Red lines join TP partners (all-reduces of
+activations, every layer), orange PP neighbours (activations forward, gradients backward), cyan DP replicas
 (one gradient all-reduce per step). A rank has exactly one partner of each colour here because every degree is 2.
 """)
 code("""
@@ -247,6 +247,35 @@ print(f"rank 0 holds {per_rank_params} of {full_params} parameter bytes ({per_ra
       f"1/(T P) would be {1 / (T * P):.0%}: LayerNorms and position embeddings are replicated across TP)")
 """)
 
+md("""
+## 5. One step on the clock
+
+The bytes say how much each group carries; the timeline says when. Step 1 of the same 8-rank run, every
+rank's compute on the upper lane and its communication underneath, coloured by the group it travelled on.
+TP's all-reduces sit inside every forward and backward (blocking); PP's sends sit between a stage's actions;
+DP's gradient all-reduce comes once, at the end. The ranks do not start the step at the same moment: each
+starts when its own previous step is done (replica 1, ranks 4-7, is still finishing step 0 at the left edge).
+
+**Prediction:** DDP starts a bucket's all-reduce as soon as the last microbatch's backward has filled it and
+does not wait for it there (`DDP.start_grad_sync`); the wait comes after the pipeline flush. So on every rank,
+every DP all-reduce of the step starts *inside* that rank's last backward.
+""")
+code("""
+from distlab.strategies.mesh import axis_of
+
+step_start = {r: {e.args["step"]: e.start for e in trace.select("mark", rank=r, name="step")} for r in range(8)}
+fig = dl.viz.timeline(trace, start=min(m[1] for m in step_start.values()),
+                      end=max(m[2] for m in step_start.values()), comm_kind=axis_of, comm_colours=COLORS,
+                      title="step 1 of 3d:dp=2,tp=2,pp=2: compute (upper lane), communication by group (lower lane)")
+""")
+code("""
+for r in range(8):
+    backwards = [e for e in trace.spans(rank=r, cat="compute") if e.name == "B" and e.args.get("step") == 1]
+    last = max(backwards, key=lambda e: e.end)
+    dp = [e for e in trace.comms(rank=r) if axis_of(e) == "dp" and step_start[r][1] <= e.start < step_start[r][2]]
+    assert dp and all(last.start < e.start < last.end for e in dp), r
+print("on all 8 ranks, every dp all-reduce of step 1 starts inside the rank's last backward")
+""")
 md("""
 ## What to remember
 
