@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import distlab as dl
+from distlab.checkpoint import CheckpointError
 
 from _processes import child_pids
 
@@ -65,10 +66,13 @@ def test_killed_mesh_rank_resumes_to_the_uninterrupted_result(tmp_path, no_leaks
 
 
 def test_resume_with_another_layout_says_what_differs(tmp_path):
-    """A shard saved under one layout is meaningless under another: refused, naming the difference."""
-    dl.train("tp", world_size=2, steps=1, checkpoint_dir=str(tmp_path), checkpoint_every=1,
-             sequence_parallel=True)
-    with pytest.raises(dl.LaunchError, match=r"layout: saved \{'sequence_parallel': True\}, now \{\}"):
-        dl.train("tp", world_size=2, steps=2, checkpoint_dir=str(tmp_path), resume=True)
-    with pytest.raises(dl.LaunchError, match="saved by 2 ranks, this run has 4"):
-        dl.train("tp", world_size=4, steps=2, checkpoint_dir=str(tmp_path), resume=True, sequence_parallel=True)
+    """A mesh with ZeRO-1 over dp keeps flat dp shards of each stage, which cannot be resharded yet:
+    resuming it under another layout is refused, naming the difference."""
+    kw = dict(world_size=4, steps=2, checkpoint_dir=str(tmp_path))
+    dl.train("3d:dp=2,tp=1,pp=2", **kw, checkpoint_every=1, zero=1)
+    with pytest.raises(dl.LaunchError, match=r"layout: saved \{'zero': 1\}, now \{\}"):
+        dl.train("3d:dp=2,tp=1,pp=2", **kw, resume=True)
+    with pytest.raises(dl.LaunchError, match=r"strategy: saved '3d:dp=2,tp=1,pp=2', now '3d:dp=1,tp=2,pp=2'"):
+        dl.train("3d:dp=1,tp=2,pp=2", **kw, resume=True, zero=1)
+    with pytest.raises(CheckpointError, match="cannot be resharded yet"):
+        dl.checkpoint.consolidate(tmp_path)

@@ -3,15 +3,15 @@
     dl.checkpoint.save("ck", step, state, replicated=None, group=None, keep_last=None)  # on every rank
     state = dl.checkpoint.load("ck", step="latest")     # this rank's state, weights_only=True, verified
     dl.checkpoint.latest("ck"); dl.checkpoint.steps("ck"); dl.checkpoint.manifest("ck", step)
-    full = dl.checkpoint.consolidate("ck")          # a data-parallel checkpoint as one tensor per name
+    full = dl.checkpoint.consolidate("ck")          # any sharded checkpoint as one tensor per name
 
     dl.train("zero2", world_size=4, steps=20, checkpoint_dir="ck", checkpoint_every=5, keep_last=2)
     dl.train("zero2", world_size=4, steps=20, checkpoint_dir="ck", resume=True)   # bit-exact continuation
     dl.train("zero1", world_size=3, steps=20, checkpoint_dir="ck", resume=True)   # resharded: 4 -> 3 ranks
 
 Files: `store` (the on-disk format and the atomic commit), `training` (what each strategy of
-`dl.train` saves and restores; fault injection with ``fail_at_step``), `reshard` (a data-parallel
-checkpoint rebuilt into one tensor per name and cut again for another world size or strategy).
+`dl.train` saves and restores; fault injection with ``fail_at_step``), `reshard` (a checkpoint
+rebuilt into one tensor per name and cut again for another world size, strategy or layout).
 """
 from .reshard import consolidate
 from .store import CheckpointError, latest, load, load_all, manifest, save, steps

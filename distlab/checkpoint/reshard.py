@@ -1,4 +1,4 @@
-"""Resharding: a data-parallel checkpoint saved on N ranks resumed on M ranks, or by another strategy.
+"""Resharding: a checkpoint saved on N ranks resumed on M ranks, or by another strategy.
 
 A ZeRO shard is a range of a padded flat bucket, meaningless without the layout that cut it. So
 every ZeRO rank saves its layout beside its shards (per bucket: the parameters' names and shapes in
@@ -19,6 +19,12 @@ gives the padded bucket back, and cutting it at the offsets gives each parameter
 reverse for whatever layout the new run has (another N, other bucket sizes, another stage, or plain
 DDP), so the run continues with the same parameters and optimizer state; its later steps then differ
 from the uninterrupted run only by the rounding of a different reduction order.
+
+Model-parallel checkpoints (tp, tp-sp, pp-*, 3d with DDP) work the same way: each rank saves, per
+parameter it holds, its full-model name and how it was cut (`describe`: the tensor-parallel dim,
+rank and degree; Megatron's layers keep equal contiguous blocks, rank r block r). `consolidate`
+concatenates the blocks back, and a run with another tp/pp/dp layout, or a data-parallel one, cuts
+them again. (3d with ``zero=1`` keeps its optimizer state in flat dp shards of each stage: not yet.)
 """
 from __future__ import annotations
 
@@ -28,6 +34,38 @@ from . import store
 
 PER_RANK = ("zero1", "zero2", "zero3")         # optimizer state in per-rank shards, cut by a layout
 REPLICATED = ("single", "ddp")                 # optimizer state whole, on rank 0
+DATA_PARALLEL = REPLICATED + PER_RANK
+
+
+def reshardable(strategy: str, layout: dict) -> bool:
+    """Whether a run of ``strategy`` (with its layout options) can be consolidated and cut again."""
+    if strategy in DATA_PARALLEL or strategy in ("tp", "tp-sp") or strategy.startswith("pp-"):
+        return True
+    if strategy.startswith("3d"):
+        from ..strategies.mesh import parse
+        return not parse(strategy, layout)["zero"]
+    return False
+
+
+def describe(full_model, params: list, held) -> list[dict]:
+    """Per parameter of ``params`` (the optimizer's order): its name in ``full_model`` (a GPT, tensor-
+    parallel or not), its key in ``held.state_dict()``, and its tensor-parallel cut (dim, rank, degree;
+    dim None for a parameter every tensor-parallel rank holds whole)."""
+    from ..parallel import tp_collectives as C
+    names = {id(p): n for n, p in full_model.named_parameters()}
+    keys = {id(p): k for k, p in held.named_parameters()}
+    cuts = {}
+    for module in full_model.modules():
+        dims = getattr(module, "shard_dims", {})
+        for p_name, p in module.named_parameters(recurse=False):
+            if p_name in dims:
+                group = getattr(module, "group", None)
+                cuts[id(p)] = (dims[p_name], C.group_rank(group), C.group_size(group))
+    out = []
+    for p in params:
+        dim, tp_rank, tp_size = cuts.get(id(p), (None, 0, 1))
+        out.append({"name": names[id(p)], "key": keys[id(p)], "dim": dim, "tp_rank": tp_rank, "tp_size": tp_size})
+    return out
 
 
 def bucket_layout(bucket, names_by_id: dict[int, str]) -> dict:
@@ -37,22 +75,54 @@ def bucket_layout(bucket, names_by_id: dict[int, str]) -> dict:
 
 
 def consolidate(directory, step: int | str = "latest") -> dict:
-    """The logical (layout-free) state of a data-parallel checkpoint; reads every rank's file."""
+    """The logical (layout-free) state of a checkpoint; reads every rank's file."""
     info = store.manifest(directory, step)
     strategy = info["meta"].get("strategy")
-    if strategy not in PER_RANK + REPLICATED:
-        raise store.CheckpointError(f"checkpoint step {info['step']} in {directory} was saved by {strategy!r}: "
-                                    f"only data-parallel checkpoints ({REPLICATED + PER_RANK}) can be "
-                                    f"resharded; resume it with the same strategy and world_size")
+    if not reshardable(strategy, info["meta"].get("spec", {}).get("layout", {})):
+        raise store.CheckpointError(f"checkpoint step {info['step']} in {directory} was saved by {strategy!r}, "
+                                    f"which cannot be resharded yet (3d with zero=1 keeps flat dp shards of "
+                                    f"each stage): resume it with the same strategy and world_size")
     return {"step": info["step"], **logical_state(store.load_all(directory, info["step"]), strategy)}
 
 
 def logical_state(ranks: list[dict], strategy: str) -> dict:
     """The logical state from every rank's saved state (its own merged with its replicated state)."""
+    if strategy not in DATA_PARALLEL:
+        return {"strategy": strategy, "world_size": len(ranks), **_from_model_parallel(ranks)}
     out = {"strategy": strategy, "world_size": len(ranks),
            "losses": sum(r["losses"] for r in ranks)}           # each rank saved its weighted share
     out.update(_from_replicated(ranks[0]) if strategy in REPLICATED else _from_shards(ranks, strategy))
     return out
+
+
+def _from_model_parallel(ranks: list[dict]) -> dict:
+    """Tensor-parallel blocks concatenated back in tp-rank order; pipeline stages simply merge; dp
+    replicas hold copies (the first one read wins)."""
+    if "param_layout" not in ranks[0]:
+        raise store.CheckpointError("this model-parallel checkpoint records no parameter layout (saved by an "
+                                    "older distlab): resume it with the same strategy and world_size")
+    blocks: dict[str, dict[int, tuple]] = {}            # name -> tp rank -> (value, optimizer state, layout)
+    for state in ranks:
+        per_param = state["optimizer"]["state"]
+        for i, lay in enumerate(state["param_layout"]):
+            blocks.setdefault(lay["name"], {}).setdefault(
+                lay["tp_rank"], (state["model"][lay["key"]], per_param.get(i, {}), lay))
+    params, optimizer = {}, {}
+    for name, by_rank in blocks.items():
+        value, first_state, lay = by_rank[0]
+        whole = lay["dim"] is None
+        pieces = [by_rank[0]] if whole else [by_rank[k] for k in range(lay["tp_size"])]
+
+        def join(tensors: list[torch.Tensor]) -> torch.Tensor:
+            return (tensors[0] if whole else torch.cat(tensors, lay["dim"])).clone()
+
+        params[name] = join([v for v, _, _ in pieces])
+        optimizer[name] = {key: (join([st[key] for _, st, _ in pieces])
+                                 if torch.is_tensor(val) and val.dim() > 0 and val.shape == value.shape
+                                 else val.clone() if torch.is_tensor(val) else val)   # a scalar ("step")
+                           for key, val in first_state.items()}
+    losses = sum(r["losses"] * r["loss_weight"] for r in ranks)   # the ranks whose history counts once
+    return {"params": params, "buffers": {}, "optimizer": optimizer, "masters": {}, "losses": losses}
 
 
 def _from_replicated(state: dict) -> dict:
@@ -108,6 +178,31 @@ def _cut(flat: torch.Tensor, lay: dict) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
+def restore_model_parallel(layout: list[dict], opt, logical: dict) -> None:
+    """Put a `consolidate`d state into a tp/pp/3d rank: each parameter of ``opt`` (described, in order,
+    by ``layout`` from `describe`) gets its tensor-parallel block of the full tensor, and so does its
+    optimizer state."""
+    params = opt.param_groups[0]["params"]
+    missing = sorted({lay["name"] for lay in layout} - set(logical["params"]))
+    if missing:
+        raise store.CheckpointError(f"the checkpoint has no parameters {missing[:3]}...: it was saved for "
+                                    f"another model")
+    state = {}
+    for i, (lay, p) in enumerate(zip(layout, params)):
+        full = logical["params"][lay["name"]]
+
+        def block(t: torch.Tensor) -> torch.Tensor:
+            return t if lay["dim"] is None else t.chunk(lay["tp_size"], lay["dim"])[lay["tp_rank"]]
+
+        p.copy_(block(full))
+        saved = logical["optimizer"].get(lay["name"])
+        if saved:
+            state[i] = {key: (block(v).clone() if torch.is_tensor(v) and v.dim() > 0 and v.shape == full.shape
+                              else v.clone() if torch.is_tensor(v) else v) for key, v in saved.items()}
+    opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
+
+
+@torch.no_grad()
 def restore(spec, model, opt, logical: dict) -> None:
     """Put a `consolidate`d state into this rank's model and optimizer, cut for this run's layout."""
     names_by_id = {id(p): n for n, p in model.named_parameters()}
@@ -131,9 +226,9 @@ def _restore_local(model, opt, logical: dict, names_by_id: dict) -> None:
     state = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in logical["optimizer"][n].items()}
              for i, n in enumerate(names) if n in logical["optimizer"]}
     opt.optimizer.load_state_dict({"state": state, "param_groups": opt.optimizer.state_dict()["param_groups"]})
-    if opt.mixed:
+    if opt.mixed:                          # (a model-parallel checkpoint has fp32 parameters, no masters)
         for m, n in zip(opt.masters, names):
-            m.copy_(logical["masters"][n])
+            m.copy_(logical["masters"].get(n, logical["params"][n]))
 
 
 def _restore_sharded(opt, logical: dict, names_by_id: dict) -> None:
@@ -155,7 +250,7 @@ def _restore_sharded(opt, logical: dict, names_by_id: dict) -> None:
             for view, n in zip(bucket.views(bucket.full), names):
                 view.copy_(logical["params"][n])
         if opt.masters[b] is not opt.shards[b]:
-            opt.masters[b].copy_(mine(logical["masters"], torch.float32))
+            opt.masters[b].copy_(mine(logical["masters"] or logical["params"], torch.float32))
         first = logical["optimizer"].get(names[0])
         if first is None:
             continue

@@ -260,8 +260,8 @@ def load(directory, step: int | str = "latest", *, map_location="cpu", verify: b
         raise CheckpointError(
             f"checkpoint {path} was saved by {info['world_size']} ranks, this run has {n}: each rank's file "
             f"belongs to the rank that wrote it. Load it with world_size={info['world_size']}, or read all of "
-            f"them with dl.checkpoint.consolidate (data-parallel checkpoints; dl.train's resume does that "
-            f"when the world size changes)")
+            f"them with dl.checkpoint.consolidate (dl.train's resume does that when the world size or the "
+            f"layout changes)")
     return _rank_state(path, info, r, verify, map_location)
 
 

@@ -20,19 +20,18 @@ per bucket, and each ZeRO rank also saves the bucket layout that cut its shards.
 goes to disk once, from the first rank of its replica group; the shards go from whoever owns them,
 in parallel, which is why sharded checkpoints save faster as N grows (Rajbhandari et al. 2020 save
 ZeRO state the same way; so do DeepSpeed's ``zero_pp_rank_*`` files and FSDP's sharded state dict).
-The model-parallel strategies save each rank's parameters as they lie on that rank, so a resume
-needs the same world size and the same layout (the dp, tp, pp degrees, ``virtual``, ``balance``,
-``zero``, sequence parallelism); both are checked.
+The model-parallel strategies save each rank's parameters as they lie on that rank, with where they
+sit in the full model (name, tensor-parallel cut), and which rank's loss history counts.
 
 A checkpoint after step s holds the state *after* s optimizer steps and the loss history of steps
 0..s-1; data is a pure function of (seed, step) (`dl.models` data sets), so a resumed run takes
 exactly the steps the uninterrupted run would have taken, bit for bit in fp32.
 
-Resharding: a data-parallel checkpoint resumes on another world size, or under another data-parallel
-strategy (ZeRO-3 on 4 ranks -> ZeRO-1 on 3, or -> ``single`` on one process), through
+Resharding: a checkpoint resumes on another world size or under another strategy or layout (ZeRO-3
+on 4 ranks -> ZeRO-1 on 3; tp on 2 -> ``3d:dp=2,tp=1,pp=2`` on 4; anything -> ``single``), through
 `distlab.checkpoint.reshard`: the logical state is rebuilt from every rank's file and cut again for
 the new layout. The run then equals the uninterrupted one up to the rounding of a different
-reduction order (not bit for bit).
+reduction order (not bit for bit). Not yet: 3d with ``zero=1`` (refused, naming the difference).
 
 Fault injection (for tests and lessons): ``fail_at_step=s`` kills ``fail_rank`` (default: the last
 rank) with SIGKILL, either at the start of step s (``fail_in="step"``) or in the middle of saving
@@ -42,6 +41,7 @@ from __future__ import annotations
 
 import os
 import signal
+from dataclasses import dataclass
 
 import torch
 
@@ -49,7 +49,7 @@ from ..runtime import rank, tracer, world_size
 from . import reshard, store
 
 OPTIONS = ("checkpoint_dir", "checkpoint_every", "keep_last", "resume", "fail_at_step", "fail_rank", "fail_in")
-DATA_PARALLEL = ("single", "ddp", "zero1", "zero2", "zero3")
+DATA_PARALLEL = reshard.DATA_PARALLEL
 # spec fields that must agree between the run that saved and the run that resumes (steps may grow)
 _MUST_MATCH = ("strategy", "model", "seed", "global_batch", "lr", "optimizer", "weight_decay", "grad_accum",
                "precision", "clip", "layout")
@@ -66,13 +66,15 @@ class Checkpointer:
     """The checkpoint side of one rank's training loop (built by `for_spec`).
 
     ``replica_group``: the ranks that hold identical copies of the replicated state (3d's dp group);
-    the first of them writes it. Default: all ranks.
+    the first of them writes it. Default: all ranks. ``layout``: how a model-parallel rank's
+    parameters sit in the full model (for resharding).
     """
 
-    def __init__(self, spec, replica_group=None):
+    def __init__(self, spec, replica_group=None, layout: "Layout | None" = None):
         o = spec.options
         self.spec = spec
         self.replica_group = replica_group
+        self.layout = layout
         self.directory = o.get("checkpoint_dir")
         self.every = o.get("checkpoint_every")
         self.keep_last = o.get("keep_last")
@@ -104,22 +106,36 @@ class Checkpointer:
             return 0, []
         info = store.manifest(self.directory, step)
         self._check_compatible(info)
-        same = info["world_size"] == world_size() and info["meta"].get("strategy") == self.spec.strategy
-        if same or self.spec.strategy not in DATA_PARALLEL:
+        saved, ours = info["meta"].get("spec", {}), _spec_facts(self.spec)
+        same = (info["world_size"] == world_size() and saved.get("strategy") == ours["strategy"]
+                and saved.get("layout") == ours["layout"])
+        if same or not self._reshardable(saved):
             state = store.load(self.directory, step)       # the same layout: each rank reads its own file
             restore(self.spec, model, wrapped, opt, state)
             return info["step"], state["losses"].tolist()
         logical = reshard.consolidate(self.directory, step)  # another layout: rebuild, then cut anew
-        reshard.restore(self.spec, model, opt, logical)
-        losses = logical["losses"] if rank() == 0 else torch.zeros_like(logical["losses"])
-        return info["step"], losses.tolist()                 # rank 0 carries the global history
+        if self.spec.strategy in DATA_PARALLEL:
+            reshard.restore(self.spec, model, opt, logical)
+            keeps = rank() == 0
+        else:
+            reshard.restore_model_parallel(self.layout.params, opt, logical)
+            keeps = self.layout.keeps_history
+        losses = logical["losses"] if keeps else torch.zeros_like(logical["losses"])
+        return info["step"], losses.tolist()                 # the global history, where this layout keeps it
+
+    def _reshardable(self, saved: dict) -> bool:
+        """Both the saved run and this one can go through the logical (layout-free) state."""
+        ours = _spec_facts(self.spec)
+        return (reshard.reshardable(saved.get("strategy", ""), saved.get("layout") or {})
+                and reshard.reshardable(ours["strategy"], ours["layout"])
+                and (self.spec.strategy in DATA_PARALLEL or self.layout is not None))
 
     def _check_compatible(self, info: dict) -> None:
         saved = info["meta"].get("spec", {})
         ours = _spec_facts(self.spec)
-        reshardable = saved.get("strategy") in DATA_PARALLEL and ours["strategy"] in DATA_PARALLEL
+        free = ("strategy", "layout") if self._reshardable(saved) else ()
         diff = [f"{k}: saved {saved.get(k)!r}, now {ours[k]!r}" for k in _MUST_MATCH
-                if saved.get(k) != ours[k] and not (k == "strategy" and reshardable)]
+                if saved.get(k) != ours[k] and k not in free]
         if diff:
             raise store.CheckpointError(f"checkpoint step {info['step']} in {self.directory} was saved by a "
                                         f"different run ({'; '.join(diff)}): use the same settings, or a "
@@ -140,7 +156,7 @@ class Checkpointer:
         if done % self.every and done != self.spec.steps:
             return
         with tracer().span("checkpoint", cat="io", step=done):
-            state, replicated = capture(self.spec, model, wrapped, opt, losses)
+            state, replicated = capture(self.spec, model, wrapped, opt, losses, self.layout)
             hook = self._hook if (self.fail_in == "save" and done == self.fail_at) else None
             meta = {"strategy": self.spec.strategy, "spec": _spec_facts(self.spec)}
             store.save(self.directory, done, state, replicated=replicated, group=self.replica_group,
@@ -172,9 +188,29 @@ class NoCheckpoints:
         return {}
 
 
-def for_spec(spec, replica_group=None) -> Checkpointer | NoCheckpoints:
+@dataclass
+class Layout:
+    """Where a model-parallel rank's parameters sit in the full model, for resharding its checkpoint.
+
+    ``params``: `reshard.describe` of the optimizer's parameters; ``loss_weight``: 1 if this rank's
+    loss history counts (once) toward the global one; ``keeps_history``: whether this rank carries the
+    global history when it resumes from another layout.
+    """
+
+    params: list[dict]
+    loss_weight: int
+    keeps_history: bool
+
+
+def model_parallel_layout(full_model, params: list, held, *, loss_weight: bool, keeps_history: bool) -> Layout:
+    """The `Layout` of a tp/pp/3d rank: ``params`` in the optimizer's order, named as in ``full_model``,
+    keyed as in ``held.state_dict()``."""
+    return Layout(reshard.describe(full_model, params, held), int(loss_weight), bool(keeps_history))
+
+
+def for_spec(spec, replica_group=None, layout: Layout | None = None) -> Checkpointer | NoCheckpoints:
     """A `Checkpointer` when the spec's options ask for one, else a `NoCheckpoints` that does nothing."""
-    return Checkpointer(spec, replica_group) if requested(spec.options) else NoCheckpoints()
+    return Checkpointer(spec, replica_group, layout) if requested(spec.options) else NoCheckpoints()
 
 
 def _die() -> None:
@@ -189,7 +225,8 @@ def _spec_facts(spec) -> dict:
 
 
 # -- what each strategy owns -----------------------------------------------------------------------
-def capture(spec, model, wrapped, opt, losses: list[float]) -> tuple[dict, dict | None]:
+def capture(spec, model, wrapped, opt, losses: list[float], layout: Layout | None = None
+            ) -> tuple[dict, dict | None]:
     """(this rank's own state, the replicated state) of a training loop.
 
     ``model``: the module holding this rank's parameters (the whole model for data parallelism; the
@@ -198,6 +235,8 @@ def capture(spec, model, wrapped, opt, losses: list[float]) -> tuple[dict, dict 
     """
     own = {"losses": torch.tensor(losses, dtype=torch.float64)}
     if spec.strategy not in DATA_PARALLEL:
+        if layout is not None:
+            own.update(param_layout=layout.params, loss_weight=layout.loss_weight)
         return _capture_model_parallel(spec, model, opt, own)
     names_by_id = {id(p): n for n, p in model.named_parameters()}
     names = {"buffer_names": [n for n, _ in model.named_buffers()]}     # (for resharding: see reshard.py)

@@ -229,7 +229,9 @@ def train_rank(spec: TrainSpec) -> RankResult:
     overlap_dp = ddp is not None and v == 1 and "B" in kinds and "W" not in kinds
 
     held = torch.nn.ModuleList(modules)         # this rank's stage(s): what a checkpoint holds
-    ckpt = checkpointing.for_spec(spec, replica_group=mesh.dp_group)
+    layout = checkpointing.model_parallel_layout(model, params, held, loss_weight=pipe.last and me.tp == 0,
+                                                 keeps_history=pipe.last and me.dp == 0)
+    ckpt = checkpointing.for_spec(spec, replica_group=mesh.dp_group, layout=layout)
     start, losses = ckpt.resume(held, ddp, optimizer)
     tr = tracer()
     t_start = tr.now()

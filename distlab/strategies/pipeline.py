@@ -55,7 +55,9 @@ def train_rank(spec: TrainSpec) -> RankResult:
     params = list(pipe.parameters())
     optimizer = make_optimizer(params, spec)
     held = torch.nn.ModuleList(modules)             # this rank's stage(s): what a checkpoint holds
-    ckpt = checkpointing.for_spec(spec)
+    layout = checkpointing.model_parallel_layout(model, params, held, loss_weight=pipe.last,
+                                                 keeps_history=pipe.last)
+    ckpt = checkpointing.for_spec(spec, layout=layout)
     start, losses = ckpt.resume(held, None, optimizer)
     tr = tracer()
     for step in range(start, spec.steps):

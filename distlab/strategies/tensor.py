@@ -48,7 +48,9 @@ def train_rank(spec: TrainSpec) -> RankResult:
     sp = spec.strategy == "tp-sp" or bool(spec.options.get("sequence_parallel", False))
     model = tp_lib.parallelize(build_model(spec), sequence_parallel=sp)
     optimizer = make_optimizer(model.parameters(), spec)
-    ckpt = checkpointing.for_spec(spec)
+    layout = checkpointing.model_parallel_layout(model, optimizer.param_groups[0]["params"], model,
+                                                 loss_weight=rank() == 0, keeps_history=True)
+    ckpt = checkpointing.for_spec(spec, layout=layout)
     start, losses = ckpt.resume(model, None, optimizer)
     tr = tracer()
     for step in range(start, spec.steps):

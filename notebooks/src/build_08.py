@@ -254,7 +254,7 @@ optimizer state. Here `3d:dp=2,tp=1,pp=2` on 4 ranks: ranks 0 and 1 are pipeline
 ranks 2 and 3 the same stages of replica 1 (`dl.parallel.mesh` orders tp fastest, then pp, then dp).
 
 **Prediction:** a writing rank saves 12 bytes per parameter of its stage (fp32 weights 4 + Adam's two moments
-8, `dl.theory.memory`); the other replica's ranks save only their loss history.
+8, `dl.theory.memory`); the other replica's ranks save only their loss history and their layout (a few KB).
 """)
 code("""
 MESH = "3d:dp=2,tp=1,pp=2"
@@ -291,7 +291,7 @@ What makes the shards readable anyway is the **layout** each ZeRO rank saves bes
 parameters' names and shapes in bucket order and the shard size. Concatenating the N shards in rank order gives
 the padded bucket back; cutting it at the parameters' offsets gives one tensor per name. That is
 `dl.checkpoint.consolidate` (DeepSpeed's `zero_to_fp32.py` does the same from its `param_shapes`), and what
-`resume=True` uses when the world size or the data-parallel strategy changed: it rebuilds this logical state
+`resume=True` uses when the world size, the strategy or the layout changed: it rebuilds this logical state
 from every rank's file and cuts it again for the new layout.
 """)
 code("""
@@ -315,6 +315,21 @@ print(f"resumed from step {elastic.results[0].info['checkpoint']['resumed_from']
       f"largest relative loss difference over {STEPS} steps: {'< 1e-5' if worst < 1e-5 else worst}")
 assert elastic.results[0].info["checkpoint"]["resumed_from"] == 4
 assert worst < 1e-5
+""")
+md("""
+Model-parallel ranks save their layout too: for each parameter they hold, its name in the full model and which
+block of it (Megatron's layers give tensor-parallel rank r the r-th equal block along one dimension). So the 3D
+checkpoint of section 5, pipeline stages on 2 ranks times 2 replicas, opens as **tensor parallelism on 2 ranks**,
+where every weight matrix is cut by rows or columns instead of by layers. **Prediction:** resharding only copies,
+so the parameters the tensor-parallel run holds, gathered back, equal the consolidated checkpoint bit for bit.
+""")
+code("""
+mesh_full = dl.checkpoint.consolidate(CKPT / "mesh")
+as_tp = dl.train("tp", world_size=2, model=MODEL, steps=2, checkpoint_dir=str(CKPT / "mesh"), resume=2)
+same = as_tp.params.keys() == mesh_full["params"].keys() and all(
+    torch.equal(as_tp.params[k], v) for k, v in mesh_full["params"].items())
+print(f"{MESH} checkpoint resumed as tp on 2 ranks: all {len(mesh_full['params'])} parameter tensors identical: {same}")
+assert same
 """)
 code("""
 import shutil
@@ -341,7 +356,7 @@ md("""
   torn one. Verify with checksums; load with `weights_only=True`.
 * A resumed run is the uninterrupted run, bit for bit: checked here after killing a rank mid-save.
 * With the layout saved beside the shards, a checkpoint can be **resharded**: consolidated into one tensor per
-  name, resumed on another world size (equal up to rounding).
+  name, resumed on another world size or parallel layout (equal up to rounding).
 
 **Try it**: change `fail_at_step=6` to `fail_at_step=5, fail_in="step"` (a crash during training, not during a
 save): which checkpoint does the resume start from, and which steps does it redo?
