@@ -97,7 +97,8 @@ MP = dict(model="gpt-small", global_batch=8)
 
 
 @pytest.mark.parametrize("strategy, world", [("tp", 2), ("tp-sp", 2), ("pp-interleaved", 2),
-                                             ("3d:dp=2,tp=2,pp=1", 4), ("3d:dp=1,tp=2,pp=2", 4)])
+                                             ("3d:dp=2,tp=2,pp=1", 4), ("3d:dp=1,tp=2,pp=2", 4),
+                                             ("3d:dp=2,tp=1,pp=2,zero=1", 4)])
 def test_model_parallel_checkpoint_consolidates_to_the_full_model(strategy, world, tmp_path):
     """Every rank's blocks and stages, joined by the layout each rank saved, are the full model that
     the run itself gathers at the end, bit for bit; the loss history counts each step once."""
@@ -110,7 +111,8 @@ def test_model_parallel_checkpoint_consolidates_to_the_full_model(strategy, worl
 
 
 CROSS = [(("tp", 2), ("3d:dp=2,tp=1,pp=2", 4)), (("zero2", 2), ("tp", 2)), (("tp-sp", 2), ("single", 1)),
-         (("3d:dp=1,tp=2,pp=2", 4), ("pp-1f1b", 2))]
+         (("3d:dp=1,tp=2,pp=2", 4), ("pp-1f1b", 2)),
+         (("3d:dp=2,tp=2,pp=1,zero=1", 4), ("3d:dp=4,tp=1,pp=1,zero=1", 4))]   # dp shards of tp blocks
 
 
 @pytest.mark.parametrize("saved, resumed", CROSS, ids=[f"{s[0]}-to-{r[0]}" for s, r in CROSS])

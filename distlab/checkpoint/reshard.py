@@ -24,7 +24,9 @@ Model-parallel checkpoints (tp, tp-sp, pp-*, 3d with DDP) work the same way: eac
 parameter it holds, its full-model name and how it was cut (`describe`: the tensor-parallel dim,
 rank and degree; Megatron's layers keep equal contiguous blocks, rank r block r). `consolidate`
 concatenates the blocks back, and a run with another tp/pp/dp layout, or a data-parallel one, cuts
-them again. (3d with ``zero=1`` keeps its optimizer state in flat dp shards of each stage: not yet.)
+them again. A mesh with ``zero=1`` composes both: its optimizer state is the flat ZeRO shards, over
+the dp replicas, of each rank's tensor-parallel blocks; the dp shards are joined first (by bucket
+layout), then the blocks.
 """
 from __future__ import annotations
 
@@ -37,14 +39,10 @@ REPLICATED = ("single", "ddp")                 # optimizer state whole, on rank 
 DATA_PARALLEL = REPLICATED + PER_RANK
 
 
-def reshardable(strategy: str, layout: dict) -> bool:
-    """Whether a run of ``strategy`` (with its layout options) can be consolidated and cut again."""
-    if strategy in DATA_PARALLEL or strategy in ("tp", "tp-sp") or strategy.startswith("pp-"):
-        return True
-    if strategy.startswith("3d"):
-        from ..strategies.mesh import parse
-        return not parse(strategy, layout)["zero"]
-    return False
+def reshardable(strategy: str) -> bool:
+    """Whether a run of ``strategy`` can be consolidated and cut again (every built-in one can)."""
+    return (strategy in DATA_PARALLEL or strategy in ("tp", "tp-sp") or strategy.startswith("pp-")
+            or strategy.startswith("3d"))
 
 
 def describe(full_model, params: list, held) -> list[dict]:
@@ -78,10 +76,9 @@ def consolidate(directory, step: int | str = "latest") -> dict:
     """The logical (layout-free) state of a checkpoint; reads every rank's file."""
     info = store.manifest(directory, step)
     strategy = info["meta"].get("strategy")
-    if not reshardable(strategy, info["meta"].get("spec", {}).get("layout", {})):
+    if not reshardable(strategy):
         raise store.CheckpointError(f"checkpoint step {info['step']} in {directory} was saved by {strategy!r}, "
-                                    f"which cannot be resharded yet (3d with zero=1 keeps flat dp shards of "
-                                    f"each stage): resume it with the same strategy and world_size")
+                                    f"which cannot be resharded: resume it with the same strategy and world_size")
     return {"step": info["step"], **logical_state(store.load_all(directory, info["step"]), strategy)}
 
 
@@ -102,11 +99,8 @@ def _from_model_parallel(ranks: list[dict]) -> dict:
         raise store.CheckpointError("this model-parallel checkpoint records no parameter layout (saved by an "
                                     "older distlab): resume it with the same strategy and world_size")
     blocks: dict[str, dict[int, tuple]] = {}            # name -> tp rank -> (value, optimizer state, layout)
-    for state in ranks:
-        per_param = state["optimizer"]["state"]
-        for i, lay in enumerate(state["param_layout"]):
-            blocks.setdefault(lay["name"], {}).setdefault(
-                lay["tp_rank"], (state["model"][lay["key"]], per_param.get(i, {}), lay))
+    for lay, value, opt_state in _local_parameters(ranks):
+        blocks.setdefault(lay["name"], {}).setdefault(lay["tp_rank"], (value, opt_state, lay))
     params, optimizer = {}, {}
     for name, by_rank in blocks.items():
         value, first_state, lay = by_rank[0]
@@ -125,6 +119,25 @@ def _from_model_parallel(ranks: list[dict]) -> dict:
     return {"params": params, "buffers": {}, "optimizer": optimizer, "masters": {}, "losses": losses}
 
 
+def _local_parameters(ranks: list[dict]):
+    """(layout, value, optimizer state) of every parameter block each rank held. Under ZeRO-1 over dp
+    (``layout`` saved), a block's optimizer state is first joined from its dp replicas' flat shards."""
+    if "layout" not in ranks[0]:
+        for state in ranks:
+            per_param = state["optimizer"]["state"]
+            for i, lay in enumerate(state["param_layout"]):
+                yield lay, state["model"][lay["key"]], per_param.get(i, {})
+        return
+    replicas: dict[tuple, list[dict]] = {}              # dp replicas hold the same blocks, in rank order
+    for state in ranks:
+        signature = tuple((lay["name"], lay["tp_rank"]) for lay in state["param_layout"])
+        replicas.setdefault(signature, []).append(state)
+    for group in replicas.values():
+        by_key = _optimizer_from_shards([s["optimizer"]["optimizer"]["state"] for s in group], group[0]["layout"])
+        for lay in group[0]["param_layout"]:
+            yield lay, group[0]["model"][lay["key"]], by_key.get(lay["key"], {})
+
+
 def _from_replicated(state: dict) -> dict:
     names = state["param_names"]
     model = state["model"]
@@ -139,22 +152,13 @@ def _from_shards(ranks: list[dict], strategy: str) -> dict:
         raise store.CheckpointError("this ZeRO checkpoint records no bucket layout (saved by an older distlab): "
                                     "resume it with the same world_size")
     layout = ranks[0]["layout"]
-    params, optimizer, masters = {}, {}, {}
-    inner = [r["optimizer"]["optimizer"]["state"] for r in ranks]
+    params, masters = {}, {}
+    optimizer = _optimizer_from_shards([r["optimizer"]["optimizer"]["state"] for r in ranks], layout)
     for b, lay in enumerate(layout):
-        shard = lay["shard_numel"]
         if strategy == "zero3":
             params.update(_cut(torch.cat([r["params"][b] for r in ranks]), lay))
         if ranks[0]["masters"]:
             masters.update(_cut(torch.cat([r["masters"][b] for r in ranks]), lay))
-        for key, value in inner[0].get(b, {}).items():
-            if torch.is_tensor(value) and value.dim() > 0 and value.numel() == shard:   # per element (moments)
-                pieces = _cut(torch.cat([state[b][key] for state in inner]), lay)
-            else:                                   # a per-bucket scalar ("step"): a copy each, since
-                pieces = {n: value.clone() if torch.is_tensor(value) else value   # Adam increments it
-                          for n in lay["names"]}                                  # in place
-            for name, piece in pieces.items():
-                optimizer.setdefault(name, {})[key] = piece
     if strategy != "zero3":
         model = ranks[0]["model"]
         names = [n for lay in layout for n in lay["names"]]
@@ -163,6 +167,22 @@ def _from_shards(ranks: list[dict], strategy: str) -> dict:
     else:
         buffers = dict(ranks[0]["buffers"])
     return {"params": params, "buffers": buffers, "optimizer": optimizer, "masters": masters}
+
+
+def _optimizer_from_shards(inner: list[dict], layout: list[dict]) -> dict[str, dict]:
+    """Per parameter name, the optimizer state joined from every rank's shard of each flat bucket
+    (``inner``: the inner optimizer's ``state`` per rank, in rank order, keyed by bucket)."""
+    optimizer: dict[str, dict] = {}
+    for b, lay in enumerate(layout):
+        for key, value in inner[0].get(b, {}).items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.numel() == lay["shard_numel"]:
+                pieces = _cut(torch.cat([state[b][key] for state in inner]), lay)   # per element (moments)
+            else:                                   # a per-bucket scalar ("step"): a copy each, since
+                pieces = {n: value.clone() if torch.is_tensor(value) else value   # Adam increments it
+                          for n in lay["names"]}                                  # in place
+            for name, piece in pieces.items():
+                optimizer.setdefault(name, {})[key] = piece
+    return optimizer
 
 
 def _cut(flat: torch.Tensor, lay: dict) -> dict[str, torch.Tensor]:
@@ -178,27 +198,36 @@ def _cut(flat: torch.Tensor, lay: dict) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def restore_model_parallel(layout: list[dict], opt, logical: dict) -> None:
-    """Put a `consolidate`d state into a tp/pp/3d rank: each parameter of ``opt`` (described, in order,
-    by ``layout`` from `describe`) gets its tensor-parallel block of the full tensor, and so does its
-    optimizer state."""
-    params = opt.param_groups[0]["params"]
+def restore_model_parallel(layout: list[dict], held, opt, logical: dict) -> None:
+    """Put a `consolidate`d state into a tp/pp/3d rank: each of its parameters (``layout`` from
+    `describe`, keyed as in ``held``) gets its tensor-parallel block of the full tensor, and so does
+    its optimizer state; under ZeRO-1 over dp (``opt`` a `ShardedOptimizer`) the blocks are then cut
+    into this dp rank's flat shards."""
     missing = sorted({lay["name"] for lay in layout} - set(logical["params"]))
     if missing:
         raise store.CheckpointError(f"the checkpoint has no parameters {missing[:3]}...: it was saved for "
                                     f"another model")
-    state = {}
-    for i, (lay, p) in enumerate(zip(layout, params)):
+    local = {"params": {}, "optimizer": {}, "masters": {}}      # this rank's blocks, by key in `held`
+    for lay in layout:
         full = logical["params"][lay["name"]]
 
         def block(t: torch.Tensor) -> torch.Tensor:
             return t if lay["dim"] is None else t.chunk(lay["tp_size"], lay["dim"])[lay["tp_rank"]]
 
-        p.copy_(block(full))
-        saved = logical["optimizer"].get(lay["name"])
-        if saved:
-            state[i] = {key: (block(v).clone() if torch.is_tensor(v) and v.dim() > 0 and v.shape == full.shape
-                              else v.clone() if torch.is_tensor(v) else v) for key, v in saved.items()}
+        local["params"][lay["key"]] = block(full)
+        local["optimizer"][lay["key"]] = {
+            key: (block(v).clone() if torch.is_tensor(v) and v.dim() > 0 and v.shape == full.shape
+                  else v.clone() if torch.is_tensor(v) else v)          # per element, or a scalar ("step")
+            for key, v in logical["optimizer"].get(lay["name"], {}).items()}
+    keys = {id(p): k for k, p in held.named_parameters()}
+    if hasattr(opt, "buckets"):
+        _restore_sharded(opt, local, keys)
+        return
+    state = {}
+    for i, p in enumerate(opt.param_groups[0]["params"]):
+        p.copy_(local["params"][keys[id(p)]])
+        if local["optimizer"][keys[id(p)]]:
+            state[i] = local["optimizer"][keys[id(p)]]
     opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
 
 

@@ -31,7 +31,7 @@ Resharding: a checkpoint resumes on another world size or under another strategy
 on 4 ranks -> ZeRO-1 on 3; tp on 2 -> ``3d:dp=2,tp=1,pp=2`` on 4; anything -> ``single``), through
 `distlab.checkpoint.reshard`: the logical state is rebuilt from every rank's file and cut again for
 the new layout. The run then equals the uninterrupted one up to the rounding of a different
-reduction order (not bit for bit). Not yet: 3d with ``zero=1`` (refused, naming the difference).
+reduction order (not bit for bit).
 
 Fault injection (for tests and lessons): ``fail_at_step=s`` kills ``fail_rank`` (default: the last
 rank) with SIGKILL, either at the start of step s (``fail_in="step"``) or in the middle of saving
@@ -118,7 +118,7 @@ class Checkpointer:
             reshard.restore(self.spec, model, opt, logical)
             keeps = rank() == 0
         else:
-            reshard.restore_model_parallel(self.layout.params, opt, logical)
+            reshard.restore_model_parallel(self.layout.params, model, opt, logical)
             keeps = self.layout.keeps_history
         losses = logical["losses"] if keeps else torch.zeros_like(logical["losses"])
         return info["step"], losses.tolist()                 # the global history, where this layout keeps it
@@ -126,8 +126,7 @@ class Checkpointer:
     def _reshardable(self, saved: dict) -> bool:
         """Both the saved run and this one can go through the logical (layout-free) state."""
         ours = _spec_facts(self.spec)
-        return (reshard.reshardable(saved.get("strategy", ""), saved.get("layout") or {})
-                and reshard.reshardable(ours["strategy"], ours["layout"])
+        return (reshard.reshardable(saved.get("strategy", "")) and reshard.reshardable(ours["strategy"])
                 and (self.spec.strategy in DATA_PARALLEL or self.layout is not None))
 
     def _check_compatible(self, info: dict) -> None:
@@ -262,6 +261,8 @@ def _capture_model_parallel(spec, model, opt, own: dict) -> tuple[dict, dict | N
     from ..strategies.mesh import parse                     # the dp replicas of a stage hold equal copies
     if parse(spec.strategy, spec.options)["zero"]:
         own["optimizer"] = opt.state_dict()                 # ZeRO-1 over dp: each replica its own shard
+        keys = {id(p): k for k, p in model.named_parameters()}
+        own["layout"] = [reshard.bucket_layout(b, keys) for b in opt.buckets]   # local keys, for resharding
         return own, {"model": model.state_dict()}
     return own, {"model": model.state_dict(), "optimizer": opt.state_dict()}
 
