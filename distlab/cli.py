@@ -2,7 +2,12 @@
 
     distlab train --strategy zero2 --world-size 4 --model gpt-tiny --steps 20
     distlab train --strategy ddp --world-size 2 --comm ring --bucket-mb 0.1 --json out.json
+    distlab train --strategy zero2 --world-size 4 --steps 100 --checkpoint-dir ck --checkpoint-every 10 --resume
     distlab strategies
+
+Under torchrun the same command runs on every rank (``--world-size`` must equal torchrun's) and
+rank 0 prints; after a failure, the same command with ``--resume`` continues from the latest
+complete checkpoint.
 
 ``train`` runs `dl.train` and prints the loss of every step, then bytes sent per rank per step and
 each rank's peak memory by category. Other subcommands may be added by other modules.
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -32,6 +38,11 @@ def _train_parser(sub) -> None:
     p.add_argument("--bucket-mb", type=float, default=None)
     p.add_argument("--no-overlap", action="store_true", help="communicate after backward, not during it")
     p.add_argument("--prefetch", action="store_true", help="ZeRO-3: gather the next unit early")
+    p.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints here")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="K", help="save every K steps and at the end")
+    p.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep only the newest N checkpoints")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest complete checkpoint (from scratch when there is none)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra strategy option (value parsed as JSON when it can be)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write losses, bytes and memory here")
@@ -47,6 +58,11 @@ def _options(args) -> dict:
         opts["overlap"] = False
     if args.prefetch:
         opts["prefetch"] = True
+    for key in ("checkpoint_dir", "checkpoint_every", "keep_last"):
+        if getattr(args, key) is not None:
+            opts[key] = getattr(args, key)
+    if args.resume:
+        opts["resume"] = True
     for item in args.option:
         if "=" not in item:
             raise SystemExit(f"--option expects KEY=VALUE, got {item!r}")
@@ -64,6 +80,8 @@ def _run_train(args) -> int:
                    global_batch=args.global_batch, lr=args.lr, optimizer=args.optimizer,
                    weight_decay=args.weight_decay, grad_accum=args.grad_accum, precision=args.precision,
                    clip=args.clip, options=_options(args))
+    if os.environ.get("RANK", "0") != "0":       # under torchrun every rank has the report: one prints it
+        return 0
     print(f"{args.strategy} on {report.world_size} rank(s), {args.model}, global batch {args.global_batch}")
     for step, loss in enumerate(report.losses):
         print(f"step {step:4d}  loss {loss:.6f}")

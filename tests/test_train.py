@@ -1,6 +1,8 @@
 """dl.train, the strategy registry, the Report and the CLI."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -51,3 +53,18 @@ def test_mlp_uneven_split_and_cli(capsys, tmp_path):
     text = capsys.readouterr().out
     assert "step    0  loss" in text and "step    1  loss" in text and "sent" in text
     assert out.exists()
+
+
+def test_cli_checkpoints_and_resumes(tmp_path, capsys):
+    """`distlab train --checkpoint-dir ... --checkpoint-every 2`, then the same with --resume and more
+    steps: the second run takes only the new steps and its losses are those of one uninterrupted run."""
+    from distlab.cli import main
+    base = ["train", "--strategy", "zero2", "--world-size", "2", "--checkpoint-dir", str(tmp_path / "ck"),
+            "--checkpoint-every", "2", "--keep-last", "1"]
+    assert main(base + ["--steps", "2"]) == 0
+    assert dl.checkpoint.steps(tmp_path / "ck") == [2]
+    assert main(base + ["--steps", "4", "--resume", "--json", str(tmp_path / "r.json")]) == 0
+    assert dl.checkpoint.steps(tmp_path / "ck") == [4]                     # keep-last 1
+    resumed = json.loads((tmp_path / "r.json").read_text())["losses"]
+    assert resumed == dl.train("zero2", world_size=2, steps=4).losses
+    capsys.readouterr()
