@@ -13,13 +13,15 @@ HERE = Path(__file__).resolve().parent
 
 
 def uneven_work():
+    """Lesson 00's straggler: rank r does 6(r+1) matmuls per step before an all-reduce."""
     tr = dl.tracer()
-    x = torch.randn(200, 200)
+    x = torch.randn(400, 400) / 20
+    t = torch.ones(1000)
+    dist.all_reduce(t)                                # warm-up, untraced
     for step in range(3):
         with tr.span("compute", step=step):
-            for _ in range(3 * (dl.rank() + 1)):
+            for _ in range(6 * (dl.rank() + 1)):
                 x = torch.tanh(x @ x)
-        t = torch.ones(1000)
         with tr.comm_span("all_reduce", sent=t.numel() * 4, received=t.numel() * 4):
             dist.all_reduce(t)
 
