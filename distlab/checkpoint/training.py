@@ -105,11 +105,12 @@ class Checkpointer:
         if step == "latest" and store.latest(self.directory) is None:
             return 0, []
         info = store.manifest(self.directory, step)
-        self._check_compatible(info)
         saved, ours = info["meta"].get("spec", {}), _spec_facts(self.spec)
+        reshardable = self._reshardable(saved, ours)
+        self._check_compatible(info, saved, ours, reshardable)
         same = (info["world_size"] == world_size() and saved.get("strategy") == ours["strategy"]
                 and saved.get("layout") == ours["layout"])
-        if same or not self._reshardable(saved):
+        if same or not reshardable:
             state = store.load(self.directory, step)       # the same layout: each rank reads its own file
             restore(self.spec, model, wrapped, opt, state)
             return info["step"], state["losses"].tolist()
@@ -123,16 +124,13 @@ class Checkpointer:
         losses = logical["losses"] if keeps else torch.zeros_like(logical["losses"])
         return info["step"], losses.tolist()                 # the global history, where this layout keeps it
 
-    def _reshardable(self, saved: dict) -> bool:
+    def _reshardable(self, saved: dict, ours: dict) -> bool:
         """Both the saved run and this one can go through the logical (layout-free) state."""
-        ours = _spec_facts(self.spec)
         return (reshard.reshardable(saved.get("strategy", "")) and reshard.reshardable(ours["strategy"])
                 and (self.spec.strategy in DATA_PARALLEL or self.layout is not None))
 
-    def _check_compatible(self, info: dict) -> None:
-        saved = info["meta"].get("spec", {})
-        ours = _spec_facts(self.spec)
-        free = ("strategy", "layout") if self._reshardable(saved) else ()
+    def _check_compatible(self, info: dict, saved: dict, ours: dict, reshardable: bool) -> None:
+        free = ("strategy", "layout") if reshardable else ()       # what resharding may change
         diff = [f"{k}: saved {saved.get(k)!r}, now {ours[k]!r}" for k in _MUST_MATCH
                 if saved.get(k) != ours[k] and k not in free]
         if diff:
