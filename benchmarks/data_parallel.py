@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import distlab as dl  # noqa: E402
 from _results import default_out, machine_facts, write  # noqa: E402
 from distlab.models import PRESETS, build, dataset_for  # noqa: E402
-from distlab.parallel.flat import storage_bytes  # noqa: E402
+from distlab.parallel.data.buckets import storage_bytes  # noqa: E402
 
 PAIRS = {"ddp": ("dl.DDP", "torch DDP"), "zero1": ("dl.ShardedOptimizer", "torch ZeroRedundancyOptimizer"),
          "zero3": ("dl.ZeRO stage 3", "torch FSDP2 fully_shard")}

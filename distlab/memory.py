@@ -31,7 +31,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from .parallel.flat import storage_bytes
+from .parallel.data.buckets import storage_bytes
 from .runtime import tracer
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")

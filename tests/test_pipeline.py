@@ -13,8 +13,8 @@ import torch
 
 import distlab as dl
 from distlab import models
-from distlab.parallel import stage as stages
-from distlab.parallel.schedule import peak_activations, schedule
+from distlab.parallel.pipeline import split as stages
+from distlab.parallel.pipeline.schedule import peak_activations, schedule
 
 CFG = models.GPTConfig(vocab=32, seq_len=8, d_model=16, heads=2, layers=6)   # 8 units: embed, 6 blocks, head
 BATCH, STEPS, LR = 16, 2, 0.5

@@ -4,7 +4,7 @@ from collections import Counter
 import pytest
 
 from distlab import theory
-from distlab.parallel.schedule import (Action, DeadlockError, peak_activations, schedule, simulate)
+from distlab.parallel.pipeline.schedule import (Action, DeadlockError, peak_activations, schedule, simulate)
 
 CASES = [(name, p, m, v)
          for p in range(1, 9) for m in range(1, 17)

@@ -197,7 +197,7 @@ def test_sp_swaps_all_reduce_for_gather_and_scatter_of_equal_volume(world):
 
 
 def _layer_memory(sp, b):
-    from distlab.parallel.tp_memory import measure_layer
+    from distlab.parallel.tensor.memory import measure_layer
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(**TINY))
     t, s, h = dl.world_size(), TINY["seq_len"], TINY["d_model"]
@@ -208,7 +208,7 @@ def _layer_memory(sp, b):
 
 @pytest.mark.parametrize("world,sp", [(2, False), (2, True), (4, False), (4, True)])
 def test_activation_memory_matches_korthikanti(world, sp):
-    from distlab.parallel.tp_memory import predicted_layer_bytes, unmodelled_bytes
+    from distlab.parallel.tensor.memory import predicted_layer_bytes, unmodelled_bytes
     b, s, h, a = 8, TINY["seq_len"], TINY["d_model"], TINY["heads"]
     for full, mine in dl.launch(_layer_memory, world_size=world, args=(sp, b), output="quiet").results:
         predicted_full = predicted_layer_bytes(s, b, h, a)

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 import distlab as dl
 from _data_parallel_runs import CASES, assert_matches_single, param_numel, run
-from distlab.parallel.flat import FlatBucket, bucketize, trainable
-from distlab.parallel.zero.stage3 import default_units, unit_params
+from distlab.parallel.data.buckets import FlatBucket, bucketize, trainable
+from distlab.parallel.zero.zero3 import default_units, unit_params
 
 
 def _padded_bytes(params, n: int) -> int:

@@ -49,7 +49,7 @@ def describe(full_model, params: list, held) -> list[dict]:
     """Per parameter of ``params`` (the optimizer's order): its name in ``full_model`` (a GPT, tensor-
     parallel or not), its key in ``held.state_dict()``, and its tensor-parallel cut (dim, rank, degree;
     dim None for a parameter every tensor-parallel rank holds whole)."""
-    from ..parallel import tp_collectives as C
+    from ..parallel import collectives as C
     names = {id(p): n for n, p in full_model.named_parameters()}
     keys = {id(p): k for k, p in held.named_parameters()}
     cuts = {}

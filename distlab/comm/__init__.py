@@ -10,10 +10,10 @@
 
     dl.comm.free_scratch()                                 # drop the receive buffers kept between calls
 
-Files: `_p2p` (group bookkeeping and the traced send+recv exchange), `_ring_stream` (the ring's
+Files: `p2p` (group bookkeeping and the traced send+recv exchange), `ring_pipelined` (the ring's
 segmented, pipelined step loop), `ring`, `tree` (broadcast), `naive`.
 """
-from ._p2p import OPS, free_scratch
+from .p2p import OPS, free_scratch
 from .naive import naive_all_reduce
 from .ring import ring_all_gather, ring_all_reduce, ring_bytes, ring_reduce_scatter
 from .tree import broadcast

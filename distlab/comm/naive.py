@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ._p2p import Ring, check_op, exchange, finish_avg, flat_view, new_call, scratch
+from .p2p import Ring, check_op, exchange, finish_avg, flat_view, new_call, scratch
 
 
 def naive_all_reduce(t: torch.Tensor, op: str = "sum", group=None, root: int = 0) -> torch.Tensor:

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import torch
 
-from ._p2p import Ring, check_op, flat_view, new_call, scratch
-from ._ring_stream import WINDOW, Step, run_ring
+from .p2p import Ring, check_op, flat_view, new_call, scratch
+from .ring_pipelined import WINDOW, Step, run_ring
 
 
 def _chunk_sizes(numel: int, n: int) -> list[int]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ._p2p import Ring, exchange, flat_view, new_call
+from .p2p import Ring, exchange, flat_view, new_call
 
 
 def broadcast(t: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:

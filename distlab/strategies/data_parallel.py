@@ -11,7 +11,7 @@ i.e. exactly the single-process gradient of the global batch. Gradient accumulat
 ``no_sync()``, so a step sends what one big-batch step sends (DDP, ZeRO-1, ZeRO-2: 2 (N-1)/N Psi)
 whatever ``grad_accum`` is. ZeRO-3 does not by default: there ``no_sync`` saves only the k-1
 reduce-scatters and holds full gradients meanwhile, undoing ZeRO-3's gradient sharding (see
-`distlab.parallel.zero.engine`); pass ``no_sync=True`` to make that trade.
+`distlab.parallel.zero`); pass ``no_sync=True`` to make that trade.
 
 ``spec.options`` (all optional): ``bucket_mb`` (25.0), ``overlap`` (True), ``comm`` ("torch" or
 "ring"), ``naive`` (DDP, False), ``prefetch`` (ZeRO-3, False), ``max_inflight`` (ZeRO, 1: flat gradient
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ..checkpoint import training as checkpointing
 from ..memory import Ledger, optimizer_bytes
 from ..models import shard
-from ..parallel.flat import storage_bytes
+from ..parallel.data.buckets import storage_bytes
 from ..runtime import device, rank, tracer, world_size
 from .base import (RankResult, TrainSpec, build_model, global_batch, loss_fn, make_optimizer,
                    optimizer_class, optimizer_kwargs)
@@ -85,7 +85,7 @@ def _wrap(spec: TrainSpec, model: torch.nn.Module):
         opt = LocalOptimizer(model.parameters(), spec)
         return model, opt, lambda: _plain_bytes(model, opt)
     if spec.strategy == "ddp":
-        from ..parallel.ddp import DDP
+        from ..parallel.data.ddp import DDP
         ddp = DDP(model, bucket_mb=opts.get("bucket_mb", 25.0), overlap=opts.get("overlap", True),
                   comm=comm, naive=opts.get("naive", False))
         opt = LocalOptimizer(model.parameters(), spec)

@@ -41,11 +41,11 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import training as checkpointing
-from ..parallel import tp as tp_lib
-from ..parallel import tp_collectives as C
+from ..parallel import tensor as tp_lib
+from ..parallel import collectives as C
 from ..parallel.mesh import AXES, Mesh
-from ..parallel.pipeline import Pipeline
-from ..parallel.stage import GPTStage, stage_module
+from ..parallel.pipeline.executor import Pipeline
+from ..parallel.pipeline.split import GPTStage, stage_module
 from ..runtime import device, rank, tracer
 from .base import (RankResult, TrainSpec, autocast, build_model, clip_to_norm, global_batch, loss_fn,
                    make_optimizer, microbatch_count, optimizer_class, optimizer_kwargs)
@@ -219,7 +219,7 @@ def train_rank(spec: TrainSpec) -> RankResult:
                                      bucket_mb=opts["bucket_mb"], **optimizer_kwargs(spec))
     else:
         if D > 1:
-            from ..parallel.ddp import DDP
+            from ..parallel.data.ddp import DDP
             ddp = DDP(torch.nn.ModuleList(modules), bucket_mb=opts["bucket_mb"], group=mesh.dp_group)
         optimizer = make_optimizer(params, spec)
     sharded = _sharded(modules)

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import training as checkpointing
-from ..parallel.pipeline import Pipeline
-from ..parallel.stage import stage_module
+from ..parallel.pipeline.executor import Pipeline
+from ..parallel.pipeline.split import stage_module
 from ..runtime import device, rank, tracer, world_size
 from .base import (RankResult, TrainSpec, autocast, build_model, clip_to_norm, global_batch, loss_fn,
                    make_optimizer, microbatch_count)

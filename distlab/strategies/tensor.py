@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..checkpoint import training as checkpointing
-from ..parallel import tp as tp_lib
-from ..parallel import tp_collectives as C
+from ..parallel import tensor as tp_lib
+from ..parallel import collectives as C
 from ..runtime import device, rank, tracer
 from .base import RankResult, TrainSpec, autocast, build_model, clip_to_norm, global_batch, make_optimizer
 

@@ -3,7 +3,7 @@
 ``pipeline(trace)`` draws a measured run of `distlab.pp.Pipeline`: compute boxes where the rank
 worked, a thin grey bar under them while it waited on a receive from a neighbour, white where it
 idled -- the bubble. ``schedule(actions)`` draws the same picture from the schedule alone, replayed
-on an ideal clock by `distlab.parallel.schedule.simulate`. Same colours, so the two sit side by side.
+on an ideal clock by `distlab.parallel.pipeline.schedule.simulate`. Same colours, so the two sit side by side.
 ``stash(trace)`` draws the microbatches each rank holds activations for, over time.
 
 Colours: F blue, B green, I (input-gradient half of B) orange, W (weight-gradient half) purple;
@@ -14,8 +14,8 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from ..parallel.pipeline_trace import STEP, in_flight, measured_bubble
-from ..parallel.schedule import simulate
+from ..parallel.pipeline.measure import STEP, in_flight, measured_bubble
+from ..parallel.pipeline.schedule import simulate
 
 COLOURS = {"F": "#4C72B0", "B": "#55A868", "I": "#DD8452", "W": "#8172B3"}
 NAMES = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}

@@ -1,12 +1,12 @@
 """Bubble explorer: pick a schedule, stages p, microbatches m, chunks v and F/B/W times; see the
-simulated timeline (:func:`distlab.parallel.schedule.simulate`) and its idle fraction beside the
+simulated timeline (:func:`distlab.parallel.pipeline.schedule.simulate`) and its idle fraction beside the
 closed form (:func:`distlab.theory.bubble`, ``convention="total"``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from distlab import theory
-from distlab.parallel.schedule import SCHEDULES, Timeline, schedule, simulate
+from distlab.parallel.pipeline.schedule import SCHEDULES, Timeline, schedule, simulate
 from distlab.widgets.base import Explorer, dropdown, float_slider, int_slider, new_figure
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#8FBC8F", "W": "#C9A227"}

@@ -28,7 +28,7 @@ import torch.nn as nn
 import matplotlib.pyplot as plt
 import distlab as dl
 from distlab.models import GPT, GPTConfig, MarkovTokens
-from distlab.parallel.tp_memory import measure_layer, predicted_layer_bytes, unmodelled_bytes
+from distlab.parallel.tensor.memory import measure_layer, predicted_layer_bytes, unmodelled_bytes
 
 CFG = GPTConfig(vocab=64, seq_len=32, d_model=64, heads=4, layers=2)   # the "gpt-tiny" preset
 B, S, H, A, L = 8, CFG.seq_len, CFG.d_model, CFG.heads, CFG.layers

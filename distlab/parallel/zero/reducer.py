@@ -33,8 +33,8 @@ from typing import Callable
 
 import torch
 
-from ..dp_comm import Collectives, Handle
-from ..flat import FlatBucket
+from ..collectives import Collectives, Handle
+from ..data.buckets import FlatBucket
 
 
 class GradReducer:

@@ -16,7 +16,7 @@ nn.Linear computes Y = X W^T + b with W of shape (out, in). Over t ranks:
 
 Column then row needs no communication in between: the column layer's output slice is exactly the
 row layer's input slice. With ``sequence_parallel=True`` the column layer's f becomes an all-gather
-along the sequence and the row layer's g a reduce-scatter (see `tp_ops`); the row bias then acts on
+along the sequence and the row layer's g a reduce-scatter (see `regions`); the row bias then acts on
 sequence shards, so its gradient is all-reduced over the group.
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import tp_collectives as C
-from . import tp_ops as ops
+from .. import collectives as C
+from . import regions as ops
 
 
 def check_divisible(what: str, size: int, t: int, fix: str = "") -> None:

@@ -25,9 +25,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import tp_collectives as C
-from . import tp_ops as ops
-from .tensor import check_divisible
+from .. import collectives as C
+from . import regions as ops
+from .linear import check_divisible
 
 
 class VocabParallelEmbedding(nn.Module):

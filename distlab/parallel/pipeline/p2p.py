@@ -18,7 +18,7 @@ small header (dtype, ndim, sizes) goes first; both sides cache it (torch.distrib
 infers shapes once in the same way). ``static_shapes=False`` sends the header every step.
 
 Sends are never waited for in the middle of a step (``isend`` then carry on): a rank only ever
-blocks on a receive it needs, exactly the rule `distlab.parallel.schedule.simulate` replays, so a
+blocks on a receive it needs, exactly the rule `distlab.parallel.pipeline.schedule.simulate` replays, so a
 schedule that simulates without deadlock also runs without one.
 
 Tracing: a send is recorded as an instant comm event when posted (``sent`` bytes, ``peer``); a
@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..runtime import tracer
+from ...runtime import tracer
 
 ACT_HEADER, ACT, GRAD = 0, 1, 2
 WHAT = {ACT_HEADER: "shape", ACT: "activation", GRAD: "grad"}

@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import tp_collectives as C
-from .pipeline_zb import DEFERS_WEIGHT_GRAD, WeightGradStore
+from .. import collectives as C
+from ..weight_grads import DEFERS_WEIGHT_GRAD, WeightGradStore
 
 SEQ_DIM = 1
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..models import GPT, MLP
+from ...models import GPT, MLP
 
 
 def partition(weights: list[float], parts: int) -> list[tuple[int, int]]:

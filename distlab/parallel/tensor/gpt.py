@@ -23,13 +23,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..models import GPT
-from . import tp_collectives as C
-from .tensor import ColumnParallelLinear, RowParallelLinear, check_divisible, sync_replicated_grad
-from .tp_blocks import ParallelAttention, ParallelMLP
-from .tp_ops import (copy_to_region, gather_from_sequence, gather_from_tensor, reduce_from_region,
+from ...models import GPT
+from .. import collectives as C
+from .linear import ColumnParallelLinear, RowParallelLinear, check_divisible, sync_replicated_grad
+from .layers import ParallelAttention, ParallelMLP
+from .regions import (copy_to_region, gather_from_sequence, gather_from_tensor, reduce_from_region,
                      reduce_scatter_to_sequence, split_to_sequence, split_to_tensor)
-from .tp_vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from .vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelAttention",
            "ParallelMLP", "TensorParallelGPT", "parallelize", "vocab_parallel_cross_entropy", "full_state_dict",

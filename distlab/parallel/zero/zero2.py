@@ -46,11 +46,11 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from ..dp_comm import Collectives
-from ..flat import bucketize, storage_bytes, trainable
-from ..grad_hooks import BackwardWatcher
-from .optimizer import ShardedOptimizer
-from .stage3 import Stage3, default_units, unit_params
+from ..collectives import Collectives
+from ..data.buckets import bucketize, storage_bytes, trainable
+from ..data.backward_hooks import BackwardWatcher
+from .zero1 import ShardedOptimizer
+from .zero3 import Stage3, default_units, unit_params
 
 
 class ZeRO(nn.Module):

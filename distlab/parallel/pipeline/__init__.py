@@ -6,15 +6,21 @@
     pipe = dl.pp.Pipeline(stage, r, 4, schedule="1f1b", microbatches=8)
     loss = pipe.step(x=ids, target=targets)                          # loss on the last stage, else None
 
-Schedules: `distlab.parallel.schedule`; splitting: `distlab.parallel.stage`; executor:
-`distlab.parallel.pipeline`; point-to-point links: `distlab.parallel.pipeline_p2p`.
+Reading order:
+
+    schedule.py      the schedules as pure lists of actions, and a simulator that raises on deadlock
+    split.py         cutting a model into contiguous stages
+    p2p.py           activations forward, gradients backward between neighbouring stages
+    executor.py      Pipeline: runs one rank's list of actions
+    zero_bubble.py   the split backward (I and W) of zero-bubble schedules
+    measure.py       reading a run back from its trace: the measured bubble, activations in flight
 """
 from __future__ import annotations
 
-from .pipeline import Pipeline, default_loss
+from .executor import Pipeline, default_loss
 from .schedule import SCHEDULES, Action, DeadlockError, Timeline, peak_activations, schedule, simulate
-from .pipeline_trace import Bubble, executed, in_flight, measured_bubble, peak_in_flight
-from .stage import (GPTStage, MLPStage, SequentialStage, TimedStage, boundaries, partition, split, stage_module,
+from .measure import Bubble, executed, in_flight, measured_bubble, peak_in_flight
+from .split import (GPTStage, MLPStage, SequentialStage, TimedStage, boundaries, partition, split, stage_module,
                     stage_names)
 
 __all__ = ["schedule", "simulate", "Action", "Timeline", "DeadlockError", "peak_activations", "SCHEDULES",

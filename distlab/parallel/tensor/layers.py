@@ -8,8 +8,8 @@
 
 q, k and v share one f (one all-reduce of dL/dX in the backward, as Megatron's fused QKV does), so
 each region costs exactly one all-reduce forward (g) and one backward (f). Under sequence
-parallelism f/g become all-gather/reduce-scatter along the sequence (`tp_ops`), and the shared
-entry saves only the sequence shard of X for the backward (`tp_ops.GatheredLinears`).
+parallelism f/g become all-gather/reduce-scatter along the sequence (`regions`), and the shared
+entry saves only the sequence shard of X for the backward (`regions.GatheredLinears`).
 """
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..models import causal_attention
-from . import tp_collectives as C
-from . import tp_ops as ops
-from .tensor import ColumnParallelLinear, RowParallelLinear, check_divisible
+from ...models import causal_attention
+from .. import collectives as C
+from . import regions as ops
+from .linear import ColumnParallelLinear, RowParallelLinear, check_divisible
 
 
 class ParallelAttention(nn.Module):

@@ -40,8 +40,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..flat import FlatBucket
-from ..grad_hooks import BackwardWatcher
+from ..data.buckets import FlatBucket
+from ..data.backward_hooks import BackwardWatcher
 
 
 def default_units(module: nn.Module) -> list[nn.Module]:

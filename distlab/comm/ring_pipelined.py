@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import tracer
-from ._p2p import Ring, reduce_into, scratch
+from .p2p import Ring, reduce_into, scratch
 
 SEGMENT_BYTES = 1 << 22
 """Target segment size. Small enough to overlap reduction with transfer, large enough that the

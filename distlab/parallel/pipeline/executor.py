@@ -1,4 +1,4 @@
-"""The pipeline executor: run one rank's list of actions from `distlab.parallel.schedule`.
+"""The pipeline executor: run one rank's list of actions from `distlab.parallel.pipeline.schedule`.
 
 ``Pipeline.step`` walks ``schedule(name, p, m, v)[rank]`` in order -- the same list the plots and
 widgets draw -- and does for each action::
@@ -43,7 +43,7 @@ activation gradients of the same walk: correct, just not deferred, and still wit
 traversal -- unless the Function defers them itself: sequence parallelism's fused all-gather +
 linears leave dW to a `WeightGradStore` that W runs (and W marks ``"deferred weight grads"``).
 
-Communication lives in `distlab.parallel.pipeline_p2p`; tracing: one compute span per action
+Communication lives in `distlab.parallel.pipeline.p2p`; tracing: one compute span per action
 (name F/B/I/W, args stage, microbatch, step), one comm event per transfer, and after every action
 one memory sample ``"pipeline stash"`` with ``activations`` (bytes autograd saved for the
 microbatches in flight, measured once per (stage, microbatch) with saved-tensor hooks) and
@@ -57,10 +57,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..memory import SavedActivations
-from ..runtime import device, tracer
-from .pipeline_p2p import Incoming, Links
-from .pipeline_zb import WeightGradStore, WeightUses, accumulate_grads
+from ...memory import SavedActivations
+from ...runtime import device, tracer
+from .p2p import Incoming, Links
+from ..weight_grads import WeightGradStore, accumulate_grads
+from .zero_bubble import WeightUses
 from .schedule import Action, schedule as make_schedule
 
 
@@ -89,7 +90,7 @@ class Pipeline:
 
     ``stage_module`` runs stage ``stage_id`` of ``num_stages``; for ``schedule="interleaved"`` pass
     lists: this rank's modules and their stage ids, which must be ``r, r + p, r + 2p, ...``
-    (``num_stages = p * v``). ``schedule`` is a name from `distlab.parallel.schedule` or the per-rank
+    (``num_stages = p * v``). ``schedule`` is a name from `distlab.parallel.pipeline.schedule` or the per-rank
     action lists themselves. ``group`` is the pipeline's process group (default: every rank).
     """
 

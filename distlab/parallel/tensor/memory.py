@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..memory import SavedActivations
-from ..theory import activation_bytes_per_layer
+from ...memory import SavedActivations
+from ...theory import activation_bytes_per_layer
 
 
 def measure_layer(block: nn.Module, x: torch.Tensor) -> int:

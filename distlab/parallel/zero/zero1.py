@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ..dp_comm import Collectives
-from ..flat import FlatBucket, bucketize, storage_bytes, trainable
+from ..collectives import Collectives
+from ..data.buckets import FlatBucket, bucketize, storage_bytes, trainable
 from .reducer import GradReducer
 
 

@@ -28,9 +28,9 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from .dp_comm import Collectives
-from .flat import bucketize, storage_bytes, trainable
-from .grad_hooks import BackwardWatcher
+from ..collectives import Collectives
+from .buckets import bucketize, storage_bytes, trainable
+from .backward_hooks import BackwardWatcher
 
 
 class _GradBucket:
@@ -59,7 +59,7 @@ class DDP(nn.Module):
     """Wrap ``module`` for data parallelism over ``group`` (default: all ranks).
 
     ``comm``: "torch" (torch.distributed collectives, default) or "ring" (distlab's ring, built from
-    send/recv). Bytes per step are recorded in ``dl.tracer()`` either way (see `dp_comm`).
+    send/recv). Bytes per step are recorded in ``dl.tracer()`` either way (see `parallel/collectives.py`).
     """
 
     def __init__(self, module: nn.Module, bucket_mb: float = 25.0, overlap: bool = True,
@@ -162,7 +162,7 @@ class DDP(nn.Module):
     # -- accounting ------------------------------------------------------------------------
     def memory_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
         """Bytes this rank holds by category (params, grads, optimizer)."""
-        from ..memory import optimizer_bytes
+        from ...memory import optimizer_bytes
         params = list(self.module.parameters())
         return {"params": storage_bytes(params), "grads": storage_bytes(p.grad for p in params),
                 "optimizer": optimizer_bytes(optimizer) if optimizer is not None else 0}

@@ -1,0 +1,13 @@
+"""Every parallelism of large-model training, one folder each, each read top to bottom.
+
+Reading order (each folder's ``__init__`` states the order of its own files):
+
+    collectives.py   the one traced wrapper every parallelism talks through
+    data/            DDP: NaiveDDP first, then the bucketed, overlapped DDP
+    zero/            ZeRO stages 1, 2, 3: the optimizer state, then gradients, then parameters sharded
+    tensor/          Megatron tensor parallelism and sequence parallelism
+    pipeline/        pipeline schedules (pure), stage splitting, the executor, zero bubble
+    mesh.py          the device mesh that composes them: torch.arange(world).view(dp, pp, tp)
+
+Dependencies point one way: nothing here imports strategies, checkpoints, plots or widgets.
+"""

@@ -1,0 +1,11 @@
+"""Data parallelism: every rank holds the whole model, sees 1/N of the batch, and averages gradients.
+
+Reading order:
+
+    ddp.py             DDP: bucketed gradients, all-reduced during backward (overlap)
+    buckets.py         flat buffers and the bucketing DDP and ZeRO share
+    backward_hooks.py  knowing, during backward, when a bucket's gradients are all there
+"""
+from .ddp import DDP
+
+__all__ = ["DDP"]
