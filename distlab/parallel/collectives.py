@@ -48,6 +48,7 @@ records nothing: a TP model of degree 1 is the plain model.
 """
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -57,6 +58,55 @@ from ..comm import ring_bytes
 from ..runtime import tracer
 
 COMMS = ("torch", "ring")
+
+
+# -- what every recorded event is tagged with --------------------------------------------------
+# Algorithms never label their own communication. The caller that knows the context says it once:
+#   with collectives.scope(phase="backward", microbatch=3): ...      (a strategy, a hook, a lesson)
+#   collectives.name_group(mesh.dp_group, "dp")                       (the mesh, once per group)
+# and every event recorded meanwhile carries those tags, plus ``group=<name>`` for named groups.
+_scopes: list[dict] = []
+_group_names: dict[int, str] = {}
+
+
+@contextlib.contextmanager
+def scope(**tags):
+    """Tag every comm event recorded inside the block with ``tags`` (inner scopes win on a clash)."""
+    _scopes.append(tags)
+    try:
+        yield
+    finally:
+        _scopes.pop()
+
+
+def current_tags() -> dict:
+    """The tags of every open `scope`, merged outermost first."""
+    merged: dict = {}
+    for tags in _scopes:
+        merged.update(tags)
+    return merged
+
+
+def name_group(group, name: str) -> None:
+    """Call every event recorded on ``group`` by ``name`` (its ``group`` tag): e.g. a mesh axis."""
+    _group_names[id(group)] = name
+
+
+def group_name(group) -> str | None:
+    """The name given to ``group`` by `name_group`, if any."""
+    return _group_names.get(id(group))
+
+
+def record(op: str, *, start: float, end: float, sent: int, received: int, group=None, tags: dict | None = None,
+           **args) -> None:
+    """The one place an event is written into ``dl.tracer()``: the open scopes' tags (or ``tags``,
+    captured when an asynchronous collective was launched), then ``args`` (what the collective itself
+    knows: size, world, peer...), then the group's name."""
+    merged = {**(current_tags() if tags is None else tags), **args}
+    name = group_name(group)
+    if name is not None:
+        merged.setdefault("group", name)
+    tracer().comm(op, start=start, end=end, sent=sent, received=received, **merged)
 
 
 class Handle:
@@ -137,11 +187,11 @@ class Collectives:
             from .. import comm as ring
             self._ring(lambda: ring.broadcast(t, src=src, group=self.group), async_op=False)
             return
-        tr, start = tracer(), tracer().now()
+        start = tracer().now()
         dist.broadcast(t, group_src=src, group=self.group)
         nbytes = t.numel() * t.element_size()
-        tr.comm("broadcast", start=start, end=tr.now(), sent=nbytes if self.rank == src else 0,
-                received=0 if self.rank == src else nbytes, impl="torch", bytes="logical")
+        record("broadcast", start=start, end=tracer().now(), sent=nbytes if self.rank == src else 0,
+               received=0 if self.rank == src else nbytes, group=self.group, impl="torch", bytes="logical")
 
     def close(self) -> None:
         if self._pool is not None:
@@ -163,6 +213,7 @@ class Collectives:
         tr = tracer()
         start = tr.now()
         sent, received = ring_bytes(numel, element_size, self.size, self.rank, op)
+        tags = current_tags()                         # the scope at launch, not at wait
         finished: list[float] = []                    # when the backend completed, if it tells us
         try:
             work.get_future().add_done_callback(lambda _: finished.append(tr.now()))
@@ -173,8 +224,8 @@ class Collectives:
             if post is not None:
                 post()
             end = finished[0] if finished else tr.now()
-            tr.comm(op, start=start, end=end, sent=sent, received=received, impl="torch",
-                    bytes="ring-model", size=numel * element_size, world=self.size)
+            record(op, start=start, end=end, sent=sent, received=received, group=self.group, tags=tags,
+                   impl="torch", bytes="ring-model", size=numel * element_size, world=self.size)
         handle = Handle(waiter=work.wait, on_done=on_done)
         if not async_op:
             handle.wait()
@@ -210,11 +261,10 @@ def group_rank(group=None) -> int:
 
 
 def _record(op: str, start: float, t: torch.Tensor, numel: int, group, **tags) -> None:
-    tr = tracer()
     n, r = group_size(group), group_rank(group)
     sent, received = ring_bytes(numel, t.element_size(), n, r, op)
-    tr.comm(op, start=start, end=tr.now(), sent=sent, received=received,
-            size=numel * t.element_size(), world=n, **tags)
+    record(op, start=start, end=tracer().now(), sent=sent, received=received, group=group,
+           size=numel * t.element_size(), world=n, **tags)
 
 
 def all_reduce(t: torch.Tensor, group=None, op: str = "sum", **tags) -> torch.Tensor:
