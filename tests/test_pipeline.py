@@ -13,7 +13,9 @@ import torch
 
 import distlab as dl
 from distlab import models
-from distlab.parallel.pipeline import split as stages
+import importlib
+
+stages = importlib.import_module("distlab.parallel.pipeline.split")   # the module (dl.pp.split is its function)
 from distlab.parallel.pipeline.schedule import peak_activations, schedule
 
 CFG = models.GPTConfig(vocab=32, seq_len=8, d_model=16, heads=2, layers=6)   # 8 units: embed, 6 blocks, head
