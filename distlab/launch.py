@@ -213,9 +213,10 @@ class _Rendezvous:
         self.store = None
         if method != "fork":
             import torch.distributed as dist
-            fd = self.listener.detach()                   # the store owns the socket from here (and closes it)
-            self.store = dist.TCPStore(host, self.port, world_size + 1, is_master=True, wait_for_workers=False,
-                                       timeout=timedelta(seconds=timeout), master_listen_fd=fd)
+            fd = self.listener.detach()            # the store owns the socket from here (and closes it)
+            self.store = dist.TCPStore(host, self.port, world_size + 1, is_master=True,
+                                       wait_for_workers=False, timeout=timedelta(seconds=timeout),
+                                       master_listen_fd=fd)
 
     def started(self) -> None:
         """Every rank has its copy (fork) or the store holds it (spawn): the parent's can go."""
@@ -253,7 +254,8 @@ def _start_ranks(ctx, spec: _child.RankSpec, rendezvous: _Rendezvous, ranks: lis
     rendezvous.started()
 
 
-def _collect(ranks: list[RankStatus], supervisor: Supervisor, output: str, timeout: float, facts: dict) -> Run:
+def _collect(ranks: list[RankStatus], supervisor: Supervisor, output: str, timeout: float,
+             facts: dict) -> Run:
     """Print the output, raise for failures, and build the `Run`."""
     outputs = ["\n".join(r.lines) + ("\n" if r.lines else "") for r in ranks]
     if output == "ordered":

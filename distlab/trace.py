@@ -78,7 +78,8 @@ class Tracer:
     @contextlib.contextmanager
     def span(self, name: str, cat: str = "compute", **args: Any) -> Iterator[None]:
         """Time a block of work: ``with tracer.span("backward", microbatch=3): ...``."""
-        with self._timed(lambda start, end: self._events.append(("span", name, start, end, {"cat": cat, **args}))):
+        with self._timed(lambda start, end: self._events.append(("span", name, start, end,
+                                                                 {"cat": cat, **args}))):
             yield
 
     @contextlib.contextmanager
