@@ -41,9 +41,11 @@ def _code_lines(fn: ast.FunctionDef) -> int:
 def test_functions_and_files_are_short(path):
     source = path.read_text()
     lines = source.count("\n")
-    assert lines <= MAX_FILE_LINES, f"{path.relative_to(ROOT)} has {lines} lines (> {MAX_FILE_LINES}): split it"
-    long = [(fn.name, n) for fn in _functions(ast.parse(source)) if (n := _code_lines(fn)) > MAX_FUNCTION_LINES]
-    assert not long, f"{path.relative_to(ROOT)}: functions over {MAX_FUNCTION_LINES} lines: {long}"
+    name = path.relative_to(ROOT)
+    assert lines <= MAX_FILE_LINES, f"{name} has {lines} lines (> {MAX_FILE_LINES}): split it"
+    long = [(fn.name, n) for fn in _functions(ast.parse(source))
+            if (n := _code_lines(fn)) > MAX_FUNCTION_LINES]
+    assert not long, f"{name}: functions over {MAX_FUNCTION_LINES} lines: {long}"
 
 
 def test_no_class_swapping():
@@ -66,12 +68,15 @@ def _instrumentation(path: Path) -> list[str]:
             hits.append(f"{node.arg}= at line {node.value.lineno}")
         elif isinstance(node, ast.arg) and node.arg == "where":
             hits.append(f"parameter 'where' at line {node.lineno}")
-        elif isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) in (
-                "tracer", "SavedActivations"):
-            hits.append(f"{getattr(node.func, 'id', getattr(node.func, 'attr', ''))}() at line {node.lineno}")
+        elif isinstance(node, ast.Call) and _called(node) in ("tracer", "SavedActivations"):
+            hits.append(f"{_called(node)}() at line {node.lineno}")
         elif isinstance(node, ast.ImportFrom) and (node.module or "").endswith("memory") and node.level:
             hits.append(f"imports memory at line {node.lineno}")
     return hits
+
+
+def _called(call: ast.Call) -> str:
+    return getattr(call.func, "id", getattr(call.func, "attr", ""))
 
 
 ALGORITHMS = [p for p in sorted((PACKAGE / "parallel").rglob("*.py")) if p.name not in INSTRUMENTATION_FILES]
@@ -103,6 +108,6 @@ def _markdown(nb_path: Path) -> str:
 @pytest.mark.parametrize("lesson", LESSONS, ids=lambda p: p.stem)
 def test_lessons_link_the_code_they_explain(lesson):
     links = LINK.findall(_markdown(lesson))
-    assert links, f"{lesson.name} links no file of distlab/ (write e.g. [ddp.py](../distlab/parallel/data/ddp.py))"
+    assert links, f"{lesson.name} links no file of distlab/ (e.g. [ddp.py](../distlab/parallel/data/ddp.py))"
     broken = [link for link in links if not (lesson.parent / link).exists()]
     assert not broken, f"{lesson.name} links files that do not exist: {broken}"
