@@ -85,8 +85,9 @@ ALGORITHMS = [p for p in sorted((PACKAGE / "parallel").rglob("*.py")) if p.name 
 @pytest.mark.parametrize("path", ALGORITHMS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_algorithms_carry_no_instrumentation(path):
     hits = _instrumentation(path)
-    assert not hits, (f"{path.relative_to(ROOT)} instruments itself ({hits}): record in parallel/collectives.py, "
-                      "tag from outside with collectives.scope / module hooks, measure memory in distlab/memory.py")
+    assert not hits, (f"{path.relative_to(ROOT)} instruments itself ({hits}): record in "
+                      "parallel/collectives.py, tag from outside with collectives.scope or module hooks, "
+                      "measure memory in distlab/memory.py")
 
 
 def test_the_probe_finds_instrumentation(tmp_path):
