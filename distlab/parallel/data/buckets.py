@@ -106,16 +106,3 @@ class FlatBucket:
                 out.append((i, slice(a - o, b - o), slice(a - lo, b - lo)))
         return out
 
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once, padding included)."""
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        s = t.untyped_storage()
-        if s.nbytes() == 0 or s.data_ptr() in seen:
-            continue
-        seen.add(s.data_ptr())
-        total += s.nbytes()
-    return total
