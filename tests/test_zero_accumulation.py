@@ -13,7 +13,7 @@ import torch
 
 import distlab as dl
 from _data_parallel_runs import max_relative_error, param_numel, same_losses
-from distlab.parallel.data.buckets import storage_bytes
+from distlab.memory import storage_bytes
 
 ROWS = 10                      # global batch: micro-batches of 5 rows, uneven over 2 and 3 ranks
 LR, MOMENTUM = 0.1, 0.9

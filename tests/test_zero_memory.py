@@ -127,11 +127,12 @@ def _flat_buffer_lifetimes(stage: int, max_inflight: int, bucket_mb: float) -> d
     model = dl.ZeRO(dl.models.build("gpt-tiny", seed=0), stage=stage, optim=torch.optim.SGD, lr=0.1,
                     bucket_mb=bucket_mb, max_inflight=max_inflight)
     x, y = dl.models.dataset_for("gpt-tiny").batch(0, 4)
+    measure = dl.memory.zero_memory(model)            # from outside: samples after each launch
     loss = F.cross_entropy(model(x.chunk(n)[r]).flatten(0, 1), y.chunk(n)[r].flatten())
-    model.memory_bytes()                              # restart the peak: measure backward alone
+    measure()                                         # restart the peak: measure backward alone
     loss.backward()
     after_backward = _alive(refs, 0)
-    buffers = model.memory_bytes()["buffers"]
+    buffers = measure()["buffers"]
     model.optimizer.step()
     return {"packed": len(refs), "most_alive_before_packing": most[0], "after_backward": after_backward,
             "buffers": buffers}
