@@ -41,7 +41,8 @@ CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 
 
 def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once, padding included)."""
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once, padding
+    included)."""
     seen, total = set(), 0
     for t in tensors:
         if t is None:

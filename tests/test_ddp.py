@@ -11,7 +11,8 @@ from _data_parallel_runs import CASES, assert_matches_single, run, same_losses
 DDP_CASES = [i for i, c in enumerate(CASES) if c[0] == "ddp"]
 
 
-@pytest.mark.parametrize("index", DDP_CASES, ids=[f"x{CASES[i][1]}-{CASES[i][2]}-{CASES[i][3]}" for i in DDP_CASES])
+@pytest.mark.parametrize("index", DDP_CASES,
+                         ids=[f"x{CASES[i][1]}-{CASES[i][2]}-{CASES[i][3]}" for i in DDP_CASES])
 def test_ddp_matches_single(index):
     assert_matches_single(run(index), CASES[index][2])
 
@@ -63,11 +64,14 @@ def _ddp_invariants():
                           for p, q in zip(params, [q for q in ref.parameters() if q.requires_grad])
                           if q.grad is not None)
         unused_zero = torch.count_nonzero(model.unused.weight.grad).item() == 0
-        opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
         flat = torch.cat([p.detach().flatten() for p in model.parameters()])
         gathered = [torch.empty_like(flat) for _ in range(n)]
         torch.distributed.all_gather(gathered, flat)
-        checks.append(dict(grads=grads_equal, unused_zero=unused_zero, frozen=model.gpt.ln_f.weight.grad is None,
+        checks.append(dict(grads=grads_equal, unused_zero=unused_zero,
+                           frozen=model.gpt.ln_f.weight.grad is None,
                            replicas=all(torch.equal(g, gathered[0]) for g in gathered),
                            tied=model.gpt.head.weight is model.gpt.tok.weight))
     out["checks"] = checks

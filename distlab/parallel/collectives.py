@@ -134,7 +134,8 @@ class Collectives:
             raise ValueError(f"comm={comm!r}: choose 'torch' (torch.distributed collectives) or "
                              f"'ring' (distlab's ring from send/recv)")
         if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("data parallelism needs a process group: run inside dl.launch(fn, world_size=N)")
+            raise RuntimeError("data parallelism needs a process group: "
+                               "run inside dl.launch(fn, world_size=N)")
         self.comm, self.group = comm, group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -176,7 +177,8 @@ class Collectives:
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Handle:
         """``out`` <- every rank's ``shard`` concatenated in rank order (equal shard sizes)."""
         if out.numel() != self.size * shard.numel():
-            raise ValueError(f"all_gather needs out of {self.size} x {shard.numel()} elements, got {out.numel()}")
+            raise ValueError(f"all_gather needs out of {self.size} x {shard.numel()} elements, "
+                             f"got {out.numel()}")
         if self.comm == "ring":
             from .. import comm as ring
             sizes = [shard.numel()] * self.size

@@ -44,7 +44,9 @@ class LocalOptimizer:
     def __init__(self, params, spec: TrainSpec):
         self.params = [p for p in params if p.requires_grad]
         self.mixed = self.params[0].dtype != torch.float32
-        self.masters = [p.detach().float().requires_grad_(True) for p in self.params] if self.mixed else self.params
+        self.masters = self.params
+        if self.mixed:                                   # fp32 master copies of bf16 parameters
+            self.masters = [p.detach().float().requires_grad_(True) for p in self.params]
         self.optimizer = make_optimizer(self.masters, spec)
 
     def clip_grad_norm_(self, max_norm: float):
@@ -85,7 +87,8 @@ def _wrap(spec: TrainSpec, model: torch.nn.Module):
             wrapped = NaiveDDP(model, comm=comm)
         elif spec.strategy == "ddp":
             from ..parallel.data import DDP
-            wrapped = DDP(model, bucket_mb=opts.get("bucket_mb", 25.0), overlap=opts.get("overlap", True), comm=comm)
+            wrapped = DDP(model, bucket_mb=opts.get("bucket_mb", 25.0), overlap=opts.get("overlap", True),
+                          comm=comm)
         opt = LocalOptimizer(model.parameters(), spec)
         return wrapped, opt, replica_memory(model, opt.optimizer, opt.masters if opt.mixed else ())
     from ..parallel.zero import ZeRO

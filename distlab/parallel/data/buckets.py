@@ -90,7 +90,10 @@ class FlatBucket:
 
     def flat_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The parameters' ``.grad`` packed into a padded flat buffer (zeros where a grad is None)."""
-        out = torch.zeros(self.padded, dtype=self.dtype, device=self.full.device) if out is None else out.zero_()
+        if out is None:
+            out = torch.zeros(self.padded, dtype=self.dtype, device=self.full.device)   # (padded,)
+        else:
+            out.zero_()
         for p, view in zip(self.params, self.views(out)):
             if p.grad is not None:
                 view.copy_(p.grad)

@@ -54,10 +54,12 @@ class GradReducer:
     (the optimizer adds it to its gradient shard).
     """
 
-    def __init__(self, comm: Collectives, on_shard: Callable[[int, torch.Tensor], None], max_inflight: int = 1):
+    def __init__(self, comm: Collectives, on_shard: Callable[[int, torch.Tensor], None],
+                 max_inflight: int = 1):
         if not isinstance(max_inflight, int) or max_inflight < 1:
-            raise ValueError(f"max_inflight is how many flat gradient buckets may be reduce-scattering at once: "
-                             f"an int >= 1 (1 = FSDP2's default, 2 = more overlap), got {max_inflight!r}")
+            raise ValueError(f"max_inflight is how many flat gradient buckets may be reduce-scattering at "
+                             f"once: an int >= 1 (1 = FSDP2's default, 2 = more overlap), "
+                             f"got {max_inflight!r}")
         self.comm, self.on_shard, self.max_inflight = comm, on_shard, max_inflight
         self._queue: list[_InFlight] = []          # oldest first
 

@@ -62,7 +62,7 @@ class ShardedOptimizer:
             m.requires_grad_(True)
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._reduced = [False] * len(self.buckets)       # local p.grad already folded into grad_shards
-        self.reducer = GradReducer(self.comm, self._add_shard, max_inflight)   # ZeRO-2/3 use it during backward
+        self.reducer = GradReducer(self.comm, self._add_shard, max_inflight)   # ZeRO-2/3: during backward
         self.optimizer = optim(self.masters, **optim_kwargs)
 
     # -- the torch.optim surface -------------------------------------------------------------
@@ -201,7 +201,7 @@ class ZeROModule(nn.Module):
 
 
 class ZeRO1(ZeROModule):
-    """``ZeRO1(module, torch.optim.AdamW, lr=1e-3)``: the model replicated, its optimizer a `ShardedOptimizer`.
+    """``ZeRO1(module, torch.optim.AdamW, lr=1e-3)``: the model replicated, the optimizer sharded.
 
     Backward is plain local autograd; all communication happens in ``optimizer.step()``.
     """

@@ -1,11 +1,12 @@
-"""ZeRO stage 2: gradients reduce-scattered bucket by bucket during backward (Rajbhandari et al. 2020, Sec. 5.2).
+"""ZeRO stage 2: gradients reduce-scattered bucket by bucket during backward (Rajbhandari et al. 2020,
+Sec. 5.2).
 
 Per rank, for Psi parameters over N ranks with K bytes of optimizer state per parameter
 (fp32 Adam: 4 + 4 + K=8; bf16 mixed with fp32 master weights: 2 + 2 + K=12):
 
     stage  params    grads     optimizer   sent per step        what happens
     0/DDP  4 Psi     4 Psi     K Psi       2 (N-1)/N Psi        all-reduce grads
-    1      4 Psi     4 Psi     K Psi / N   2 (N-1)/N Psi        reduce-scatter grads at step, all-gather params
+    1      4 Psi     4 Psi     K Psi / N   2 (N-1)/N Psi        reduce-scatter grads at step, gather params
     2      4 Psi     4 Psi / N K Psi / N   2 (N-1)/N Psi        reduce-scatter each bucket *during* backward
     3      4 Psi / N 4 Psi / N K Psi / N   3 (N-1)/N Psi        params gathered per unit, forward and backward
 
@@ -25,7 +26,7 @@ own ``.grad`` (the local accumulation buffer), and the first backward outside re
 Bytes sent per rank per optimizer step, and the gradient memory held while accumulating:
 
     stage  without no_sync        with no_sync           gradients held between micro-steps
-    1      2 (N-1)/N Psi          2 (N-1)/N Psi          4 Psi either way (stage 1 communicates only in step())
+    1      2 (N-1)/N Psi          2 (N-1)/N Psi          4 Psi either way (stage 1 communicates in step())
     2      (k+1) (N-1)/N Psi      2 (N-1)/N Psi          4 Psi with no_sync, 4 Psi / N without
     3      3k (N-1)/N Psi         (2k+1) (N-1)/N Psi     4 Psi with no_sync, 4 Psi / N without
 

@@ -1,4 +1,5 @@
-"""ZeRO stage 3: parameters sharded at rest, gathered one *unit* at a time (Rajbhandari et al. 2020, Sec. 5.3).
+"""ZeRO stage 3: parameters sharded at rest, gathered one *unit* at a time (Rajbhandari et al. 2020,
+Sec. 5.3).
 
 A unit is a submodule (each transformer block; the root keeps the rest: embeddings, final norm,
 head). Its parameters live in one flat padded buffer (`FlatBucket`) whose storage is *freed*
@@ -92,8 +93,8 @@ class ZeRO3(ZeROModule):
         self.shards = [b.chunk(b.full, self.comm.rank).clone() for b in self.buckets]   # (padded / N,) each
         for b in self.buckets:
             _free(b.full)
-        self.optimizer = ShardedOptimizer(None, optim, comm=self.comm, buckets=self.buckets, shards=self.shards,
-                                          max_inflight=max_inflight, **optim_kwargs)
+        self.optimizer = ShardedOptimizer(None, optim, comm=self.comm, buckets=self.buckets,
+                                          shards=self.shards, max_inflight=max_inflight, **optim_kwargs)
         self.reducer = self.optimizer.reducer      # flat gradient units being reduce-scattered
         self._sync = True                           # False under no_sync(): keep gradients local
         self._gathers: dict[int, object] = {}      # unit -> pending all-gather handle
