@@ -13,10 +13,10 @@ import torch
 
 import distlab as dl
 from distlab import models
-import importlib
-
-stages = importlib.import_module("distlab.parallel.pipeline.split")   # the module (dl.pp.split is its function)
+from distlab.memory import PipelineStash
+from distlab.parallel.pipeline.measure import ActionTrace
 from distlab.parallel.pipeline.schedule import peak_activations, schedule
+from distlab.parallel.pipeline.split import _size, boundaries, partition, split, stage_module, units
 
 CFG = models.GPTConfig(vocab=32, seq_len=8, d_model=16, heads=2, layers=6)   # 8 units: embed, 6 blocks, head
 BATCH, STEPS, LR = 16, 2, 0.5
@@ -55,9 +55,10 @@ def train_pipeline(name, microbatch_counts, virtual=1):
         dl.tracer().clear()
         model, data = _gpt(), _data()
         ids = [r + k * p for k in range(virtual)]
-        modules = [stages.stage_module(model, s, p * virtual) for s in ids]
+        modules = [stage_module(model, s, p * virtual) for s in ids]
         pipe = dl.pp.Pipeline(modules if virtual > 1 else modules[0], ids if virtual > 1 else ids[0],
-                              p * virtual, schedule=name, microbatches=m)
+                              p * virtual, schedule=name, microbatches=m,
+                              observers=[ActionTrace(), PipelineStash()])     # measured from outside
         opt = torch.optim.SGD(list(pipe.parameters()), lr=LR)
         losses = []
         for step in range(STEPS):
@@ -183,7 +184,7 @@ def test_zero_bubble_input_pass_computes_no_weight_gradient():
     fired = []
     for q in model.parameters():
         q.register_hook(lambda g: fired.append(tr.now()) or g)
-    pipe = dl.pp.Pipeline(model, 0, 1, schedule="zb-h1", microbatches=2)
+    pipe = dl.pp.Pipeline(model, 0, 1, schedule="zb-h1", microbatches=2, observers=[ActionTrace()])
     pipe.step(*data.batch(0, BATCH))
     spans = tr.events()
     inside = lambda t, kind: any(e.kind == "span" and e.name == kind and e.start <= t <= e.end for e in spans)
@@ -194,7 +195,7 @@ def test_zero_bubble_input_pass_computes_no_weight_gradient():
 
 def test_stage_split_keeps_names_shares_parameters_and_balances():
     model = _gpt()
-    parts = stages.split(model, 3)
+    parts = split(model, 3)
     names = [n for part in parts for n, _ in part.named_parameters()]
     assert sorted(names) == sorted(n for n, _ in model.named_parameters())
     assert names[:2] == ["tok.weight", "pos.weight"]
@@ -204,15 +205,15 @@ def test_stage_split_keeps_names_shares_parameters_and_balances():
     for part in parts:
         h = part(h)
     torch.testing.assert_close(h, model(x))
-    assert stages.partition([1] * 8, 3) == [(0, 2), (2, 5), (5, 8)]
-    assert stages.partition([5, 1, 1, 1, 1, 5], 3) == [(0, 1), (1, 5), (5, 6)]     # minimises the largest
-    by_params = stages.boundaries(model, 3, balance="params")
-    sizes = [sum(stages._size(u) for u in stages.units(model)[a:b]) for a, b in by_params]
-    even = [sum(stages._size(u) for u in stages.units(model)[a:b]) for a, b in stages.boundaries(model, 3)]
+    assert partition([1] * 8, 3) == [(0, 2), (2, 5), (5, 8)]
+    assert partition([5, 1, 1, 1, 1, 5], 3) == [(0, 1), (1, 5), (5, 6)]     # minimises the largest
+    by_params = boundaries(model, 3, balance="params")
+    sizes = [sum(_size(u) for u in units(model)[a:b]) for a, b in by_params]
+    even = [sum(_size(u) for u in units(model)[a:b]) for a, b in boundaries(model, 3)]
     assert max(sizes) <= max(even)
     mlp = models.MLP((4, 8, 8, 8, 2))
     mx = torch.randn(3, 4)
-    torch.testing.assert_close(stages.split(mlp, 2)[1](stages.split(mlp, 2)[0](mx)), mlp(mx))
+    torch.testing.assert_close(split(mlp, 2)[1](split(mlp, 2)[0](mx)), mlp(mx))
 
 
 def test_clear_errors():
@@ -229,9 +230,9 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="multiple of stages"):
         dl.pp.schedule("interleaved", 2, 3, virtual=2)
     with pytest.raises(ValueError, match="tied"):
-        stages.split(models.GPT(models.GPTConfig(tied=True)), 2)
+        split(models.GPT(models.GPTConfig(tied=True)), 2)
     with pytest.raises(TypeError, match="cannot split"):
-        stages.split(torch.nn.Linear(2, 2), 2)
+        split(torch.nn.Linear(2, 2), 2)
 
 
 @pytest.mark.parametrize("strategy, world", [("pp-gpipe", 4), ("pp-1f1b", 2), ("pp-interleaved", 2), ("pp-zb-h1", 4)])

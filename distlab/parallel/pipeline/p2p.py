@@ -1,4 +1,4 @@
-"""Point-to-point links between pipeline stages: activations forward, gradients backward, traced.
+"""Point-to-point links between pipeline stages: activations forward, gradients backward.
 
 Stage ``s`` lives on pipeline rank ``s % p``. Two kinds of message cross a stage boundary::
 
@@ -21,17 +21,22 @@ Sends are never waited for in the middle of a step (``isend`` then carry on): a 
 blocks on a receive it needs, exactly the rule `distlab.parallel.pipeline.schedule.simulate` replays, so a
 schedule that simulates without deadlock also runs without one.
 
-Tracing: a send is recorded as an instant comm event when posted (``sent`` bytes, ``peer``); a
-receive as a comm event from its post to the data's arrival (``received`` bytes, ``peer``), so a
-long receive is a rank waiting on its neighbour. Args: ``what`` ("activation", "grad" or
-"shape"), ``stage`` (the sending stage), ``microbatch``, ``step``.
+Every transfer is recorded through `distlab.parallel.collectives.record` (on the pipeline's group):
+a send as an instant when posted (``sent`` bytes, ``peer``); a receive from its post to the data's
+arrival (``received`` bytes, ``peer``), so a long receive is a rank waiting on its neighbour. Its
+args are the message's own address, the same (``what``: "activation", "grad" or "shape";
+``stage``: the sending stage; ``microbatch``) its tag is made of, since a receive is posted ahead and
+completes during another action; anything else (the ``step``) comes from the caller's
+`collectives.scope`.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from ...comm.p2p import Ring
 from ...runtime import tracer
+from .. import collectives
 
 ACT_HEADER, ACT, GRAD = 0, 1, 2
 WHAT = {ACT_HEADER: "shape", ACT: "activation", GRAD: "grad"}
@@ -56,19 +61,11 @@ class Links:
     def __init__(self, group, num_stages: int, device: torch.device, static_shapes: bool = True):
         self.group, self.num_stages, self.device = group, num_stages, device
         self.static_shapes = static_shapes
-        if dist.is_available() and dist.is_initialized():
-            size = dist.get_world_size(group)
-            if group is None or group is dist.group.WORLD:
-                self.members = list(range(size))
-            else:
-                self.members = [dist.get_global_rank(group, r) for r in range(size)]
-            self.grouped = dist.get_backend(group) == "nccl"
-        else:
-            self.members, self.grouped = [0], False
+        self.members = Ring.of(group).members              # global rank of each pipeline rank
+        self.grouped = dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl"
         self.shapes: dict[tuple[int, int], tuple[torch.Size, torch.dtype]] = {}
         self._queue: list[Transfer] = []
         self._sends: list[Transfer] = []
-        self.step = 0
 
     def owner(self, stage: int) -> int:
         """Global rank holding ``stage``."""
@@ -111,10 +108,9 @@ class Links:
 
     def _record(self, t: Transfer, end: float) -> None:
         nbytes = t.tensor.numel() * t.tensor.element_size()
-        what, stage, mb = t.info["what"], t.info["stage"], t.info["microbatch"]
-        tracer().comm("send" if t.send else "recv", start=t.start, end=end,
-                      sent=nbytes if t.send else 0, received=0 if t.send else nbytes, peer=t.peer,
-                      what=WHAT[what], stage=stage, microbatch=mb, step=self.step)
+        collectives.record("send" if t.send else "recv", start=t.start, end=end, sent=nbytes if t.send else 0,
+                           received=0 if t.send else nbytes, group=self.group, peer=t.peer,
+                           what=WHAT[t.info["what"]], stage=t.info["stage"], microbatch=t.info["microbatch"])
 
     # -- activations -----------------------------------------------------------------------
     def send_activation(self, stage: int, mb: int, act: torch.Tensor) -> None:
