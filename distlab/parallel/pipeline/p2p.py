@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 
 from ...comm.p2p import Ring
-from ...runtime import tracer
 from .. import collectives
 
 ACT_HEADER, ACT, GRAD = 0, 1, 2
@@ -76,7 +75,7 @@ class Links:
 
     # -- posting ---------------------------------------------------------------------------
     def _post(self, t: Transfer) -> Transfer:
-        t.start = tracer().now()
+        t.start = collectives.now()
         if self.grouped:
             self._queue.append(t)
         else:
@@ -103,7 +102,7 @@ class Links:
             self.flush()
         t.work.wait()
         if not t.send:
-            self._record(t, end=tracer().now())
+            self._record(t, end=collectives.now())
         return t.tensor
 
     def _record(self, t: Transfer, end: float) -> None:
