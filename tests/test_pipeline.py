@@ -193,6 +193,52 @@ def test_zero_bubble_input_pass_computes_no_weight_gradient():
     assert {e.name for e in spans if e.kind == "span"} == {"F", "I", "W"}
 
 
+def observed_and_bare(name):
+    """On each rank: one step with no observers, then one with both; every event of each."""
+    p, r = dl.world_size(), dl.rank()
+    model, data = _gpt(), _data()
+    pipe = dl.pp.Pipeline(stage_module(model, r, p), r, p, schedule=name, microbatches=4)
+    x, y = data.batch(0, BATCH)
+    tr = dl.tracer()
+    tr.clear()
+    pipe.step(x if pipe.first else None, y if pipe.last else None)
+    bare = tr.events()
+    tr.clear()
+    pipe.observers += [ActionTrace(), PipelineStash()]
+    pipe.step(x if pipe.first else None, y if pipe.last else None)
+    saved = None
+    if pipe.first:                                     # stage 0's forward of microbatch 0, measured alone
+        with dl.memory.SavedActivations(pipe.modules[0]) as counter:
+            pipe.modules[0](x.tensor_split(4)[0])
+        saved = counter.bytes
+    return bare, tr.events(), saved
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+def test_the_executor_records_nothing_itself_observers_record_from_outside(name):
+    """Without observers a step leaves only the comm events (written by collectives.record, with the
+    message's own what/stage/microbatch and no step); with them, a span per action, the step mark, the
+    step tag on every message, and a stash sample after every action whose bytes are the forward's."""
+    results = dl.launch(observed_and_bare, world_size=2, args=(name,), output="quiet").results
+    plan = schedule(name, 2, 4)
+    for r, (bare, observed, saved) in enumerate(results):
+        assert {e.kind for e in bare} == {"comm"}
+        assert all("step" not in e.args and {"what", "stage", "microbatch"} <= set(e.args) for e in bare)
+        spans = [(e.name, e.args["stage"], e.args["microbatch"]) for e in observed if e.kind == "span"]
+        assert spans == [(a.kind, a.stage, a.microbatch) for a in plan[r]]
+        assert [e.name for e in observed if e.kind == "mark"] == ["pipeline step"]
+        comms = [e for e in observed if e.kind == "comm"]
+        assert comms and all(e.args["step"] == 1 for e in comms)
+        assert sorted((e.name, e.args["what"], e.args["stage"], e.args["microbatch"], e.sent, e.received)
+                      for e in comms) == sorted((e.name, e.args["what"], e.args["stage"], e.args["microbatch"],
+                                                 e.sent, e.received) for e in bare if e.args["what"] != "shape")
+        samples = [e for e in observed if e.kind == "memory"]
+        assert len(samples) == len(plan[r]) and max(e.args["microbatches"] for e in samples) == \
+            peak_activations(plan)[r]
+        if r == 0:
+            assert samples[0].args == {"activations": saved, "microbatches": 1} and saved > 0
+
+
 def test_stage_split_keeps_names_shares_parameters_and_balances():
     model = _gpt()
     parts = split(model, 3)
