@@ -158,7 +158,8 @@ class PipelineStash:
         else:
             yield
         held = list(pipe.stash)
-        tracer().memory(self.LABEL, activations=sum(self.saved.get(k, 0) for k in held), microbatches=len(held))
+        held_bytes = sum(self.saved.get(k, 0) for k in held)
+        tracer().memory(self.LABEL, activations=held_bytes, microbatches=len(held))
 
 
 class Ledger:

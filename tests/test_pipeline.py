@@ -85,7 +85,7 @@ def check_against_reference(results, p, virtual=1):
             params.update(results[r][m][1])
         assert set(params) == set(ref_params), "every parameter lives on exactly one stage"
         for n in ref_params:
-            torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=1e-6, msg=lambda s: f"{n} (m={m}): {s}")
+            torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=1e-6, msg=f"{n} (m={m})")
 
 
 def check_trace(events, name, p, m, virtual=1):
@@ -105,7 +105,9 @@ def check_trace(events, name, p, m, virtual=1):
     S = p * virtual
     comms = {(e.rank, e.name, e.args["what"], e.args["step"], e.args["stage"], e.args["microbatch"]): e
              for e in trace.comms()}
-    owner = lambda s: s % p
+
+    def owner(stage):
+        return stage % p
     for (step, kind, s, j), e in done.items():
         if kind == "F" and s > 0:
             producer = done[(step, "F", s - 1, j)]
@@ -187,7 +189,9 @@ def test_zero_bubble_input_pass_computes_no_weight_gradient():
     pipe = dl.pp.Pipeline(model, 0, 1, schedule="zb-h1", microbatches=2, observers=[ActionTrace()])
     pipe.step(*data.batch(0, BATCH))
     spans = tr.events()
-    inside = lambda t, kind: any(e.kind == "span" and e.name == kind and e.start <= t <= e.end for e in spans)
+
+    def inside(t, kind):
+        return any(e.kind == "span" and e.name == kind and e.start <= t <= e.end for e in spans)
     assert fired and all(inside(t, "W") for t in fired)
     assert not any(inside(t, "I") for t in fired)
     assert {e.name for e in spans if e.kind == "span"} == {"F", "I", "W"}
@@ -229,9 +233,11 @@ def test_the_executor_records_nothing_itself_observers_record_from_outside(name)
         assert [e.name for e in observed if e.kind == "mark"] == ["pipeline step"]
         comms = [e for e in observed if e.kind == "comm"]
         assert comms and all(e.args["step"] == 1 for e in comms)
-        assert sorted((e.name, e.args["what"], e.args["stage"], e.args["microbatch"], e.sent, e.received)
-                      for e in comms) == sorted((e.name, e.args["what"], e.args["stage"], e.args["microbatch"],
-                                                 e.sent, e.received) for e in bare if e.args["what"] != "shape")
+
+        def messages(events):
+            return sorted((e.name, e.args["what"], e.args["stage"], e.args["microbatch"], e.sent, e.received)
+                          for e in events if e.args["what"] != "shape")
+        assert messages(comms) == messages(bare)
         samples = [e for e in observed if e.kind == "memory"]
         assert len(samples) == len(plan[r]) and max(e.args["microbatches"] for e in samples) == \
             peak_activations(plan)[r]
@@ -281,7 +287,8 @@ def test_clear_errors():
         split(torch.nn.Linear(2, 2), 2)
 
 
-@pytest.mark.parametrize("strategy, world", [("pp-gpipe", 4), ("pp-1f1b", 2), ("pp-interleaved", 2), ("pp-zb-h1", 4)])
+@pytest.mark.parametrize("strategy, world",
+                         [("pp-gpipe", 4), ("pp-1f1b", 2), ("pp-interleaved", 2), ("pp-zb-h1", 4)])
 def test_strategy_runner_matches_single(strategy, world):
     kw = dict(model="gpt-tiny", steps=3, seed=0, optimizer="sgd", lr=0.5, grad_accum=2, clip=1.0)
     ref = dl.train(strategy="single", world_size=1, **kw)

@@ -3,8 +3,8 @@
     actions = dl.pp.schedule("1f1b", stages=4, microbatches=8)     # pure: per-rank action lists
     dl.pp.simulate(actions).bubble                                   # replayed on a clock
     stage = dl.pp.stage_module(gpt, stage_id=r, num_stages=4)        # this rank's slice of the model
-    pipe = dl.pp.Pipeline(stage, r, 4, schedule="1f1b", microbatches=8,
-                          observers=[dl.pp.ActionTrace(), dl.memory.PipelineStash()])   # measured from outside
+    pipe = dl.pp.Pipeline(stage, r, 4, schedule="1f1b", microbatches=8,       # measured from outside:
+                          observers=[dl.pp.ActionTrace(), dl.memory.PipelineStash()])
     loss = pipe.step(x=ids, target=targets)                          # loss on the last stage, else None
     dl.pp.measured_bubble(run.trace, step=1)                         # read back from the trace
 
@@ -25,10 +25,10 @@ from __future__ import annotations
 from .executor import Observer, Pipeline, Stash, default_loss
 from .schedule import SCHEDULES, Action, DeadlockError, Timeline, peak_activations, schedule, simulate
 from .measure import ActionTrace, Bubble, executed, in_flight, measured_bubble, peak_in_flight
-from .split import (GPTStage, MLPStage, SequentialStage, TimedStage, boundaries, partition, split, stage_module,
-                    stage_names)
+from .split import (GPTStage, MLPStage, SequentialStage, TimedStage, boundaries, partition, split,
+                    stage_module, stage_names)
 
 __all__ = ["schedule", "simulate", "Action", "Timeline", "DeadlockError", "peak_activations", "SCHEDULES",
-           "Pipeline", "Observer", "Stash", "default_loss", "split", "stage_module", "stage_names", "boundaries",
-           "partition", "GPTStage", "MLPStage", "SequentialStage", "TimedStage",
+           "Pipeline", "Observer", "Stash", "default_loss", "split", "stage_module", "stage_names",
+           "boundaries", "partition", "GPTStage", "MLPStage", "SequentialStage", "TimedStage",
            "ActionTrace", "measured_bubble", "Bubble", "executed", "in_flight", "peak_in_flight"]

@@ -84,14 +84,15 @@ class Pipeline:
         modules = list(stage_module) if isinstance(stage_module, (list, tuple)) else [stage_module]
         ids = list(stage_id) if isinstance(stage_id, (list, tuple)) else [stage_id]
         if len(modules) != len(ids):
-            raise ValueError(f"got {len(modules)} stage modules but {len(ids)} stage ids: pass one id per module")
+            raise ValueError(f"got {len(modules)} stage modules but {len(ids)} stage ids: "
+                             "pass one id per module")
         distributed = dist.is_available() and dist.is_initialized()
         self.p = dist.get_world_size(group) if distributed else 1
         self.rank = dist.get_rank(group) if distributed else 0
         v = len(modules)
         if num_stages != self.p * v:
-            raise ValueError(f"num_stages={num_stages} but {self.p} pipeline ranks x {v} module(s) per rank = "
-                             f"{self.p * v}: every rank holds the same number of stages")
+            raise ValueError(f"num_stages={num_stages} but {self.p} pipeline ranks x {v} module(s) per rank"
+                             f" = {self.p * v}: every rank holds the same number of stages")
         expected = [self.rank + k * self.p for k in range(v)]
         if sorted(ids) != expected:
             raise ValueError(f"pipeline rank {self.rank} of {self.p} must hold stages {expected}, got {ids}")
@@ -134,15 +135,16 @@ class Pipeline:
         """
         self._begin(x, target)
         final_b = max((i for i, a in enumerate(self.actions) if a.kind == "B"), default=None)
-        compute = {"F": self._forward, "B": self._backward, "I": self._backward_input, "W": self._backward_weight}
+        around = {final_b: last_backward} if last_backward is not None else {}
+        compute = {"F": self._forward, "B": self._backward, "I": self._backward_input,
+                   "W": self._backward_weight}
         with self._observed():
             for i, action in enumerate(self.actions):
                 following = self.actions[i + 1] if i + 1 < len(self.actions) else None
                 if following is not None and not self.links.grouped:
                     self._post_receive(following)        # gloo: post early, the data lands meanwhile
                 incoming = self._receive(action)
-                hook = last_backward if i == final_b and last_backward is not None else contextlib.nullcontext()
-                with hook, self._observed(action):
+                with around.get(i, contextlib.nullcontext()), self._observed(action):
                     outgoing = compute[action.kind](action, incoming)
                 self._send(action, outgoing)
                 if following is not None and self.links.grouped:
@@ -155,7 +157,7 @@ class Pipeline:
         return sum(self._weights[j] * loss for j, loss in sorted(self._losses.items())) if self.last else None
 
     def _begin(self, x, target) -> None:
-        """Cut the batch into microbatches (``tensor_split`` along dim 0) and forget the last step's messages."""
+        """Cut the batch into microbatches (``tensor_split`` along dim 0); forget the last step's messages."""
         self._inputs = self._split(x, "x", "input batch") if self.first else None
         if self.last:
             self._targets = self._split(target, "target", "targets")
@@ -169,8 +171,8 @@ class Pipeline:
         if batch is None:
             raise ValueError(f"Pipeline.step: this rank holds {role}; pass the {what} as {name}=")
         if batch.shape[0] < self.microbatches:
-            raise ValueError(f"a batch of {batch.shape[0]} rows cannot make {self.microbatches} microbatches: "
-                             "use a bigger batch or fewer microbatches")
+            raise ValueError(f"a batch of {batch.shape[0]} rows cannot make {self.microbatches} microbatches:"
+                             " use a bigger batch or fewer microbatches")
         return list(batch.to(device()).tensor_split(self.microbatches))
 
     @contextlib.contextmanager
@@ -178,7 +180,8 @@ class Pipeline:
         """Every observer's ``around_step`` (no action) or ``around_action``, entered in order."""
         with contextlib.ExitStack() as stack:
             for obs in self.observers:
-                stack.enter_context(obs.around_step(self) if action is None else obs.around_action(self, action))
+                around = obs.around_step(self) if action is None else obs.around_action(self, action)
+                stack.enter_context(around)
             yield
 
     # -- messages: what an action receives and sends -------------------------------------------
@@ -194,12 +197,16 @@ class Pipeline:
                 self._incoming[key] = self.links.recv_grad(s, j)
 
     def _receive(self, a: Action) -> torch.Tensor | None:
-        """F: this stage's input; B/I: d loss / d (stage output), None on the last stage; W: None."""
+        """What action ``a`` consumes: F its stage's input, B and I d loss / d (stage output), W nothing."""
         s, j = a.stage, a.microbatch
-        if a.kind == "W" or (a.kind == "F" and s == 0):
-            return self._inputs[j] if a.kind == "F" else None
-        if a.kind != "F" and (s == self.num_stages - 1 or not self.stash[(s, j)].output.is_floating_point()):
-            return None                                 # the output is the loss (or carries no gradient)
+        if a.kind == "F" and s == 0:
+            return self._inputs[j]                       # microbatch j of x
+        if a.kind == "W":
+            return None
+        if a.kind in ("B", "I"):
+            output = self.stash[(s, j)].output
+            if s == self.num_stages - 1 or not output.is_floating_point():
+                return None                              # the output is the loss, or carries no gradient
         self._post_receive(a)
         data = self._incoming.pop((a.kind, s, j)).take()
         return data.requires_grad_(True) if a.kind == "F" and data.is_floating_point() else data
@@ -221,9 +228,10 @@ class Pipeline:
     # -- the four kinds of action ----------------------------------------------------------
     def _forward(self, a: Action, inp: torch.Tensor) -> torch.Tensor | None:
         s, j = a.stage, a.microbatch
-        stash = self.stash[(s, j)] = Stash(inp, None, WeightUses(self.modules[s]) if self.split_backward else None)
-        with stash.uses or contextlib.nullcontext():
-            out = self.modules[s](inp)                   # (b, ...) -> (b, ...): one microbatch through stage s
+        uses = WeightUses(self.modules[s]) if self.split_backward else None
+        stash = self.stash[(s, j)] = Stash(inp, None, uses)
+        with uses or contextlib.nullcontext():
+            out = self.modules[s](inp)                   # (b, ...) -> (b, ...): microbatch j through stage s
             if s == self.num_stages - 1:
                 loss = self.loss_fn(out, self._targets[j])
                 self._losses[j] = loss.detach()

@@ -74,7 +74,8 @@ def measured_bubble(trace, step: int) -> Bubble:
     """The bubble of ``step`` measured from the executed timeline (see the module docstring)."""
     ranks = sorted({e.rank for e in trace.spans(cat="compute") if e.args.get("step") == step})
     if not ranks:
-        raise ValueError(f"no pipeline actions recorded for step {step}")
+        raise ValueError(f"no pipeline actions recorded for step {step}: attach dl.pp.ActionTrace() to the "
+                         "Pipeline (observers=[...])")
     makespan, busy = 0.0, 0.0
     for r in ranks:
         spans = [e for e in trace.spans(rank=r, cat="compute") if e.args.get("step") == step]

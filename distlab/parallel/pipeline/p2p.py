@@ -120,9 +120,9 @@ class Links:
             self._post(Transfer(True, _header(act, self.device), peer, self.tag(ACT_HEADER, stage, mb),
                                 {"what": ACT_HEADER, "stage": stage, "microbatch": mb}))
         elif known != (act.shape, act.dtype):
-            raise RuntimeError(f"stage {stage} output for microbatch {mb} changed shape from {tuple(known[0])} "
-                               f"to {tuple(act.shape)} between steps: build the Pipeline with "
-                               "static_shapes=False to send shapes every step")
+            raise RuntimeError(f"stage {stage} output for microbatch {mb} changed shape from "
+                               f"{tuple(known[0])} to {tuple(act.shape)} between steps: build the Pipeline "
+                               "with static_shapes=False to send shapes every step")
         self.shapes[key] = (act.shape, act.dtype)
         self._post(Transfer(True, act.contiguous(), peer, self.tag(ACT, stage, mb),
                             {"what": ACT, "stage": stage, "microbatch": mb}))
@@ -133,8 +133,9 @@ class Links:
         info = {"stage": stage - 1, "microbatch": mb}
         if key in self.shapes and self.static_shapes:
             shape, dtype = self.shapes[key]
-            return Incoming(self, self._post(Transfer(False, torch.empty(shape, dtype=dtype, device=self.device),
-                                                      src, self.tag(ACT, *key), {"what": ACT, **info})))
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            payload = Transfer(False, buf, src, self.tag(ACT, *key), {"what": ACT, **info})
+            return Incoming(self, self._post(payload))
         header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
         return Incoming(self, self._post(Transfer(False, header, src, self.tag(ACT_HEADER, *key),
                                                   {"what": ACT_HEADER, **info})), key=key)
@@ -149,8 +150,8 @@ class Links:
         """Post the receive of the gradient of stage ``stage``'s output (sent by stage ``stage + 1``)."""
         shape, dtype = self.shapes[(stage, mb)]
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        return Incoming(self, self._post(Transfer(False, buf, self.owner(stage + 1), self.tag(GRAD, stage + 1, mb),
-                                                  {"what": GRAD, "stage": stage + 1, "microbatch": mb})))
+        tag, info = self.tag(GRAD, stage + 1, mb), {"what": GRAD, "stage": stage + 1, "microbatch": mb}
+        return Incoming(self, self._post(Transfer(False, buf, self.owner(stage + 1), tag, info)))
 
     # -- completion ------------------------------------------------------------------------
     def wait_sends(self) -> None:
@@ -162,7 +163,7 @@ class Links:
 
 
 class Incoming:
-    """A receive in flight; ``take()`` waits and returns the tensor (reading a shape header first if needed)."""
+    """A receive in flight; ``take()`` waits and returns the tensor (after a shape header, if needed)."""
 
     def __init__(self, links: Links, transfer: Transfer, key: tuple[int, int] | None = None):
         self.links, self.transfer, self.key = links, transfer, key
