@@ -23,7 +23,7 @@ as ``loss.backward()`` would (zero them between steps as usual).
 Measuring happens outside: ``observers`` (like an ``nn.Module``'s forward hooks) are entered around
 each step and around the compute of each action, and may read ``pipe.stash``, the activations held
 for the microbatches in flight. `distlab.parallel.pipeline.measure.ActionTrace` records a span per
-action; `distlab.memory.PipelineStash` the activation bytes in flight. Messages: `.p2p`.
+action; `distlab.memory.PipelineStash` the activation bytes in flight. Messages: `p2p.py`.
 """
 from __future__ import annotations
 
