@@ -26,6 +26,7 @@ sampling transient buffers from a launch hook on the wrapper's collectives.
 Two saved-tensor counters: `SavedTensors` follows what is *alive* over a whole step (released as
 backward frees it, with its peak), for the ledger; `SavedActivations` totals what one forward saved
 (the pipeline's stash per microbatch, the per-layer check against Korthikanti et al.).
+`PipelineStash` watches a `dl.pp.Pipeline` from outside and samples its activations in flight.
 """
 from __future__ import annotations
 
@@ -196,6 +197,37 @@ class SavedActivations:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+
+
+class PipelineStash:
+    """A `dl.pp.Pipeline` observer: after every action, the activations the rank holds for its backwards.
+
+    ``Pipeline(..., observers=[PipelineStash()])`` records a memory sample ``"pipeline stash"`` with
+    ``microbatches`` (how many (stage, microbatch) forwards wait for their backward: ``pipe.stash``) and
+    ``activations`` (the bytes autograd saved for them, each measured by `SavedActivations` around its
+    first forward, parameters excluded). GPipe holds m microbatches at its peak, 1F1B p - i on rank i.
+    """
+
+    LABEL = "pipeline stash"
+
+    def __init__(self):
+        self.saved: dict[tuple[int, int], int] = {}     # (stage, microbatch) -> bytes saved by its forward
+
+    def around_step(self, pipe):
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def around_action(self, pipe, action):
+        key = (action.stage, action.microbatch)
+        if action.kind == "F" and key not in self.saved:
+            with SavedActivations(pipe.modules[action.stage]) as counter:
+                yield
+            self.saved[key] = counter.bytes
+        else:
+            yield
+        held = list(pipe.stash)
+        held_bytes = sum(self.saved.get(k, 0) for k in held)
+        tracer().memory(self.LABEL, activations=held_bytes, microbatches=len(held))
 
 
 class Ledger:

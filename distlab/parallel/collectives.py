@@ -109,6 +109,11 @@ def record(op: str, *, start: float, end: float, sent: int, received: int, group
     tracer().comm(op, start=start, end=end, sent=sent, received=received, **merged)
 
 
+def now() -> float:
+    """The clock `record` takes ``start`` and ``end`` on: seconds on this rank's trace axis."""
+    return tracer().now()
+
+
 class Handle:
     """A launched collective: ``wait()`` blocks until it finished (idempotent)."""
 

@@ -46,6 +46,8 @@ from ..parallel import collectives as C
 from ..parallel.mesh import AXES, Mesh
 from ..parallel.pipeline.executor import Pipeline
 from ..parallel.pipeline.split import GPTStage, stage_module
+from ..memory import PipelineStash
+from ..parallel.pipeline.measure import ActionTrace
 from ..runtime import device, rank, tracer
 from .base import (RankResult, TrainSpec, autocast, build_model, clip_to_norm, global_batch, loss_fn,
                    make_optimizer, microbatch_count, optimizer_class, optimizer_kwargs)
@@ -210,6 +212,7 @@ def train_rank(spec: TrainSpec) -> RankResult:
     pipe = Pipeline(modules if v > 1 else modules[0], stage_ids if v > 1 else stage_ids[0], P * v,
                     schedule=opts["schedule"], microbatches=m, loss_fn=criterion, group=mesh.pp_group)
     params = list(pipe.parameters())
+    pipe.observers += [ActionTrace(), PipelineStash()]    # measured from outside: spans, stash bytes
 
     # 3. data parallelism over this rank's DP group
     ddp = None

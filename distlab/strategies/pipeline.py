@@ -20,6 +20,8 @@ import torch.distributed as dist
 from ..checkpoint import training as checkpointing
 from ..parallel.pipeline.executor import Pipeline
 from ..parallel.pipeline.split import stage_module
+from ..memory import PipelineStash
+from ..parallel.pipeline.measure import ActionTrace
 from ..runtime import device, rank, tracer, world_size
 from .base import (RankResult, TrainSpec, autocast, build_model, clip_to_norm, global_batch, loss_fn,
                    make_optimizer, microbatch_count)
@@ -54,6 +56,7 @@ def train_rank(spec: TrainSpec) -> RankResult:
                     microbatches=m, loss_fn=loss_fn(spec))
     params = list(pipe.parameters())
     optimizer = make_optimizer(params, spec)
+    pipe.observers += [ActionTrace(), PipelineStash()]    # measured from outside: spans, stash bytes
     held = torch.nn.ModuleList(modules)             # this rank's stage(s): what a checkpoint holds
     layout = checkpointing.model_parallel_layout(model, params, held, loss_weight=pipe.last,
                                                  keeps_history=pipe.last)
