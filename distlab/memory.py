@@ -21,7 +21,7 @@ sample also carries the caching allocator's ``cuda_allocated`` and ``cuda_peak``
 
 Two saved-tensor counters: `SavedTensors` follows what is *alive* over a whole step (released as
 backward frees it, with its peak), for the ledger; `SavedActivations` totals what one forward saved
-(the pipeline's stash per microbatch, the per-layer check against Korthikanti et al.).
+(the pipeline's stash per microbatch; `measure_layer`, the per-layer check against Korthikanti et al.).
 """
 from __future__ import annotations
 
@@ -128,6 +128,17 @@ class SavedActivations:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+
+
+def measure_layer(block: nn.Module, x: torch.Tensor) -> int:
+    """Bytes one transformer block saves for its backward on input ``x`` (its own input included),
+    each storage once, parameters left out: what Korthikanti et al. 2022 count per layer
+    (`dl.theory.activations.predicted_layer_bytes` is the prediction to compare with)."""
+    x = x.detach().requires_grad_(True)
+    with SavedActivations(block) as meter:
+        y = block(x)
+    del y
+    return meter.bytes
 
 
 class Ledger:

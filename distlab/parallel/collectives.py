@@ -40,8 +40,10 @@ collective (gloo here, NCCL on GPUs: their fastest kernels) and records one comm
     reduce_scatter  the input before scattering       S - |c_r|                =   (t-1)/t S
 
 (``c_i`` = chunk i of the message; the right-hand forms hold when t divides S, which the TP
-layers require.) Extra keyword tags (``phase``, ``operator``, ``where``) land in the event's args,
-so a test or lesson can select e.g. the forward all-reduces of ``blocks.0``.
+layers require.) The operators pass no labels: each event gets the open scopes' tags plus what the
+call reveals (`derived_tags`: the calling function, the backward phase, the module whose autograd
+node is running), and `label_modules(model)` names the modules from outside, so a test or lesson
+can select e.g. the backward collectives of ``blocks.0.attn``.
 
 With a group of one rank (or no process group at all) every collective is the identity and
 records nothing: a TP model of degree 1 is the plain model.
@@ -49,10 +51,12 @@ records nothing: a TP model of degree 1 is the plain model.
 from __future__ import annotations
 
 import contextlib
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from ..comm import ring_bytes
 from ..runtime import tracer
@@ -260,24 +264,25 @@ def group_rank(group=None) -> int:
     return r
 
 
-def _record(op: str, start: float, t: torch.Tensor, numel: int, group, **tags) -> None:
+def _record(op: str, start: float, t: torch.Tensor, numel: int, group, tags: dict) -> None:
     n, r = group_size(group), group_rank(group)
     sent, received = ring_bytes(numel, t.element_size(), n, r, op)
     record(op, start=start, end=tracer().now(), sent=sent, received=received, group=group,
-           size=numel * t.element_size(), world=n, **tags)
+           tags={**derived_tags(), **tags}, size=numel * t.element_size(), world=n)
 
 
 def all_reduce(t: torch.Tensor, group=None, op: str = "sum", **tags) -> torch.Tensor:
-    """Sum (or max) ``t`` over the group, in place; returns ``t``."""
+    """Sum (or max) ``t`` over the group, in place; returns ``t``. (``tags``: extra tags for this
+    event, for callers outside the algorithms; the algorithms pass none.)"""
     if group_size(group) == 1:
         return t
     start = tracer().now()
     dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
-    _record("all_reduce", start, t, t.numel(), group, **tags)
+    _record("all_reduce", start, t, t.numel(), group, tags)
     return t
 
 
-def all_gather(shard: torch.Tensor, dim: int, group=None, **tags) -> torch.Tensor:
+def all_gather(shard: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """Concatenate every rank's equal-sized ``shard`` along ``dim``, in rank order."""
     n = group_size(group)
     if n == 1:
@@ -287,7 +292,7 @@ def all_gather(shard: torch.Tensor, dim: int, group=None, **tags) -> torch.Tenso
     start = tracer().now()
     out = torch.empty((n * shard.shape[0],) + tuple(shard.shape[1:]), dtype=shard.dtype, device=shard.device)
     _all_gather_single(out, shard, group=group)
-    _record("all_gather", start, shard, out.numel(), group, **tags)
+    _record("all_gather", start, shard, out.numel(), group, {})
     if dim == 0:
         return out
     # (n, ..., k, ...) -> (..., n*k, ...): move the rank axis next to ``dim`` and merge them
@@ -295,7 +300,7 @@ def all_gather(shard: torch.Tensor, dim: int, group=None, **tags) -> torch.Tenso
     return out.movedim(0, dim).flatten(dim, dim + 1)
 
 
-def reduce_scatter(t: torch.Tensor, dim: int, group=None, **tags) -> torch.Tensor:
+def reduce_scatter(t: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """Sum ``t`` over the group and keep this rank's ``1/n`` slice along ``dim``."""
     n = group_size(group)
     if n == 1:
@@ -309,7 +314,7 @@ def reduce_scatter(t: torch.Tensor, dim: int, group=None, **tags) -> torch.Tenso
     blocks = blocks.flatten(0, 1) if blocks.dim() > 2 else blocks.flatten()
     start = tracer().now()
     _reduce_scatter_single(out, blocks, group=group)
-    _record("reduce_scatter", start, t, t.numel(), group, **tags)
+    _record("reduce_scatter", start, t, t.numel(), group, {})
     return out
 
 
@@ -321,3 +326,84 @@ def split(t: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     if t.shape[dim] % n:
         raise ValueError(f"cannot split size {t.shape[dim]} over {n} ranks: it must divide evenly")
     return t.chunk(n, dim)[group_rank(group)].contiguous()
+
+
+# -- tags the wrapper derives: what the call itself reveals ------------------------------------
+def derived_tags() -> dict:
+    """The open scopes' tags (`current_tags`), completed with what a collective can see for itself:
+
+    operator  the function that called the collective: ``CopyToRegion.backward``, ``GatheredLinears.forward``
+    phase     ``"backward"`` while autograd's engine runs (``torch._C._current_graph_task_id() != -1``)
+    where     in the backward, the module whose forward created the autograd node the engine is running
+              (written into the node's metadata by `label_modules`; an open scope's ``where`` wins)
+    """
+    tags = {"operator": _caller(), **current_tags()}
+    if torch._C._current_graph_task_id() != -1:
+        tags["phase"] = "backward"
+        node = torch._C._current_autograd_node()
+        if node is not None and "where" in node.metadata:
+            tags.setdefault("where", node.metadata["where"])
+    return tags
+
+
+def _caller() -> str:
+    """Qualified name of the innermost function on the stack outside this file."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") == __name__:
+        frame = frame.f_back
+    return frame.f_code.co_qualname.replace("<locals>.", "") if frame is not None else "?"
+
+
+def label_modules(model: nn.Module) -> list:
+    """Tag every collective issued inside a submodule of ``model`` with ``where=<its name>``, from outside.
+
+    forward   a pre-hook opens ``scope(where=name, phase="forward")`` and the forward hook closes it
+              (nested modules: the innermost name wins);
+    backward  the forward hook also writes ``name`` into the metadata of each autograd node the module
+              created (and of the gradient accumulators of the parameters it used), which
+              `derived_tags` reads from the node the engine runs: a module's backward collectives,
+              its parameters' gradient hooks and any recomputation carry its name too.
+
+    Call it on the model a strategy, lesson or test runs (never inside the layers); returns the hook
+    handles (``handle.remove()`` detaches them).
+    """
+    handles = []
+    for name, module in model.named_modules():
+        if name:
+            label = _ModuleLabel(name)
+            handles += [module.register_forward_pre_hook(label.enter),
+                        module.register_forward_hook(label.leave, always_call=True)]
+    return handles
+
+
+class _ModuleLabel:
+    def __init__(self, name: str):
+        self.name, self.open = name, []
+
+    def enter(self, module, args) -> None:
+        tags = scope(where=self.name, phase="forward")
+        tags.__enter__()
+        self.open.append((tags, torch._C._autograd._get_sequence_nr()))   # the next node's number
+
+    def leave(self, module, args, output) -> None:
+        tags, first = self.open.pop()
+        tags.__exit__(None, None, None)
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        _label_nodes([t.grad_fn for t in outputs if isinstance(t, torch.Tensor)], self.name, first)
+
+
+def _label_nodes(stack: list, name: str, first: int) -> None:
+    """``metadata["where"] = name`` on every node reachable from ``stack`` numbered ``first`` or later
+    (created during this forward; an inner module labelled its own first) and on the parameter
+    accumulators they feed."""
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):                   # AccumulateGrad: a leaf's gradient lands here
+            node.metadata.setdefault("where", name)
+        elif node._sequence_nr() >= first:
+            node.metadata.setdefault("where", name)
+            stack += [child for child, _ in node.next_functions]
