@@ -151,13 +151,15 @@ def _labelled_backward(sp: bool, schedule: str | None):
     ids, targets = models.MarkovTokens(32, 8, seed=0).batch(0, 4)
 
     def loss_fn(logits, y):
-        return dl.tp.vocab_parallel_cross_entropy(logits.flatten(0, 1), y.flatten(), gpt.tok.vocab_start).mean()
+        start = gpt.tok.vocab_start
+        return dl.tp.vocab_parallel_cross_entropy(logits.flatten(0, 1), y.flatten(), start).mean()
 
     dl.tracer().clear()
     if schedule is None:
         loss_fn(gpt(ids), targets).backward()
     else:
-        dl.pp.Pipeline(gpt, 0, 1, schedule=schedule, microbatches=1, loss_fn=loss_fn, group=alone).step(ids, targets)
+        pipe = dl.pp.Pipeline(gpt, 0, 1, schedule=schedule, microbatches=1, loss_fn=loss_fn, group=alone)
+        pipe.step(ids, targets)
     spans = {s.name: s for s in dl.tracer().events() if s.kind == "span" and s.name in ("B", "I", "W")}
     out = collections.defaultdict(list)
     for e in dl.tracer().events():

@@ -149,7 +149,7 @@ def _gpt_check_same_init(cfg_kw, sp, tied):
     scale = max(p.grad.abs().max().item() for p in ref.parameters())
     bad = [n for n, p in ref.named_parameters()
            if (grads[n] - p.grad).abs().max().item() > 1e-5 * max(p.grad.abs().max().item(), 1e-2 * scale)]
-    assert type(gpt) is GPT and list(tp_model.state_dict()) == list(ref.state_dict())   # no class swap, same keys
+    assert type(gpt) is GPT and list(tp_model.state_dict()) == list(ref.state_dict())   # no class swap
     return {"loss": abs(loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item(),
             "logits": close(logits, ref(ids).detach()),
             "names": sorted(grads) == sorted(params) == sorted(ref.state_dict()),
@@ -194,6 +194,7 @@ def test_sizes_that_do_not_divide_raise_clear_errors():
 F_BWD, G_FWD = "CopyToRegion.backward", "ReduceFromRegion.forward"
 SP_GATHER, SP_SCATTER = "GatheredLinears", "ReduceScatterToSequence"
 SP_GRAD_SYNC = "sync_replicated_grad.sum_over_group"
+REGATHER = ("all_gather", SP_GATHER + ".backward")     # the saved sequence shard gathered again
 
 
 def inside(event, module: str) -> bool:
@@ -208,13 +209,15 @@ def _one_step(sp, batch, recompute=False):
     C.label_modules(gpt)
     ids, targets = MarkovTokens(64, 32).batch(0, batch)
     dl.tracer().clear()
-    if recompute:                       # activation recomputation: each block's whole forward again in backward
+    if recompute:                       # each block's whole forward again in the backward
         x = gpt.embed(ids)
         for block in gpt.blocks:
             with torch.utils.checkpoint.set_checkpoint_early_stop(False):
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
         logits = gpt.head(gpt.ln_f(x))
-        loss = dl.tp.vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), gpt.tok.vocab_start).mean()
+        start = gpt.tok.vocab_start
+        per_token = dl.tp.vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), start)
+        loss = per_token.mean()
     else:
         loss = gpt.loss(ids, targets)
     loss.backward()
@@ -239,7 +242,7 @@ def test_tp_comm_per_layer_is_two_all_reduces_each_way(world):
             layer = [e for e in trace.comms(rank=r) if inside(e, f"blocks.{i}")]
             assert len(layer) == 4
         in_layers = [e for e in trace.comms(rank=r) if inside(e, "blocks")]
-        assert sum(e.sent for e in in_layers) == dl.theory.tp_volume(s, b, h, world, layers, bytes_per_element=4)
+        assert sum(e.sent for e in in_layers) == dl.theory.tp_volume(s, b, h, world, layers, 4)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -262,10 +265,11 @@ def test_sp_swaps_all_reduce_for_gather_and_scatter_of_equal_volume(world):
             for ln in ("ln1", "ln2"):                                 # LayerNorm weight and bias, summed
                 ev = [e for e in trace.comms(rank=r) if inside(e, f"blocks.{i}.{ln}")]
                 assert _calls(ev, "backward") == [("all_reduce", SP_GRAD_SYNC, h * 4)] * 2
-        in_layers = [e for e in trace.comms(rank=r) if inside(e, "blocks") and e.args["operator"] != SP_GRAD_SYNC]
-        regather = [e for e in in_layers if (e.name, e.args["operator"]) == ("all_gather", SP_GATHER + ".backward")]
+        in_layers = [e for e in trace.comms(rank=r)
+                     if inside(e, "blocks") and e.args["operator"] != SP_GRAD_SYNC]
+        regather = [e for e in in_layers if (e.name, e.args["operator"]) == REGATHER]
         conjugates = [e for e in in_layers if e not in regather]
-        assert sum(e.sent for e in conjugates) == dl.theory.tp_volume(s, b, h, world, layers, bytes_per_element=4)
+        assert sum(e.sent for e in conjugates) == dl.theory.tp_volume(s, b, h, world, layers, 4)
         assert sum(e.sent for e in regather) == 2 * layers * (world - 1) * message // world
 
 
@@ -273,13 +277,15 @@ def test_recomputation_runs_g_again_inside_the_backward():
     """Under torch.utils.checkpoint each block's forward runs again during the backward: its g
     all-reduces are recorded there (phase "backward", operator g's forward, where its region)."""
     b, message = 4, 4 * TINY["seq_len"] * TINY["d_model"] * 4
-    plain, again = (dl.launch(_one_step, world_size=2, args=(False, b, rc), output="quiet") for rc in (False, True))
+    plain, again = (dl.launch(_one_step, world_size=2, args=(False, b, rc), output="quiet")
+                    for rc in (False, True))
     assert plain.results == again.results
     for r in range(2):
         for region in ("blocks.0.attn", "blocks.1.mlp"):
             ev = [e for e in again.trace.comms(rank=r) if inside(e, region)]
             assert _calls(ev, "forward") == [("all_reduce", G_FWD, message)]
-            assert sorted(_calls(ev, "backward")) == [("all_reduce", F_BWD, message), ("all_reduce", G_FWD, message)]
+            assert sorted(_calls(ev, "backward")) == [("all_reduce", F_BWD, message),
+                                                      ("all_reduce", G_FWD, message)]
 
 
 def _layer_memory(sp, b):

@@ -68,7 +68,8 @@ def pipeline_in_flight(schedule: str, p: int, m: int, v: int = 1, stage: int = 0
     raise ValueError(f"unknown schedule {schedule!r}: choose gpipe, 1f1b, interleaved, zb-h1 or zb-h2")
 
 
-def dropout_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1, sp: bool = False) -> float:
+def dropout_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
+                  sp: bool = False) -> float:
     """The dropout terms of Korthikanti's count (2-byte activations, 1-byte masks), split as in Eq. 2/3:
     residual masks 2sbh (/t under SP), attention mask + dropout output 3as^2b (/t by heads)."""
     sbh, as2b = seq_len * micro_batch * hidden, heads * seq_len * seq_len * micro_batch

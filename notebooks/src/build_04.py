@@ -23,12 +23,13 @@ In this lesson you will
 5. train with `tp` and match single-process training.
 
 The code, read in this order ([distlab/parallel/tensor/__init__.py](../distlab/parallel/tensor/__init__.py)):
-[regions.py](../distlab/parallel/tensor/regions.py) (Megatron's *f* and *g* and the sequence-parallel pair, the
-only places TP talks), [linear.py](../distlab/parallel/tensor/linear.py) (column- and row-parallel linears),
-[layers.py](../distlab/parallel/tensor/layers.py) (attention and MLP), [vocab.py](../distlab/parallel/tensor/vocab.py)
-(embedding and cross-entropy) and [gpt.py](../distlab/parallel/tensor/gpt.py) (`parallelize`). The layers carry no
-trace labels: every collective is recorded by [distlab/parallel/collectives.py](../distlab/parallel/collectives.py),
-and we name the modules from outside with its `label_modules`.
+[regions.py](../distlab/parallel/tensor/regions.py) (Megatron's *f* and *g* and the sequence-parallel pair,
+the only places TP talks), [linear.py](../distlab/parallel/tensor/linear.py) (column- and row-parallel
+linears), [layers.py](../distlab/parallel/tensor/layers.py) (attention and MLP),
+[vocab.py](../distlab/parallel/tensor/vocab.py) (embedding and cross-entropy) and
+[gpt.py](../distlab/parallel/tensor/gpt.py) (`parallelize`). The layers carry no trace labels: every
+collective is recorded by [distlab/parallel/collectives.py](../distlab/parallel/collectives.py), and we
+name the modules from outside with its `label_modules`.
 """)
 code("""
 import torch
@@ -196,23 +197,26 @@ the sequence, so each rank can keep just **s/t of the tokens** there. The conjug
 
 An all-reduce *is* a reduce-scatter followed by an all-gather, so the bytes are the same; what changes is
 memory. (distlab also keeps only the sequence shard of each region's input for the backward and all-gathers it
-again there, as Megatron does: one extra all-gather per region in the backward of `GatheredLinears`, the *g* fused
-with the column linears in [linear.py](../distlab/parallel/tensor/linear.py). LayerNorm weights and the row bias,
-now applied to different tokens on each rank, get their gradients all-reduced by a gradient hook,
-`sync_replicated_grad`: h numbers each.)
+again there, as Megatron does: one extra all-gather per region in the backward of `GatheredLinears`, the
+*g* fused with the column linears in [linear.py](../distlab/parallel/tensor/linear.py). LayerNorm weights
+and the row bias, now applied to different tokens on each rank, get their gradients all-reduced by a
+gradient hook, `sync_replicated_grad`: h numbers each.)
 """)
 code("""
 sp_trace = dl.launch(one_step, world_size=T, args=(True,)).trace
 for phase in ("forward", "backward"):
     ev = [e for e in sp_trace.comms(rank=0) if inside(e, "blocks.0.attn") and e.args.get("phase") == phase]
-    print(f"layer 0 attention {phase:8}: " + ", ".join(f"{e.name}[{e.args['operator']}]({e.args['size']} B)" for e in ev))
+    print(f"layer 0 attention {phase:8}: "
+          + ", ".join(f"{e.name}[{e.args['operator']}]({e.args['size']} B)" for e in ev))
 
 def operator(e):                    # the lesson's name for the operator behind a recorded collective
     by = e.args["operator"]
     if by.startswith("GatheredLinears"):
         return "SP regather" if (e.name, by) == ("all_gather", "GatheredLinears.backward") else "SP g"
-    return {"CopyToRegion.backward": "f", "ReduceFromRegion.forward": "g", "ReduceScatterToSequence.forward": "SP g-bar",
-            "ReduceScatterToSequence.backward": "SP g-bar", "sync_replicated_grad.sum_over_group": "grad sum"}[by]
+    if by.startswith("ReduceScatterToSequence"):
+        return "SP g-bar"
+    return {"CopyToRegion.backward": "f", "ReduceFromRegion.forward": "g",
+            "sync_replicated_grad.sum_over_group": "grad sum"}[by]
 
 def layer_bytes(trace, operators):
     return sum(e.sent for e in trace.comms(rank=0) if inside(e, "blocks") and operator(e) in operators)

@@ -14,13 +14,14 @@ The layers carry no trace labels: `distlab.parallel.collectives` records every c
 """
 from .gpt import TensorParallelGPT, full_grads, full_state_dict, gather_logits, parallelize
 from .layers import ParallelAttention, ParallelMLP
-from .linear import ColumnParallelLinear, GatheredLinears, RowParallelLinear, check_divisible, sync_replicated_grad
+from .linear import (ColumnParallelLinear, GatheredLinears, RowParallelLinear, check_divisible,
+                     sync_replicated_grad)
 from .regions import (copy_to_region, gather_from_sequence, gather_from_tensor, reduce_from_region,
                       reduce_scatter_to_sequence, sequence_positions, split_to_tensor)
 from .vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelAttention",
-           "ParallelMLP", "TensorParallelGPT", "parallelize", "vocab_parallel_cross_entropy", "full_state_dict",
-           "full_grads", "gather_logits", "copy_to_region", "reduce_from_region", "gather_from_sequence",
-           "reduce_scatter_to_sequence", "gather_from_tensor", "split_to_tensor", "sequence_positions",
-           "GatheredLinears", "sync_replicated_grad", "check_divisible"]
+           "ParallelMLP", "TensorParallelGPT", "parallelize", "vocab_parallel_cross_entropy",
+           "full_state_dict", "full_grads", "gather_logits", "copy_to_region", "reduce_from_region",
+           "gather_from_sequence", "reduce_scatter_to_sequence", "gather_from_tensor", "split_to_tensor",
+           "sequence_positions", "GatheredLinears", "sync_replicated_grad", "check_divisible"]

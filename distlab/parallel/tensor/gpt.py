@@ -68,8 +68,8 @@ class TensorParallelGPT(GPT):
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self(ids)                                              # (b, s, V/t)
-        per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.tok.vocab_start,
-                                                 self.group)
+        per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                                 self.tok.vocab_start, self.group)
         return per_token.mean()
 
 
@@ -80,8 +80,8 @@ def parallelize(gpt: GPT, group=None, sequence_parallel: bool = False) -> Tensor
     returned model takes over ``gpt``'s modules: use it, not ``gpt``. Raises ValueError when heads,
     hidden, vocab (or, with ``sequence_parallel``, the sequence length) do not divide by the group size."""
     if not isinstance(gpt, GPT):
-        raise TypeError(f"parallelize expects a distlab.models.GPT, got {type(gpt).__name__}; for other models "
-                        "build from ColumnParallelLinear / RowParallelLinear yourself")
+        raise TypeError(f"parallelize expects a distlab.models.GPT, got {type(gpt).__name__}; for other "
+                        "models build from ColumnParallelLinear / RowParallelLinear yourself")
     if isinstance(gpt, TensorParallelGPT) or any(isinstance(b.attn, ParallelAttention) for b in gpt.blocks):
         raise ValueError("this GPT is already tensor-parallel (parallelize takes over its modules); "
                          "parallelize a fresh full GPT")
@@ -121,5 +121,5 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def gather_logits(logits: torch.Tensor, group=None) -> torch.Tensor:
-    """All-gather vocabulary-split logits (b, s, V/t) into the full (b, s, V) (for checks, not for the loss)."""
+    """All-gather vocabulary-split logits (b, s, V/t) into the full (b, s, V) (for checks, not the loss)."""
     return C.all_gather(logits.detach(), -1, group)

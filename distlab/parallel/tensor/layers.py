@@ -4,7 +4,8 @@
                        softmax(Q_i K_i^T / sqrt(d)) V_i  on my heads only, no communication
                        ─> Y_i W_o,i  (row) ─g─> sum over ranks + b_o
 
-    MLP:        X ─f─> GeLU(X W_fc,i + b_fc,i)  (column: 4h/t per rank) ─> . W_proj,i (row) ─g─> + b_proj
+    MLP:        X ─f─> GeLU(X W_fc,i + b_fc,i)  (column: 4h/t per rank)
+                       ─> . W_proj,i (row) ─g─> + b_proj
 
 q, k and v share one f (one all-reduce of dL/dX in the backward, as Megatron's fused QKV does), so
 each region costs exactly one all-reduce forward (g) and one backward (f). Under sequence
@@ -38,7 +39,8 @@ class ParallelAttention(nn.Module):
         """Shard a `distlab.models.CausalSelfAttention` (q, k, v, proj linears) by heads."""
         t = C.group_size(group)
         heads = attn.q.out_features // attn.head_dim
-        check_divisible("heads", heads, t, "build the model with GPTConfig(heads=...) a multiple of the TP degree")
+        check_divisible("heads", heads, t, "build the model with GPTConfig(heads=...) a multiple of the TP "
+                        "degree")
         kw = dict(group=group, sequence_parallel=sequence_parallel)
         return cls(*(ColumnParallelLinear.from_linear(lin, **kw) for lin in (attn.q, attn.k, attn.v)),
                    RowParallelLinear.from_linear(attn.proj, **kw), attn.head_dim, group, sequence_parallel)
@@ -65,7 +67,8 @@ class ParallelMLP(nn.Module):
         check_divisible("mlp hidden size", mlp.fc.out_features, C.group_size(group),
                         "change GPTConfig.d_model or mlp_ratio")
         kw = dict(group=group, sequence_parallel=sequence_parallel)
-        return cls(ColumnParallelLinear.from_linear(mlp.fc, **kw), RowParallelLinear.from_linear(mlp.proj, **kw))
+        return cls(ColumnParallelLinear.from_linear(mlp.fc, **kw),
+                   RowParallelLinear.from_linear(mlp.proj, **kw))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))

@@ -56,14 +56,13 @@ def sync_replicated_grad(param: nn.Parameter, group) -> None:
 
 
 class GatheredLinears(torch.autograd.Function):
-    """Sequence-parallel entry into column-parallel linears, saving only the sequence shard.
+    """Sequence-parallel g fused with the column-parallel linears after it, saving only the shard.
 
-    Forward: all-gather X's sequence shards (g), then Y_j = X W_j^T + b_j for each linear j
-    (attention's q, k, v share one gather). Backward: all-gather X again, form dW_j = dY_j^T X and
-    dX = sum_j dY_j W_j, and reduce-scatter dX back to sequence shards (g's backward).
+        forward   x_shard (b, s/t, h) ──all-gather──> X (b, s, h) ──> Y_j = X W_j^T + b_j (b, s, out_j/t)
+        backward  all-gather X again (the "regather"), dW_j = dY_j^T X, db_j = sum dY_j,
+                  dX = sum_j dY_j W_j ──reduce-scatter──> (b, s/t, h)
 
-        x_shard (b, s/t, h) ──all-gather──> x (b, s, h) ──> Y_j = x W_j^T + b_j   (b, s, out_j/t)
-        saved: x_shard only;  backward: all-gather x again (the "regather"), reduce-scatter dX
+    (attention's q, k, v share one gather.)
 
     Saving the shard (sbh/t) rather than X (sbh) is how Korthikanti et al. 2022 (Sec. 4.2.2) reach
     activation memory sbh(34 + 5as/h)/t, for one extra all-gather per region in the backward.
@@ -86,16 +85,12 @@ class GatheredLinears(torch.autograd.Function):
         x = C.all_gather(x_shard, SEQ_DIM, ctx.group)         # (b, s, h) again
         x2d = x.reshape(-1, x.shape[-1])
         g2ds = [g.reshape(-1, g.shape[-1]) for g in grads]     # dY_j: (b s, out_j/t)
-        grad_x = None
-        for g2d, w in zip(g2ds, ctx.params[::2]):
-            grad_x = g2d @ w if grad_x is None else grad_x.addmm_(g2d, w)
+        grad_x = sum(g2d @ w for g2d, w in zip(g2ds, ctx.params[::2]))             # (b s, h)
         grad_x = C.reduce_scatter(grad_x.view(x.shape), SEQ_DIM, ctx.group)
 
-        def weight_grads() -> list:
-            out = []
-            for g2d, b in zip(g2ds, ctx.params[1::2]):
-                out += [g2d.t() @ x2d, g2d.sum(0) if b is not None else None]
-            return out
+        def weight_grads() -> list:                                                 # [dW_1, db_1, dW_2, ...]
+            return [g for g2d, b in zip(g2ds, ctx.params[1::2])
+                    for g in (g2d.t() @ x2d, g2d.sum(0) if b is not None else None)]
 
         store = WeightGradStore.current()
         if store is None:
@@ -105,7 +100,7 @@ class GatheredLinears(torch.autograd.Function):
 
 
 def gathered_linears(x_shard: torch.Tensor, linears: list, group=None) -> tuple:
-    """All-gather ``x_shard`` along the sequence and apply each linear's (weight, bias), saving only the shard."""
+    """All-gather ``x_shard`` along the sequence, apply each linear's (weight, bias); save the shard only."""
     flat = [t for lin in linears for t in (lin.weight, lin.bias)]
     if C.group_size(group) == 1:
         return tuple(F.linear(x_shard, w, b) for w, b in zip(flat[::2], flat[1::2]))
@@ -167,8 +162,7 @@ class ColumnParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (this rank: "
-                f"{self.weight.shape[0]}), tp={self.tp}, gather_output={self.gather_output}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"{self.weight.shape[0]}), tp={self.tp}, sequence_parallel={self.sequence_parallel}")
 
 
 class RowParallelLinear(nn.Module):
@@ -220,5 +214,4 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (this rank: {self.weight.shape[1]}), "
-                f"out_features={self.out_features}, tp={self.tp}, input_is_parallel={self.input_is_parallel}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"out_features={self.out_features}, tp={self.tp}, sequence_parallel={self.sequence_parallel}")

@@ -23,12 +23,9 @@ split along the sequence instead of replicated, and swaps the operators for thei
     g-bar (after the row linear)      forward: reduce-scatter along s  backward: all-gather along s
 
 An all-reduce is a reduce-scatter followed by an all-gather, so the bytes moved are unchanged;
-what shrinks is the activation memory of everything between the linears, now 1/t per rank.
-(The layers use g fused with the column linears, `linear.GatheredLinears`, which saves only the
-sequence shard for the backward.)
-
-Sequence layout here is (b, s, h): the sequence axis is ``dim=1``; rank i holds positions
-``sequence_positions(s)``, block i of t.
+what shrinks is the activation memory of everything between the linears, now 1/t per rank. (The
+layers fuse g with the column linears, `linear.GatheredLinears`, to save only the sequence shard.)
+Layout (b, s, h): the sequence is ``dim=1``; rank i holds block i of t (`sequence_positions`).
 """
 from __future__ import annotations
 
