@@ -355,17 +355,14 @@ def _caller() -> str:
 
 
 def label_modules(model: nn.Module) -> list:
-    """Tag every collective issued inside a submodule of ``model`` with ``where=<its name>``, from outside.
+    """Tag every collective issued inside a submodule of ``model`` with ``where=<its name>``, from outside
+    (a strategy, lesson or test calls it, never the layers); returns the hook handles.
 
-    forward   a pre-hook opens ``scope(where=name, phase="forward")`` and the forward hook closes it
+    forward   a pre-hook opens ``scope(where=name, phase="forward")``, the forward hook closes it
               (nested modules: the innermost name wins);
-    backward  the forward hook also writes ``name`` into the metadata of each autograd node the module
-              created (and of the gradient accumulators of the parameters it used), which
-              `derived_tags` reads from the node the engine runs: a module's backward collectives,
-              its parameters' gradient hooks and any recomputation carry its name too.
-
-    Call it on the model a strategy, lesson or test runs (never inside the layers); returns the hook
-    handles (``handle.remove()`` detaches them).
+    backward  the forward hook writes ``name`` into the metadata of each autograd node the module created
+              and of the gradient accumulators of its parameters: `derived_tags` reads it from the node
+              the engine runs (backward collectives, parameter gradient hooks, recomputation alike).
     """
     handles = []
     for name, module in model.named_modules():
@@ -393,9 +390,8 @@ class _ModuleLabel:
 
 
 def _label_nodes(stack: list, name: str, first: int) -> None:
-    """``metadata["where"] = name`` on every node reachable from ``stack`` numbered ``first`` or later
-    (created during this forward; an inner module labelled its own first) and on the parameter
-    accumulators they feed."""
+    """``metadata["where"] = name`` on the nodes reachable from ``stack`` numbered ``first`` or later
+    (created in this forward; inner modules labelled theirs first) and on the accumulators they feed."""
     seen = set()
     while stack:
         node = stack.pop()
