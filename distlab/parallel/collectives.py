@@ -27,31 +27,18 @@ Asynchrony: torch collectives run with ``async_op=True``; ring collectives run o
 thread, in submission order (every rank submits in the same order, so the rings match up). A
 recorded event spans from launch until `Handle.wait` returned (an upper bound on the transfer).
 
-Tensor-parallel collectives:
-
-The tensor-parallel operators (`tensor/regions.py`) call these. Each runs the ``torch.distributed``
-collective (gloo here, NCCL on GPUs: their fastest kernels) and records one comm event in
-``dl.tracer()`` with the bytes a bandwidth-optimal ring moves for it, counted exactly as
-`distlab.comm`'s ring collectives count theirs (chunk sizes from ``torch.tensor_split``):
-
-    op              size S (event arg "size")        sent per rank
-    all_reduce      the tensor reduced                2S - |c_r| - |c_r+1|     = 2 (t-1)/t S
-    all_gather      the gathered output               S - |c_r+1|              =   (t-1)/t S
-    reduce_scatter  the input before scattering       S - |c_r|                =   (t-1)/t S
-
-(``c_i`` = chunk i of the message; the right-hand forms hold when t divides S, which the TP
-layers require.) The operators pass no labels: each event gets the open scopes' tags plus what the
-call reveals (`derived_tags`: the calling function, the backward phase, the module whose autograd
-node is running), and `label_modules(model)` names the modules from outside, so a test or lesson
-can select e.g. the backward collectives of ``blocks.0.attn``.
-
-With a group of one rank (or no process group at all) every collective is the identity and
-records nothing: a TP model of degree 1 is the plain model.
+Tensor-parallel collectives (called by `tensor/regions.py`) run the ``torch.distributed`` collective
+and record the bytes a ring moves for it, as `dl.comm.ring_bytes` counts them: for a message of S
+bytes over t ranks, all_reduce 2 (t-1)/t S, all_gather (S: the output) and reduce_scatter (S: the
+input) (t-1)/t S each. The operators pass no labels: an event gets the open scopes' tags plus what
+the call reveals (`derived_tags`), and `label_modules(model)` names the modules from outside. With
+a group of one rank (or no process group) every collective is the identity and records nothing.
 """
 from __future__ import annotations
 
 import contextlib
 import sys
+from functools import partial
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -280,15 +267,14 @@ def group_rank(group=None) -> int:
 
 
 def _record(op: str, start: float, t: torch.Tensor, numel: int, group, tags: dict) -> None:
-    n, r = group_size(group), group_rank(group)
-    sent, received = ring_bytes(numel, t.element_size(), n, r, op)
+    n = group_size(group)
+    sent, received = ring_bytes(numel, t.element_size(), n, group_rank(group), op)
     record(op, start=start, end=tracer().now(), sent=sent, received=received, group=group,
            tags={**derived_tags(), **tags}, size=numel * t.element_size(), world=n)
 
 
 def all_reduce(t: torch.Tensor, group=None, op: str = "sum", **tags) -> torch.Tensor:
-    """Sum (or max) ``t`` over the group, in place; returns ``t``. (``tags``: extra tags for this
-    event, for callers outside the algorithms; the algorithms pass none.)"""
+    """Sum (or max) ``t`` over the group, in place; returns ``t`` (``tags``: callers outside algorithms)."""
     if group_size(group) == 1:
         return t
     start = tracer().now()
@@ -343,15 +329,11 @@ def split(t: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     return t.chunk(n, dim)[group_rank(group)].contiguous()
 
 
-# -- tags the wrapper derives: what the call itself reveals ------------------------------------
+# -- tags the wrapper derives, and module names attached from outside -------------------------
 def derived_tags() -> dict:
-    """The open scopes' tags (`current_tags`), completed with what a collective can see for itself:
-
-    operator  the function that called the collective: ``CopyToRegion.backward``, ``GatheredLinears.forward``
-    phase     ``"backward"`` while autograd's engine runs (``torch._C._current_graph_task_id() != -1``)
-    where     in the backward, the module whose forward created the autograd node the engine is running
-              (written into the node's metadata by `label_modules`; an open scope's ``where`` wins)
-    """
+    """The open scopes' tags, plus what a collective sees for itself: ``operator``, the function that
+    called it (``CopyToRegion.backward``); inside autograd's backward ``phase="backward"`` and ``where``,
+    the module whose forward made the node being run (`label_modules` wrote it; a scope's ``where`` wins)."""
     tags = {"operator": _caller(), **current_tags()}
     if torch._C._current_graph_task_id() != -1:
         tags["phase"] = "backward"
@@ -364,15 +346,14 @@ def derived_tags() -> dict:
 def _caller() -> str:
     """Qualified name of the innermost function on the stack outside this file."""
     frame = sys._getframe(1)
-    while frame is not None and frame.f_globals.get("__name__") == __name__:
+    while frame.f_globals.get("__name__") == __name__:          # the caller is never this file
         frame = frame.f_back
-    return frame.f_code.co_qualname.replace("<locals>.", "") if frame is not None else "?"
+    return frame.f_code.co_qualname.replace("<locals>.", "")
 
 
 def label_modules(model: nn.Module) -> list:
     """Tag every collective issued inside a submodule of ``model`` with ``where=<its name>``, from outside
     (a strategy, lesson or test calls it, never the layers); returns the hook handles.
-
     forward   a pre-hook opens ``scope(where=name, phase="forward")``, the forward hook closes it
               (nested modules: the innermost name wins);
     backward  the forward hook writes ``name`` into the metadata of each autograd node the module created
@@ -382,26 +363,25 @@ def label_modules(model: nn.Module) -> list:
     handles = []
     for name, module in model.named_modules():
         if name:
-            label = _ModuleLabel(name)
-            handles += [module.register_forward_pre_hook(label.enter),
-                        module.register_forward_hook(label.leave, always_call=True)]
+            handles += [module.register_forward_pre_hook(partial(_enter, name)),
+                        module.register_forward_hook(partial(_leave, name), always_call=True)]
     return handles
 
 
-class _ModuleLabel:
-    def __init__(self, name: str):
-        self.name, self.open = name, []
+_open: list = []          # (scope, first autograd node number) of each module whose forward runs
 
-    def enter(self, module, args) -> None:
-        tags = scope(where=self.name, phase="forward")
-        tags.__enter__()
-        self.open.append((tags, torch._C._autograd._get_sequence_nr()))   # the next node's number
 
-    def leave(self, module, args, output) -> None:
-        tags, first = self.open.pop()
-        tags.__exit__(None, None, None)
-        outputs = output if isinstance(output, (tuple, list)) else (output,)
-        _label_nodes([t.grad_fn for t in outputs if isinstance(t, torch.Tensor)], self.name, first)
+def _enter(name: str, module, args) -> None:
+    tags = scope(where=name, phase="forward")
+    tags.__enter__()
+    _open.append((tags, torch._C._autograd._get_sequence_nr()))       # the next node's number
+
+
+def _leave(name: str, module, args, output) -> None:
+    tags, first = _open.pop()
+    tags.__exit__(None, None, None)
+    outputs = output if isinstance(output, (tuple, list)) else (output,)
+    _label_nodes([t.grad_fn for t in outputs if isinstance(t, torch.Tensor)], name, first)
 
 
 def _label_nodes(stack: list, name: str, first: int) -> None:
