@@ -311,8 +311,8 @@ def test_activation_memory_matches_korthikanti(world, sp):
     # and the prediction itself: SP divides everything by t, TP leaves 4 sbh elements replicated
     sbh = s * b * h
     assert predicted_layer_bytes(s, b, h, a, tp=world, sp=True) == predicted_layer_bytes(s, b, h, a) / world
-    assert predicted_layer_bytes(s, b, h, a, tp=world) - predicted_layer_bytes(s, b, h, a, tp=world, sp=True) \
-        == pytest.approx(4 * sbh * 4 * (1 - 1 / world))
+    tp_only, with_sp = (predicted_layer_bytes(s, b, h, a, tp=world, sp=sp) for sp in (False, True))
+    assert tp_only - with_sp == pytest.approx(4 * sbh * 4 * (1 - 1 / world))
 
 
 # -- training equals single-process training ----------------------------------------------------
@@ -386,5 +386,6 @@ def _subgroup_check(sp):
 @pytest.mark.parametrize("sp", [False, True])
 def test_tp_inside_a_subgroup(sp):
     """Two TP groups of 2 inside 4 ranks (the building block of a dp x tp mesh)."""
-    for ok_loss, ok_grad, worlds in dl.launch(_subgroup_check, world_size=4, args=(sp,), output="quiet").results:
+    run = dl.launch(_subgroup_check, world_size=4, args=(sp,), output="quiet")
+    for ok_loss, ok_grad, worlds in run.results:
         assert ok_loss and ok_grad and worlds == {2}
