@@ -311,7 +311,7 @@ def test_activation_memory_matches_korthikanti(world, sp):
     # and the prediction itself: SP divides everything by t, TP leaves 4 sbh elements replicated
     sbh = s * b * h
     assert predicted_layer_bytes(s, b, h, a, tp=world, sp=True) == predicted_layer_bytes(s, b, h, a) / world
-    tp_only, with_sp = (predicted_layer_bytes(s, b, h, a, tp=world, sp=sp) for sp in (False, True))
+    tp_only, with_sp = (predicted_layer_bytes(s, b, h, a, tp=world, sp=on) for on in (False, True))
     assert tp_only - with_sp == pytest.approx(4 * sbh * 4 * (1 - 1 / world))
 
 
