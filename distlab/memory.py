@@ -25,8 +25,8 @@ sampling transient buffers from a launch hook on the wrapper's collectives.
 
 Two saved-tensor counters: `SavedTensors` follows what is *alive* over a whole step (released as
 backward frees it, with its peak), for the ledger; `SavedActivations` totals what one forward saved
-(the pipeline's stash per microbatch, the per-layer check against Korthikanti et al.).
-`PipelineStash` watches a `dl.pp.Pipeline` from outside and samples its activations in flight.
+(the pipeline's stash per microbatch; `measure_layer`, the per-layer check against Korthikanti
+et al.). `PipelineStash` watches a `dl.pp.Pipeline` from outside and samples its activations in flight.
 """
 from __future__ import annotations
 
@@ -199,6 +199,17 @@ class SavedActivations:
         self._hooks.__exit__(*exc)
 
 
+def measure_layer(block: nn.Module, x: torch.Tensor) -> int:
+    """Bytes one transformer block saves for its backward on input ``x`` (its own input included),
+    each storage once, parameters left out: what Korthikanti et al. 2022 count per layer
+    (`dl.theory.activations.predicted_layer_bytes` is the prediction to compare with)."""
+    x = x.detach().requires_grad_(True)
+    with SavedActivations(block) as meter:
+        y = block(x)
+    del y
+    return meter.bytes
+
+
 class PipelineStash:
     """A `dl.pp.Pipeline` observer: after every action, the activations the rank holds for its backwards.
 
@@ -251,7 +262,8 @@ class Ledger:
             row["activations"] = self.saved.current
         extra = {}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            extra = {"cuda_allocated": torch.cuda.memory_allocated(), "cuda_peak": torch.cuda.max_memory_allocated()}
+            extra = {"cuda_allocated": torch.cuda.memory_allocated(),
+                     "cuda_peak": torch.cuda.max_memory_allocated()}
         self.timeline.append((label, {**row, **extra}))
         if trace:
             tracer().memory(label, **row, **extra)

@@ -21,15 +21,17 @@ from distlab import models
 from distlab.strategies.mesh import axis_of
 
 SGD = dict(model="gpt-tiny", steps=2, seed=0, optimizer="sgd", lr=0.1)
-WEIGHT_GRAD_OPERATORS = {"sp_param_grad"}    # replicated weights' gradients under SP: W's own traffic
+# replicated weights' gradients under SP (LayerNorm, row bias) are summed by a gradient hook: W's own traffic
+WEIGHT_GRAD_OPERATORS = {"sync_replicated_grad.sum_over_group"}
 
 
 def _tp_traffic(report):
-    """Per rank: TP bytes sent by the training steps, and the TP collectives inside W spans by operator."""
+    """Per rank: TP bytes sent (training steps and the final gather of full weights, equal for every
+    schedule), and the TP collectives inside W spans by the function that issued them."""
     out = []
     for r in range(report.world_size):
         trace = report.run.trace
-        comms = [e for e in trace.comms(rank=r) if axis_of(e) == "tp" and e.args.get("phase") != "gather_full"]
+        comms = [e for e in trace.comms(rank=r) if axis_of(e) == "tp"]
         w_spans = [s for s in trace.spans(rank=r, cat="compute") if s.name == "W"]
         in_w = collections.Counter(c.args["operator"] for c in comms
                                    if any(s.start <= c.start and c.end <= s.end for s in w_spans))
@@ -133,3 +135,54 @@ def test_weight_inside_a_custom_function_is_differentiated_once_in_i():
     _Scale.calls = 0
     _check_split_equals_backward(_Hidden, x, y, loss_fn=torch.nn.functional.mse_loss)
     assert _Scale.calls == 2                          # once for the reference, once in I: never again in W
+
+
+# -- labels attached from outside survive the split backward -------------------------------------
+def _labelled_backward(sp: bool, schedule: str | None):
+    """Backward TP collectives of one step, as (where, op, operator) per pass, of a TP GPT labelled by
+    `label_modules`: plain ``loss.backward()`` (schedule None) or a one-stage pipeline (I and W)."""
+    import torch.distributed as dist
+    from distlab.parallel import collectives as C
+    alone = [dist.new_group([r]) for r in range(dl.world_size())][dl.rank()]   # a pipeline of one stage
+    torch.manual_seed(0)
+    gpt = dl.tp.parallelize(models.GPT(models.GPTConfig(vocab=32, seq_len=8, d_model=16, heads=2, layers=2)),
+                            sequence_parallel=sp)
+    C.label_modules(gpt)
+    ids, targets = models.MarkovTokens(32, 8, seed=0).batch(0, 4)
+
+    def loss_fn(logits, y):
+        start = gpt.tok.vocab_start
+        return dl.tp.vocab_parallel_cross_entropy(logits.flatten(0, 1), y.flatten(), start).mean()
+
+    dl.tracer().clear()
+    if schedule is None:
+        loss_fn(gpt(ids), targets).backward()
+    else:
+        pipe = dl.pp.Pipeline(gpt, 0, 1, schedule=schedule, microbatches=1, loss_fn=loss_fn, group=alone)
+        pipe.step(ids, targets)
+    spans = {s.name: s for s in dl.tracer().events() if s.kind == "span" and s.name in ("B", "I", "W")}
+    out = collections.defaultdict(list)
+    for e in dl.tracer().events():
+        if e.kind == "comm" and e.args.get("phase") == "backward" or any(
+                e.kind == "comm" and s.start <= e.start <= s.end for s in spans.values()):
+            where = next((name for name, s in spans.items() if s.start <= e.start <= s.end), "backward")
+            out[where].append((e.args.get("where"), e.name, e.args["operator"]))
+    return dict(out)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_module_labels_survive_the_split_backward(sp):
+    """I runs every TP collective of the plain backward, each labelled with the same module; W runs
+    none but the replicated weights' gradient sums (SP)."""
+    plain = dl.launch(_labelled_backward, world_size=2, args=(sp, None), output="quiet").results
+    split = dl.launch(_labelled_backward, world_size=2, args=(sp, "zb-h1"), output="quiet").results
+    for want, got in zip(plain, split):
+        backward = want["backward"]
+        assert all(where for where, _, _ in backward) and len(backward) >= 5     # 2 per layer, the head
+        in_w = [op for _, _, op in got.get("W", [])]
+        if sp:
+            backward = [c for c in backward if c[2] not in WEIGHT_GRAD_OPERATORS]
+            assert in_w and set(in_w) <= WEIGHT_GRAD_OPERATORS
+        else:
+            assert in_w == []
+        assert sorted(c for c in got["I"] if c[2] not in WEIGHT_GRAD_OPERATORS) == sorted(backward)

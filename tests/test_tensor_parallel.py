@@ -7,7 +7,10 @@ import torch
 import torch.nn as nn
 
 import distlab as dl
+from distlab.memory import measure_layer
 from distlab.models import GPT, GPTConfig, MarkovTokens
+from distlab.parallel import collectives as C
+from distlab.theory.activations import predicted_layer_bytes, unmodelled_bytes
 
 TINY = dict(vocab=64, seq_len=32, d_model=64, heads=4, layers=2)
 THREE = dict(vocab=48, seq_len=30, d_model=48, heads=6, layers=2)   # every size divides by 3
@@ -87,6 +90,36 @@ def test_sequence_parallel_linears(world):
     assert all(all(ok) for ok in dl.launch(_sp_pair_check, world_size=world, output="quiet").results)
 
 
+def _gathered_linears_check():
+    """SP's g fused with two column linears (saving the shard) equals the textbook g then F.linear."""
+    n, r = dl.world_size(), dl.rank()
+    torch.manual_seed(0)
+    a, b = nn.Linear(8, 4 * n), nn.Linear(8, 2 * n)
+    x = torch.randn(2, 3 * n, 8)
+    cols = [dl.tp.ColumnParallelLinear.from_linear(lin, sequence_parallel=True) for lin in (a, b)]
+    outs, grads = [], []
+    for fused in (False, True):
+        xs = x.chunk(n, dim=1)[r].clone().requires_grad_(True)
+        for col in cols:
+            col.zero_grad()
+        if fused:
+            ys = dl.tp.GatheredLinears.apply(xs, None, *[t for c in cols for t in (c.weight, c.bias)])
+        else:
+            full = dl.tp.gather_from_sequence(xs)
+            ys = [torch.nn.functional.linear(full, c.weight, c.bias) for c in cols]
+        sum(y.pow(2).sum() * (k + 1) for k, y in enumerate(ys)).backward()
+        outs.append(torch.cat(ys, -1))
+        grads.append([xs.grad] + [p.grad.clone() for c in cols for p in c.parameters()])
+    positions = dl.tp.sequence_positions(3 * n)
+    return (close(outs[1], outs[0]), all(close(g1, g0) for g0, g1 in zip(*grads)),
+            positions.tolist() == list(range(3 * r, 3 * r + 3)))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gathered_linears_equal_the_textbook_gather(world):
+    assert all(all(ok) for ok in dl.launch(_gathered_linears_check, world_size=world, output="quiet").results)
+
+
 # -- the whole GPT ------------------------------------------------------------------------------
 @pytest.mark.parametrize("world,cfg,sp,tied", [
     (2, TINY, False, False), (2, TINY, True, True), (4, TINY, False, True), (4, TINY, True, False),
@@ -102,7 +135,8 @@ def _gpt_check_same_init(cfg_kw, sp, tied):
     torch.manual_seed(0)
     ref = GPT(cfg)
     torch.manual_seed(0)
-    tp_model = dl.tp.parallelize(GPT(cfg), sequence_parallel=sp)
+    gpt = GPT(cfg)
+    tp_model = dl.tp.parallelize(gpt, sequence_parallel=sp)
     ids, targets = MarkovTokens(cfg.vocab, cfg.seq_len).batch(0, 4)
     ref_loss = ref.loss(ids, targets)
     ref_loss.backward()
@@ -115,6 +149,7 @@ def _gpt_check_same_init(cfg_kw, sp, tied):
     scale = max(p.grad.abs().max().item() for p in ref.parameters())
     bad = [n for n, p in ref.named_parameters()
            if (grads[n] - p.grad).abs().max().item() > 1e-5 * max(p.grad.abs().max().item(), 1e-2 * scale)]
+    assert type(gpt) is GPT and list(tp_model.state_dict()) == list(ref.state_dict())   # no class swap
     return {"loss": abs(loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item(),
             "logits": close(logits, ref(ids).detach()),
             "names": sorted(grads) == sorted(params) == sorted(ref.state_dict()),
@@ -153,12 +188,44 @@ def test_sizes_that_do_not_divide_raise_clear_errors():
 
 
 # -- communication and activation memory, measured against the formulas -----------------------
-def _one_step(sp, batch):
+# Tags: the layers pass none. `label_modules` (attached here, from outside) names the module each
+# collective runs in (``where``); the wrapper adds the calling function (``operator``) and, inside
+# autograd's backward, ``phase="backward"``.
+F_BWD, G_FWD = "CopyToRegion.backward", "ReduceFromRegion.forward"
+SP_GATHER, SP_SCATTER = "GatheredLinears", "ReduceScatterToSequence"
+SP_GRAD_SYNC = "sync_replicated_grad.sum_over_group"
+REGATHER = ("all_gather", SP_GATHER + ".backward")     # the saved sequence shard gathered again
+
+
+def inside(event, module: str) -> bool:
+    """The event ran in ``module`` or one of its submodules."""
+    where = event.args.get("where", "")
+    return where == module or where.startswith(module + ".")
+
+
+def _one_step(sp, batch, recompute=False):
     torch.manual_seed(0)
     gpt = dl.tp.parallelize(GPT(GPTConfig(**TINY)), sequence_parallel=sp)
+    C.label_modules(gpt)
     ids, targets = MarkovTokens(64, 32).batch(0, batch)
     dl.tracer().clear()
-    gpt.loss(ids, targets).backward()
+    if recompute:                       # each block's whole forward again in the backward
+        x = gpt.embed(ids)
+        for block in gpt.blocks:
+            with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        logits = gpt.head(gpt.ln_f(x))
+        start = gpt.tok.vocab_start
+        per_token = dl.tp.vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), start)
+        loss = per_token.mean()
+    else:
+        loss = gpt.loss(ids, targets)
+    loss.backward()
+    return loss.item()
+
+
+def _calls(events, phase):
+    return [(e.name, e.args["operator"], e.args["size"]) for e in events if e.args.get("phase") == phase]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -168,13 +235,14 @@ def test_tp_comm_per_layer_is_two_all_reduces_each_way(world):
     message = b * s * h * 4                                          # fp32 activations
     for r in range(world):
         for i in range(layers):
-            layer = [e for e in trace.comms(rank=r) if e.args["where"].startswith(f"blocks.{i}.")]
-            fwd = [(e.name, e.args["operator"], e.args["size"]) for e in layer if e.args["phase"] == "forward"]
-            bwd = [(e.name, e.args["operator"], e.args["size"]) for e in layer if e.args["phase"] == "backward"]
-            assert fwd == [("all_reduce", "g", message)] * 2
-            assert bwd == [("all_reduce", "f", message)] * 2
-        in_layers = [e for e in trace.comms(rank=r) if e.args["where"].startswith("blocks.")]
-        assert sum(e.sent for e in in_layers) == dl.theory.tp_volume(s, b, h, world, layers, bytes_per_element=4)
+            for region in ("attn", "mlp"):                          # one g forward, one f backward each
+                ev = [e for e in trace.comms(rank=r) if inside(e, f"blocks.{i}.{region}")]
+                assert _calls(ev, "forward") == [("all_reduce", G_FWD, message)]
+                assert _calls(ev, "backward") == [("all_reduce", F_BWD, message)]
+            layer = [e for e in trace.comms(rank=r) if inside(e, f"blocks.{i}")]
+            assert len(layer) == 4
+        in_layers = [e for e in trace.comms(rank=r) if inside(e, "blocks")]
+        assert sum(e.sent for e in in_layers) == dl.theory.tp_volume(s, b, h, world, layers, 4)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -185,19 +253,42 @@ def test_sp_swaps_all_reduce_for_gather_and_scatter_of_equal_volume(world):
     for r in range(world):
         for i in range(layers):
             for region in ("attn", "mlp"):
-                ev = [e for e in trace.comms(rank=r) if e.args["where"] == f"blocks.{i}.{region}"]
-                ops = sorted((e.args["phase"], e.name, e.args["operator"]) for e in ev)
-                assert ops == sorted([("forward", "all_gather", "sp_gather"), ("forward", "reduce_scatter", "sp_scatter"),
-                                      ("backward", "reduce_scatter", "sp_gather"), ("backward", "all_gather", "sp_scatter"),
-                                      ("backward", "all_gather", "sp_regather"), ("backward", "all_reduce", "sp_param_grad")])
-                assert all(e.args["size"] == message for e in ev if e.args["operator"] != "sp_param_grad")
-        conjugates = [e for e in trace.comms(rank=r) if e.args["where"].startswith("blocks.")
-                      and e.args["operator"] in ("sp_gather", "sp_scatter")]
-        assert sum(e.sent for e in conjugates) == dl.theory.tp_volume(s, b, h, world, layers, bytes_per_element=4)
+                ev = [e for e in trace.comms(rank=r) if inside(e, f"blocks.{i}.{region}")]
+                assert sorted(_calls(ev, "forward")) == [("all_gather", SP_GATHER + ".forward", message),
+                                                         ("reduce_scatter", SP_SCATTER + ".forward", message)]
+                # backward: the conjugates, the regather of the saved shard, the row bias's gradient sum
+                assert sorted(_calls(ev, "backward")) == sorted([
+                    ("reduce_scatter", SP_GATHER + ".backward", message),
+                    ("all_gather", SP_SCATTER + ".backward", message),
+                    ("all_gather", SP_GATHER + ".backward", message),
+                    ("all_reduce", SP_GRAD_SYNC, h * 4)])
+            for ln in ("ln1", "ln2"):                                 # LayerNorm weight and bias, summed
+                ev = [e for e in trace.comms(rank=r) if inside(e, f"blocks.{i}.{ln}")]
+                assert _calls(ev, "backward") == [("all_reduce", SP_GRAD_SYNC, h * 4)] * 2
+        in_layers = [e for e in trace.comms(rank=r)
+                     if inside(e, "blocks") and e.args["operator"] != SP_GRAD_SYNC]
+        regather = [e for e in in_layers if (e.name, e.args["operator"]) == REGATHER]
+        conjugates = [e for e in in_layers if e not in regather]
+        assert sum(e.sent for e in conjugates) == dl.theory.tp_volume(s, b, h, world, layers, 4)
+        assert sum(e.sent for e in regather) == 2 * layers * (world - 1) * message // world
+
+
+def test_recomputation_runs_g_again_inside_the_backward():
+    """Under torch.utils.checkpoint each block's forward runs again during the backward: its g
+    all-reduces are recorded there (phase "backward", operator g's forward, where its region)."""
+    b, message = 4, 4 * TINY["seq_len"] * TINY["d_model"] * 4
+    plain, again = (dl.launch(_one_step, world_size=2, args=(False, b, rc), output="quiet")
+                    for rc in (False, True))
+    assert plain.results == again.results
+    for r in range(2):
+        for region in ("blocks.0.attn", "blocks.1.mlp"):
+            ev = [e for e in again.trace.comms(rank=r) if inside(e, region)]
+            assert _calls(ev, "forward") == [("all_reduce", G_FWD, message)]
+            assert sorted(_calls(ev, "backward")) == [("all_reduce", F_BWD, message),
+                                                      ("all_reduce", G_FWD, message)]
 
 
 def _layer_memory(sp, b):
-    from distlab.parallel.tensor.memory import measure_layer
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(**TINY))
     t, s, h = dl.world_size(), TINY["seq_len"], TINY["d_model"]
@@ -208,7 +299,6 @@ def _layer_memory(sp, b):
 
 @pytest.mark.parametrize("world,sp", [(2, False), (2, True), (4, False), (4, True)])
 def test_activation_memory_matches_korthikanti(world, sp):
-    from distlab.parallel.tensor.memory import predicted_layer_bytes, unmodelled_bytes
     b, s, h, a = 8, TINY["seq_len"], TINY["d_model"], TINY["heads"]
     for full, mine in dl.launch(_layer_memory, world_size=world, args=(sp, b), output="quiet").results:
         predicted_full = predicted_layer_bytes(s, b, h, a)
@@ -221,8 +311,8 @@ def test_activation_memory_matches_korthikanti(world, sp):
     # and the prediction itself: SP divides everything by t, TP leaves 4 sbh elements replicated
     sbh = s * b * h
     assert predicted_layer_bytes(s, b, h, a, tp=world, sp=True) == predicted_layer_bytes(s, b, h, a) / world
-    assert predicted_layer_bytes(s, b, h, a, tp=world) - predicted_layer_bytes(s, b, h, a, tp=world, sp=True) \
-        == pytest.approx(4 * sbh * 4 * (1 - 1 / world))
+    tp_only, with_sp = (predicted_layer_bytes(s, b, h, a, tp=world, sp=on) for on in (False, True))
+    assert tp_only - with_sp == pytest.approx(4 * sbh * 4 * (1 - 1 / world))
 
 
 # -- training equals single-process training ----------------------------------------------------
@@ -296,5 +386,6 @@ def _subgroup_check(sp):
 @pytest.mark.parametrize("sp", [False, True])
 def test_tp_inside_a_subgroup(sp):
     """Two TP groups of 2 inside 4 ranks (the building block of a dp x tp mesh)."""
-    for ok_loss, ok_grad, worlds in dl.launch(_subgroup_check, world_size=4, args=(sp,), output="quiet").results:
+    run = dl.launch(_subgroup_check, world_size=4, args=(sp,), output="quiet")
+    for ok_loss, ok_grad, worlds in run.results:
         assert ok_loss and ok_grad and worlds == {2}

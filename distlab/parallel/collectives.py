@@ -27,32 +27,23 @@ Asynchrony: torch collectives run with ``async_op=True``; ring collectives run o
 thread, in submission order (every rank submits in the same order, so the rings match up). A
 recorded event spans from launch until `Handle.wait` returned (an upper bound on the transfer).
 
-Tensor-parallel collectives:
-
-The tensor-parallel operators (`tensor/regions.py`) call these. Each runs the ``torch.distributed``
-collective (gloo here, NCCL on GPUs: their fastest kernels) and records one comm event in
-``dl.tracer()`` with the bytes a bandwidth-optimal ring moves for it, counted exactly as
-`distlab.comm`'s ring collectives count theirs (chunk sizes from ``torch.tensor_split``):
-
-    op              size S (event arg "size")        sent per rank
-    all_reduce      the tensor reduced                2S - |c_r| - |c_r+1|     = 2 (t-1)/t S
-    all_gather      the gathered output               S - |c_r+1|              =   (t-1)/t S
-    reduce_scatter  the input before scattering       S - |c_r|                =   (t-1)/t S
-
-(``c_i`` = chunk i of the message; the right-hand forms hold when t divides S, which the TP
-layers require.) Extra keyword tags (``phase``, ``operator``, ``where``) land in the event's args,
-so a test or lesson can select e.g. the forward all-reduces of ``blocks.0``.
-
-With a group of one rank (or no process group at all) every collective is the identity and
-records nothing: a TP model of degree 1 is the plain model.
+Tensor-parallel collectives (called by `tensor/regions.py`) run the ``torch.distributed`` collective
+and record the bytes a ring moves for it, as `dl.comm.ring_bytes` counts them: for a message of S
+bytes over t ranks, all_reduce 2 (t-1)/t S, all_gather (S: the output) and reduce_scatter (S: the
+input) (t-1)/t S each. The operators pass no labels: an event gets the open scopes' tags plus what
+the call reveals (`derived_tags`), and `label_modules(model)` names the modules from outside. With
+a group of one rank (or no process group) every collective is the identity and records nothing.
 """
 from __future__ import annotations
 
 import contextlib
+import sys
+from functools import partial
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from ..comm import ring_bytes
 from ..runtime import tracer
@@ -280,24 +271,24 @@ def group_rank(group=None) -> int:
     return r
 
 
-def _record(op: str, start: float, t: torch.Tensor, numel: int, group, **tags) -> None:
-    n, r = group_size(group), group_rank(group)
-    sent, received = ring_bytes(numel, t.element_size(), n, r, op)
+def _record(op: str, start: float, t: torch.Tensor, numel: int, group, tags: dict) -> None:
+    n = group_size(group)
+    sent, received = ring_bytes(numel, t.element_size(), n, group_rank(group), op)
     record(op, start=start, end=tracer().now(), sent=sent, received=received, group=group,
-           size=numel * t.element_size(), world=n, **tags)
+           tags={**derived_tags(), **tags}, size=numel * t.element_size(), world=n)
 
 
 def all_reduce(t: torch.Tensor, group=None, op: str = "sum", **tags) -> torch.Tensor:
-    """Sum (or max) ``t`` over the group, in place; returns ``t``."""
+    """Sum (or max) ``t`` over the group, in place; returns ``t`` (``tags``: callers outside algorithms)."""
     if group_size(group) == 1:
         return t
     start = tracer().now()
     dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
-    _record("all_reduce", start, t, t.numel(), group, **tags)
+    _record("all_reduce", start, t, t.numel(), group, tags)
     return t
 
 
-def all_gather(shard: torch.Tensor, dim: int, group=None, **tags) -> torch.Tensor:
+def all_gather(shard: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """Concatenate every rank's equal-sized ``shard`` along ``dim``, in rank order."""
     n = group_size(group)
     if n == 1:
@@ -307,7 +298,7 @@ def all_gather(shard: torch.Tensor, dim: int, group=None, **tags) -> torch.Tenso
     start = tracer().now()
     out = torch.empty((n * shard.shape[0],) + tuple(shard.shape[1:]), dtype=shard.dtype, device=shard.device)
     _all_gather_single(out, shard, group=group)
-    _record("all_gather", start, shard, out.numel(), group, **tags)
+    _record("all_gather", start, shard, out.numel(), group, {})
     if dim == 0:
         return out
     # (n, ..., k, ...) -> (..., n*k, ...): move the rank axis next to ``dim`` and merge them
@@ -315,7 +306,7 @@ def all_gather(shard: torch.Tensor, dim: int, group=None, **tags) -> torch.Tenso
     return out.movedim(0, dim).flatten(dim, dim + 1)
 
 
-def reduce_scatter(t: torch.Tensor, dim: int, group=None, **tags) -> torch.Tensor:
+def reduce_scatter(t: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     """Sum ``t`` over the group and keep this rank's ``1/n`` slice along ``dim``."""
     n = group_size(group)
     if n == 1:
@@ -329,7 +320,7 @@ def reduce_scatter(t: torch.Tensor, dim: int, group=None, **tags) -> torch.Tenso
     blocks = blocks.flatten(0, 1) if blocks.dim() > 2 else blocks.flatten()
     start = tracer().now()
     _reduce_scatter_single(out, blocks, group=group)
-    _record("reduce_scatter", start, t, t.numel(), group, **tags)
+    _record("reduce_scatter", start, t, t.numel(), group, {})
     return out
 
 
@@ -341,3 +332,74 @@ def split(t: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     if t.shape[dim] % n:
         raise ValueError(f"cannot split size {t.shape[dim]} over {n} ranks: it must divide evenly")
     return t.chunk(n, dim)[group_rank(group)].contiguous()
+
+
+# -- tags the wrapper derives, and module names attached from outside -------------------------
+def derived_tags() -> dict:
+    """The open scopes' tags, plus what a collective sees for itself: ``operator``, the function that
+    called it (``CopyToRegion.backward``); inside autograd's backward ``phase="backward"`` and ``where``,
+    the module whose forward made the node being run (`label_modules` wrote it; a scope's ``where`` wins)."""
+    tags = {"operator": _caller(), **current_tags()}
+    if torch._C._current_graph_task_id() != -1:
+        tags["phase"] = "backward"
+        node = torch._C._current_autograd_node()
+        if node is not None and "where" in node.metadata:
+            tags.setdefault("where", node.metadata["where"])
+    return tags
+
+
+def _caller() -> str:
+    """Qualified name of the innermost function on the stack outside this file."""
+    frame = sys._getframe(1)
+    while frame.f_globals.get("__name__") == __name__:          # the caller is never this file
+        frame = frame.f_back
+    return frame.f_code.co_qualname.replace("<locals>.", "")
+
+
+def label_modules(model: nn.Module) -> list:
+    """Tag every collective issued inside a submodule of ``model`` with ``where=<its name>``, from outside
+    (a strategy, lesson or test calls it, never the layers); returns the hook handles.
+    forward   a pre-hook opens ``scope(where=name, phase="forward")``, the forward hook closes it
+              (nested modules: the innermost name wins);
+    backward  the forward hook writes ``name`` into the metadata of each autograd node the module created
+              and of the gradient accumulators of its parameters: `derived_tags` reads it from the node
+              the engine runs (backward collectives, parameter gradient hooks, recomputation alike).
+    """
+    handles = []
+    for name, module in model.named_modules():
+        if name:
+            handles += [module.register_forward_pre_hook(partial(_enter, name)),
+                        module.register_forward_hook(partial(_leave, name), always_call=True)]
+    return handles
+
+
+_open: list = []          # (scope, first autograd node number) of each module whose forward runs
+
+
+def _enter(name: str, module, args) -> None:
+    tags = scope(where=name, phase="forward")
+    tags.__enter__()
+    _open.append((tags, torch._C._autograd._get_sequence_nr()))       # the next node's number
+
+
+def _leave(name: str, module, args, output) -> None:
+    tags, first = _open.pop()
+    tags.__exit__(None, None, None)
+    outputs = output if isinstance(output, (tuple, list)) else (output,)
+    _label_nodes([t.grad_fn for t in outputs if isinstance(t, torch.Tensor)], name, first)
+
+
+def _label_nodes(stack: list, name: str, first: int) -> None:
+    """``metadata["where"] = name`` on the nodes reachable from ``stack`` numbered ``first`` or later
+    (created in this forward; inner modules labelled theirs first) and on the accumulators they feed."""
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):                   # AccumulateGrad: a leaf's gradient lands here
+            node.metadata.setdefault("where", name)
+        elif node._sequence_nr() >= first:
+            node.metadata.setdefault("where", name)
+            stack += [child for child, _ in node.next_functions]

@@ -12,6 +12,17 @@ Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Pipelines (Sec. 4.2.3 and Narayanan et al. 2021): 1F1B's first stage holds p microbatches of L/p
 layers -- L layers' worth, whatever p; GPipe holds all m; interleaved with v chunks multiplies
 1F1B's by (1 + (p - 1) / (p v)); ZB-H1 keeps 1F1B's p (Qi et al. 2023).
+
+distlab's own GPT (`predicted_layer_bytes`) has no dropout, so three of Korthikanti's terms do not
+exist there: the two residual-dropout masks (2sbh, split by t only under SP), the attention-dropout
+mask (as^2b) and the dropout output (2as^2b; attention @ V reuses the saved softmax), both split by
+heads. Removing them leaves, in *elements*,
+
+    sbh(16 + as/h)    ->   TP: sbh(4 + 12/t + as/(ht))    ->   TP+SP: sbh(16 + as/h)/t
+
+times the element size (4 bytes in fp32). What the formula ignores and a measurement
+(`distlab.memory.measure_layer`) sees, `unmodelled_bytes`: LayerNorm's per-token mean and 1/std (2bs
+fp32 numbers per LayerNorm) and the causal mask (s^2 bools), well under 1% here.
 """
 from __future__ import annotations
 
@@ -56,3 +67,33 @@ def pipeline_in_flight(schedule: str, p: int, m: int, v: int = 1, stage: int = 0
     if schedule == "interleaved":
         return min(p * v + p - 1 - 2 * stage, m * v) / v
     raise ValueError(f"unknown schedule {schedule!r}: choose gpipe, 1f1b, interleaved, zb-h1 or zb-h2")
+
+
+def dropout_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
+                  sp: bool = False) -> float:
+    """The dropout terms of Korthikanti's count (2-byte activations, 1-byte masks), split as in Eq. 2/3:
+    residual masks 2sbh (/t under SP), attention mask + dropout output 3as^2b (/t by heads)."""
+    sbh, as2b = seq_len * micro_batch * hidden, heads * seq_len * seq_len * micro_batch
+    return 2 * sbh / (tp if sp and tp > 1 else 1) + 3 * as2b / tp
+
+
+def predicted_layer_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
+                          sp: bool = False, element_size: int = 4, dropout: bool = False) -> float:
+    """Korthikanti et al.'s per-layer activation bytes (`activation_bytes_per_layer`), without the
+    dropout terms unless ``dropout``, rescaled from 2-byte to ``element_size`` activations.
+    (Only valid without dropout for element_size != 2, since masks are 1 byte whatever the dtype.)"""
+    total = activation_bytes_per_layer(seq_len, micro_batch, hidden, heads, tp=tp, sp=sp)
+    if dropout:
+        if element_size != 2:
+            raise ValueError("with dropout the masks stay 1 byte: only element_size=2 matches the paper")
+        return total
+    return (total - dropout_bytes(seq_len, micro_batch, hidden, heads, tp, sp)) * element_size / 2
+
+
+def unmodelled_bytes(seq_len: int, micro_batch: int, tp: int = 1, sp: bool = False,
+                     stats_element_size: int = 4) -> int:
+    """What a layer of distlab's GPT saves beyond Korthikanti's count: each of the two LayerNorms
+    keeps a mean and a 1/std per token (fp32; per *local* token under SP), and attention keeps its
+    causal mask (s^2 bools)."""
+    tokens = seq_len * micro_batch // (tp if sp and tp > 1 else 1)
+    return 2 * 2 * tokens * stats_element_size + seq_len * seq_len

@@ -21,6 +21,15 @@ In this lesson you will
 3. **predict** the communication per layer (two all-reduces of b·s·h forward, two backward) and **measure** it;
 4. add **sequence parallelism (SP)** (Korthikanti et al. 2022) and measure how it cuts activation memory by t;
 5. train with `tp` and match single-process training.
+
+The code, read in this order ([distlab/parallel/tensor/__init__.py](../distlab/parallel/tensor/__init__.py)):
+[regions.py](../distlab/parallel/tensor/regions.py) (Megatron's *f* and *g* and the sequence-parallel pair,
+the only places TP talks), [linear.py](../distlab/parallel/tensor/linear.py) (column- and row-parallel
+linears), [layers.py](../distlab/parallel/tensor/layers.py) (attention and MLP),
+[vocab.py](../distlab/parallel/tensor/vocab.py) (embedding and cross-entropy) and
+[gpt.py](../distlab/parallel/tensor/gpt.py) (`parallelize`). The layers carry no trace labels: every
+collective is recorded by [distlab/parallel/collectives.py](../distlab/parallel/collectives.py), and we
+name the modules from outside with its `label_modules`.
 """)
 code("""
 import torch
@@ -28,7 +37,9 @@ import torch.nn as nn
 import matplotlib.pyplot as plt
 import distlab as dl
 from distlab.models import GPT, GPTConfig, MarkovTokens
-from distlab.parallel.tensor.memory import measure_layer, predicted_layer_bytes, unmodelled_bytes
+from distlab.memory import measure_layer
+from distlab.parallel import collectives
+from distlab.theory.activations import predicted_layer_bytes, unmodelled_bytes
 
 CFG = GPTConfig(vocab=64, seq_len=32, d_model=64, heads=4, layers=2)   # the "gpt-tiny" preset
 B, S, H, A, L = 8, CFG.seq_len, CFG.d_model, CFG.heads, CFG.layers
@@ -137,15 +148,24 @@ per rank, so per step (`dl.theory.tp_volume`):
 
   bytes sent per rank = 4 · L · 2(t-1)/t · b·s·h · bytes per element
 
-Every collective records its op, message size and bytes in the trace; let's compare.
+Every collective records its op, message size and bytes in the trace, and two tags the wrapper finds out by
+itself: `operator`, the function that called it (`ReduceFromRegion.forward` is *g*, `CopyToRegion.backward` is
+*f*), and `phase="backward"` when autograd's engine is running. Which layer? `collectives.label_modules(gpt)`
+puts hooks on every submodule (from outside the model): forward hooks open a `scope(where=<module name>)`, and
+write the name into the autograd nodes the module creates, which the backward collectives read. Let's compare.
 """)
 code("""
 def one_step(sequence_parallel):
     torch.manual_seed(0)
     gpt = dl.tp.parallelize(GPT(CFG), sequence_parallel=sequence_parallel)
+    collectives.label_modules(gpt)         # where=<module name> on each collective, by hooks
     ids, targets = MarkovTokens(CFG.vocab, CFG.seq_len).batch(0, B)
     dl.tracer().clear()
     gpt.loss(ids, targets).backward()
+
+def inside(event, module):          # the event ran in `module` or one of its submodules
+    where = event.args.get("where", "")
+    return where == module or where.startswith(module + ".")
 
 T = 4
 tp_trace = dl.launch(one_step, world_size=T, args=(False,)).trace
@@ -153,11 +173,12 @@ message = B * S * H * 4                                   # fp32 activations: 4 
 print(f"predicted per layer: 2 x all_reduce({message} B) forward, 2 x all_reduce({message} B) backward")
 for i in range(L):
     for phase in ("forward", "backward"):
-        ev = [e for e in tp_trace.comms(rank=0) if e.args["where"].startswith(f"blocks.{i}.") and e.args["phase"] == phase]
-        print(f"measured  layer {i} {phase:8}: " + ", ".join(f"{e.name}({e.args['size']} B, op {e.args['operator']})" for e in ev))
+        ev = [e for e in tp_trace.comms(rank=0) if inside(e, f"blocks.{i}") and e.args.get("phase") == phase]
+        print(f"measured  layer {i} {phase:8}: " + ", ".join(
+            f"{e.name}({e.args['size']} B) by {e.args['operator']} in {e.args['where']}" for e in ev))
         assert [(e.name, e.args["size"]) for e in ev] == [("all_reduce", message)] * 2
 predicted = dl.theory.tp_volume(S, B, H, T, layers=L, bytes_per_element=4)
-measured = sum(e.sent for e in tp_trace.comms(rank=0) if e.args["where"].startswith("blocks."))
+measured = sum(e.sent for e in tp_trace.comms(rank=0) if inside(e, "blocks"))
 print(f"bytes sent by rank 0 inside the layers: predicted {predicted:.0f}, measured {measured}")
 assert measured == predicted
 """)
@@ -176,27 +197,39 @@ the sequence, so each rank can keep just **s/t of the tokens** there. The conjug
 
 An all-reduce *is* a reduce-scatter followed by an all-gather, so the bytes are the same; what changes is
 memory. (distlab also keeps only the sequence shard of each region's input for the backward and all-gathers it
-again there, as Megatron does: one extra all-gather per region, recorded as `sp_regather`. LayerNorm weights,
-now applied to different tokens on each rank, get their gradients all-reduced: `sp_param_grad`, h numbers each.)
+again there, as Megatron does: one extra all-gather per region in the backward of `GatheredLinears`, the
+*g* fused with the column linears in [linear.py](../distlab/parallel/tensor/linear.py). LayerNorm weights
+and the row bias, now applied to different tokens on each rank, get their gradients all-reduced by a
+gradient hook, `sync_replicated_grad`: h numbers each.)
 """)
 code("""
 sp_trace = dl.launch(one_step, world_size=T, args=(True,)).trace
 for phase in ("forward", "backward"):
-    ev = [e for e in sp_trace.comms(rank=0) if e.args["where"] == "blocks.0.attn" and e.args["phase"] == phase]
-    print(f"layer 0 attention {phase:8}: " + ", ".join(f"{e.name}[{e.args['operator']}]({e.args['size']} B)" for e in ev))
+    ev = [e for e in sp_trace.comms(rank=0) if inside(e, "blocks.0.attn") and e.args.get("phase") == phase]
+    print(f"layer 0 attention {phase:8}: "
+          + ", ".join(f"{e.name}[{e.args['operator']}]({e.args['size']} B)" for e in ev))
+
+def operator(e):                    # the lesson's name for the operator behind a recorded collective
+    by = e.args["operator"]
+    if by.startswith("GatheredLinears"):
+        return "SP regather" if (e.name, by) == ("all_gather", "GatheredLinears.backward") else "SP g"
+    if by.startswith("ReduceScatterToSequence"):
+        return "SP g-bar"
+    return {"CopyToRegion.backward": "f", "ReduceFromRegion.forward": "g",
+            "sync_replicated_grad.sum_over_group": "grad sum"}[by]
 
 def layer_bytes(trace, operators):
-    return sum(e.sent for e in trace.comms(rank=0) if e.args["where"].startswith("blocks.") and e.args["operator"] in operators)
+    return sum(e.sent for e in trace.comms(rank=0) if inside(e, "blocks") and operator(e) in operators)
 
 tp_bytes = layer_bytes(tp_trace, ("f", "g"))
-sp_bytes = layer_bytes(sp_trace, ("sp_gather", "sp_scatter"))
-regather = layer_bytes(sp_trace, ("sp_regather",))
+sp_bytes = layer_bytes(sp_trace, ("SP g", "SP g-bar"))
+regather = layer_bytes(sp_trace, ("SP regather",))
 print(f"TP all-reduces: {tp_bytes} B   SP all-gathers + reduce-scatters: {sp_bytes} B   (+ re-gathers {regather} B)")
 assert sp_bytes == tp_bytes == predicted
 assert regather == 2 * L * (T - 1) * message // T      # one all-gather of b*s*h per region, backward
 """)
 code("""
-ops = ["f", "g", "sp_gather", "sp_scatter", "sp_regather", "sp_param_grad"]
+ops = ["f", "g", "SP g", "SP g-bar", "SP regather", "grad sum"]
 fig, ax = plt.subplots(figsize=(8, 3.2))
 for k, (name, trace) in enumerate([("TP", tp_trace), ("TP + SP", sp_trace)]):
     left = 0
@@ -222,8 +255,9 @@ Korthikanti et al. count the bytes one layer keeps for the backward (16-bit acti
 Our tiny GPT has **no dropout** and runs in **fp32**, so we drop the dropout terms (two residual masks 2sbh,
 the attention-dropout mask a·s²·b and its output 2a·s²·b) and double the rest. That leaves
 sbh(16 + as/h) elements, TP: sbh(4 + 12/t + as/(ht)), TP+SP: sbh(16 + as/h)/t, times 4 bytes.
-We measure with **saved-tensor hooks**: every tensor autograd keeps for the backward of one block, each storage
-counted once, parameters excluded.
+We measure with **saved-tensor hooks** (`measure_layer` in [distlab/memory.py](../distlab/memory.py)): every
+tensor autograd keeps for the backward of one block, each storage counted once, parameters excluded. The
+prediction is `predicted_layer_bytes` in [distlab/theory/activations.py](../distlab/theory/activations.py).
 """)
 code("""
 def layer_memory(sequence_parallel):

@@ -2,11 +2,26 @@
 
 Reading order:
 
-    regions.py   Megatron's f and g (and the sequence-parallel pair) as small autograd Functions
-    linear.py    ColumnParallelLinear and RowParallelLinear
+    regions.py   Megatron's f and g and the sequence-parallel pair: small autograd Functions, the
+                 only places tensor parallelism talks
+    linear.py    ColumnParallelLinear and RowParallelLinear (and SP's gather fused into the column linears)
     layers.py    parallel attention and MLP: one region each
     vocab.py     vocabulary-parallel embedding and cross-entropy
-    gpt.py       parallelize(gpt): the whole model, in place
+    gpt.py       parallelize(gpt): the whole model
+
+The layers carry no trace labels: `distlab.parallel.collectives` records every collective, and
+``collectives.label_modules(model)`` names the modules from outside.
 """
-from .gpt import *  # noqa: F401,F403
-from .gpt import __all__  # noqa: F401
+from .gpt import TensorParallelGPT, full_grads, full_state_dict, gather_logits, parallelize
+from .layers import ParallelAttention, ParallelMLP
+from .linear import (ColumnParallelLinear, GatheredLinears, RowParallelLinear, check_divisible,
+                     sync_replicated_grad)
+from .regions import (copy_to_region, gather_from_sequence, gather_from_tensor, reduce_from_region,
+                      reduce_scatter_to_sequence, sequence_positions, split_to_tensor)
+from .vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelAttention",
+           "ParallelMLP", "TensorParallelGPT", "parallelize", "vocab_parallel_cross_entropy",
+           "full_state_dict", "full_grads", "gather_logits", "copy_to_region", "reduce_from_region",
+           "gather_from_sequence", "reduce_scatter_to_sequence", "gather_from_tensor", "split_to_tensor",
+           "sequence_positions", "GatheredLinears", "sync_replicated_grad", "check_divisible"]

@@ -6,7 +6,9 @@
     loss.backward()
     full = dl.tp.full_state_dict(gpt)                     # the full weights again, names unchanged
 
-What `parallelize` replaces (names stay the same, so state dicts line up with the plain GPT):
+`parallelize` builds a new module, `TensorParallelGPT`, that takes over the GPT's children (the GPT
+given is consumed: use the returned model) with these replaced (names stay the same, so state dicts
+line up with the plain GPT):
 
     tok              VocabParallelEmbedding         vocab rows split; g (or reduce-scatter under SP)
     blocks[i].attn   ParallelAttention              q, k, v column-parallel (heads split), proj row-parallel
@@ -25,74 +27,71 @@ import torch.nn as nn
 
 from ...models import GPT
 from .. import collectives as C
-from .linear import ColumnParallelLinear, RowParallelLinear, check_divisible, sync_replicated_grad
 from .layers import ParallelAttention, ParallelMLP
-from .regions import (copy_to_region, gather_from_sequence, gather_from_tensor, reduce_from_region,
-                     reduce_scatter_to_sequence, split_to_sequence, split_to_tensor)
+from .linear import ColumnParallelLinear, check_divisible, sync_replicated_grad
+from .regions import sequence_positions
 from .vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
-
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelAttention",
-           "ParallelMLP", "TensorParallelGPT", "parallelize", "vocab_parallel_cross_entropy", "full_state_dict",
-           "full_grads", "gather_logits", "copy_to_region", "reduce_from_region", "gather_from_sequence",
-           "reduce_scatter_to_sequence", "split_to_sequence", "gather_from_tensor", "split_to_tensor",
-           "check_divisible"]
 
 
 class TensorParallelGPT(GPT):
-    """A `GPT` after `parallelize`: the inherited ``forward`` returns this rank's vocabulary slice of the
-    logits, (b, s, V/t) for ids [vocab_start, vocab_start + V/t); ``loss`` never gathers them."""
+    """A `GPT` whose big matrices are this rank's shards: ``forward`` returns this rank's vocabulary
+    slice of the logits, (b, s, V/t) for ids [vocab_start, vocab_start + V/t); ``loss`` never gathers
+    them. Built by `parallelize` from a full GPT, whose modules it takes over."""
 
-    tp_group = None
-    sequence_parallel = False
+    def __init__(self, gpt: GPT, group=None, sequence_parallel: bool = False):
+        nn.Module.__init__(self)               # not GPT.__init__: that would build new full-size layers
+        t = C.group_size(group)
+        sp = sequence_parallel and t > 1
+        self.cfg, self.group, self.sequence_parallel = gpt.cfg, group, sp
+        for block in gpt.blocks:
+            block.attn = ParallelAttention.from_module(block.attn, group, sp)
+            block.mlp = ParallelMLP.from_module(block.mlp, group, sp)
+        self.tok = VocabParallelEmbedding.from_embedding(gpt.tok, group, sequence_parallel=sp)
+        self.pos, self.blocks, self.ln_f = gpt.pos, gpt.blocks, gpt.ln_f      # replicated
+        self.head = ColumnParallelLinear.from_linear(gpt.head, group, sequence_parallel=sp)
+        if self.cfg.tied:
+            self.head.weight = self.tok.weight         # the same row block of E on each rank
+        if sp:                                         # replicated, but applied to sequence shards
+            for ln in [self.ln_f, *(m for block in self.blocks for m in (block.ln1, block.ln2))]:
+                for p in ln.parameters():
+                    sync_replicated_grad(p, group)
+            sync_replicated_grad(self.pos.weight, group)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        s, t = ids.shape[1], C.group_size(self.tp_group)
-        positions = torch.arange(s, device=ids.device)
+        """Token + position embeddings, (b, s, h); under SP this rank's sequence shard, (b, s/t, h)."""
+        s = ids.shape[1]
         if self.sequence_parallel:
-            check_divisible("sequence length", s, t, "use a sequence length that is a multiple of the TP degree")
-            positions = positions.chunk(t)[C.group_rank(self.tp_group)]
-        return self.tok(ids) + self.pos(positions)
+            check_divisible("sequence length", s, C.group_size(self.group),
+                            "use a sequence length that is a multiple of the TP degree")
+            return self.tok(ids) + self.pos(sequence_positions(s, self.group, ids.device))
+        return self.tok(ids) + self.pos(torch.arange(s, device=ids.device))
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(ids)
-        per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(), self.tok.vocab_start,
-                                                 self.tp_group)
+        logits = self(ids)                                              # (b, s, V/t)
+        per_token = vocab_parallel_cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                                 self.tok.vocab_start, self.group)
         return per_token.mean()
 
 
 def parallelize(gpt: GPT, group=None, sequence_parallel: bool = False) -> TensorParallelGPT:
-    """Turn a full `distlab.models.GPT` into its tensor-parallel form over ``group`` (default: all ranks),
-    in place, and return it. Every rank must pass the same full weights (build with the same seed);
-    each keeps its shard. Raises ValueError when heads, hidden, vocab (or, with
-    ``sequence_parallel``, the sequence length) do not divide by the group size."""
+    """The tensor-parallel form of a full `distlab.models.GPT` over ``group`` (default: all ranks).
+
+    Every rank must pass the same full weights (build with the same seed); each keeps its shard. The
+    returned model takes over ``gpt``'s modules: use it, not ``gpt``. Raises ValueError when heads,
+    hidden, vocab (or, with ``sequence_parallel``, the sequence length) do not divide by the group size."""
     if not isinstance(gpt, GPT):
-        raise TypeError(f"parallelize expects a distlab.models.GPT, got {type(gpt).__name__}; for other models "
-                        "build from ColumnParallelLinear / RowParallelLinear yourself")
-    if isinstance(gpt, TensorParallelGPT):
-        raise ValueError("this GPT is already tensor-parallel; parallelize a fresh full GPT")
+        raise TypeError(f"parallelize expects a distlab.models.GPT, got {type(gpt).__name__}; for other "
+                        "models build from ColumnParallelLinear / RowParallelLinear yourself")
+    if isinstance(gpt, TensorParallelGPT) or any(isinstance(b.attn, ParallelAttention) for b in gpt.blocks):
+        raise ValueError("this GPT is already tensor-parallel (parallelize takes over its modules); "
+                         "parallelize a fresh full GPT")
     cfg, t = gpt.cfg, C.group_size(group)
     check_divisible("heads", cfg.heads, t, "build the model with GPTConfig(heads=...) a multiple of it")
     check_divisible("d_model", cfg.d_model, t, "choose GPTConfig(d_model=...) a multiple of it")
     check_divisible("vocab", cfg.vocab, t, "pad GPTConfig(vocab=...) to a multiple of it")
     if sequence_parallel:
         check_divisible("seq_len", cfg.seq_len, t, "choose GPTConfig(seq_len=...) a multiple of it")
-    sp = sequence_parallel and t > 1
-    for i, block in enumerate(gpt.blocks):
-        block.attn = ParallelAttention.from_module(block.attn, group, sp, where=f"blocks.{i}.attn")
-        block.mlp = ParallelMLP.from_module(block.mlp, group, sp, where=f"blocks.{i}.mlp")
-    tok = VocabParallelEmbedding.from_embedding(gpt.tok, group, sequence_parallel=sp, where="embedding")
-    head = ColumnParallelLinear.from_linear(gpt.head, group, sequence_parallel=sp, where="head")
-    if cfg.tied:
-        head.weight = tok.weight                   # the same row block of E on each rank
-    gpt.tok, gpt.head = tok, head
-    if sp:
-        replicated = [gpt.pos.weight, *gpt.ln_f.parameters()]
-        replicated += [p for block in gpt.blocks for ln in (block.ln1, block.ln2) for p in ln.parameters()]
-        for p in replicated:
-            sync_replicated_grad(p, group, where="sp_params")
-    gpt.__class__ = TensorParallelGPT
-    gpt.tp_group, gpt.sequence_parallel = group, sp
-    return gpt
+    return TensorParallelGPT(gpt, group, sequence_parallel)
 
 
 def _gather_full(model: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
@@ -106,7 +105,7 @@ def _gather_full(model: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
             if value is None:
                 continue
             if p_name in dims:
-                value = C.all_gather(value, dims[p_name], group, phase="gather_full", operator="gather_full")
+                value = C.all_gather(value, dims[p_name], group)
             out[name] = value.detach().clone()
     return out
 
@@ -122,5 +121,5 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def gather_logits(logits: torch.Tensor, group=None) -> torch.Tensor:
-    """All-gather vocabulary-split logits (b, s, V/t) into the full (b, s, V) (for checks, not for the loss)."""
-    return C.all_gather(logits.detach(), -1, group, phase="gather_full", operator="gather_full")
+    """All-gather vocabulary-split logits (b, s, V/t) into the full (b, s, V) (for checks, not the loss)."""
+    return C.all_gather(logits.detach(), -1, group)

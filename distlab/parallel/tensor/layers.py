@@ -4,15 +4,15 @@
                        softmax(Q_i K_i^T / sqrt(d)) V_i  on my heads only, no communication
                        ─> Y_i W_o,i  (row) ─g─> sum over ranks + b_o
 
-    MLP:        X ─f─> GeLU(X W_fc,i + b_fc,i)  (column: 4h/t per rank) ─> . W_proj,i (row) ─g─> + b_proj
+    MLP:        X ─f─> GeLU(X W_fc,i + b_fc,i)  (column: 4h/t per rank)
+                       ─> . W_proj,i (row) ─g─> + b_proj
 
 q, k and v share one f (one all-reduce of dL/dX in the backward, as Megatron's fused QKV does), so
 each region costs exactly one all-reduce forward (g) and one backward (f). Under sequence
 parallelism f/g become all-gather/reduce-scatter along the sequence (`regions`), and the shared
-entry saves only the sequence shard of X for the backward (`regions.GatheredLinears`).
+entry saves only the sequence shard of X for the backward (`linear.GatheredLinears`).
 """
 from __future__ import annotations
-
 
 import torch
 import torch.nn as nn
@@ -21,38 +21,37 @@ import torch.nn.functional as F
 from ...models import causal_attention
 from .. import collectives as C
 from . import regions as ops
-from .linear import ColumnParallelLinear, RowParallelLinear, check_divisible
+from .linear import ColumnParallelLinear, RowParallelLinear, check_divisible, gathered_linears
 
 
 class ParallelAttention(nn.Module):
     """Causal self-attention with heads split over the group: a/t heads per rank."""
 
     def __init__(self, q: ColumnParallelLinear, k: ColumnParallelLinear, v: ColumnParallelLinear,
-                 proj: RowParallelLinear, head_dim: int, group=None, sequence_parallel: bool = False,
-                 where: str | None = None):
+                 proj: RowParallelLinear, head_dim: int, group=None, sequence_parallel: bool = False):
         super().__init__()
         self.q, self.k, self.v, self.proj = q, k, v, proj
-        self.head_dim, self.group, self.where = head_dim, group, where
+        self.head_dim, self.group = head_dim, group
         self.sequence_parallel = sequence_parallel and C.group_size(group) > 1
 
     @classmethod
-    def from_module(cls, attn: nn.Module, group=None, sequence_parallel: bool = False,
-                    where: str | None = None) -> "ParallelAttention":
+    def from_module(cls, attn: nn.Module, group=None, sequence_parallel: bool = False) -> "ParallelAttention":
         """Shard a `distlab.models.CausalSelfAttention` (q, k, v, proj linears) by heads."""
         t = C.group_size(group)
         heads = attn.q.out_features // attn.head_dim
-        check_divisible("heads", heads, t, "build the model with GPTConfig(heads=...) a multiple of the TP degree")
-        col = dict(group=group, sequence_parallel=sequence_parallel, where=where)
-        return cls(*(ColumnParallelLinear.from_linear(lin, **col) for lin in (attn.q, attn.k, attn.v)),
-                   RowParallelLinear.from_linear(attn.proj, **col), attn.head_dim, group, sequence_parallel, where)
+        check_divisible("heads", heads, t, "build the model with GPTConfig(heads=...) a multiple of the TP "
+                        "degree")
+        kw = dict(group=group, sequence_parallel=sequence_parallel)
+        return cls(*(ColumnParallelLinear.from_linear(lin, **kw) for lin in (attn.q, attn.k, attn.v)),
+                   RowParallelLinear.from_linear(attn.proj, **kw), attn.head_dim, group, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            q, k, v = ops.gathered_linears(x, [self.q, self.k, self.v], self.group, self.where)
+            q, k, v = gathered_linears(x, [self.q, self.k, self.v], self.group)   # (b, s/t, h) in
         else:
-            x = ops.copy_to_region(x, self.group, self.where)
+            x = ops.copy_to_region(x, self.group)
             q, k, v = (F.linear(x, lin.weight, lin.bias) for lin in (self.q, self.k, self.v))
-        return self.proj(causal_attention(q, k, v, self.head_dim))     # on this rank's heads only
+        return self.proj(causal_attention(q, k, v, self.head_dim))     # (b, s, h/t): my heads only
 
 
 class ParallelMLP(nn.Module):
@@ -63,13 +62,13 @@ class ParallelMLP(nn.Module):
         self.fc, self.proj = fc, proj
 
     @classmethod
-    def from_module(cls, mlp: nn.Module, group=None, sequence_parallel: bool = False,
-                    where: str | None = None) -> "ParallelMLP":
+    def from_module(cls, mlp: nn.Module, group=None, sequence_parallel: bool = False) -> "ParallelMLP":
         """Shard a `distlab.models.FeedForward` (fc, proj linears) by its hidden features."""
         check_divisible("mlp hidden size", mlp.fc.out_features, C.group_size(group),
                         "change GPTConfig.d_model or mlp_ratio")
-        kw = dict(group=group, sequence_parallel=sequence_parallel, where=where)
-        return cls(ColumnParallelLinear.from_linear(mlp.fc, **kw), RowParallelLinear.from_linear(mlp.proj, **kw))
+        kw = dict(group=group, sequence_parallel=sequence_parallel)
+        return cls(ColumnParallelLinear.from_linear(mlp.fc, **kw),
+                   RowParallelLinear.from_linear(mlp.proj, **kw))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))

@@ -16,8 +16,8 @@ nn.Linear computes Y = X W^T + b with W of shape (out, in). Over t ranks:
 
 Column then row needs no communication in between: the column layer's output slice is exactly the
 row layer's input slice. With ``sequence_parallel=True`` the column layer's f becomes an all-gather
-along the sequence and the row layer's g a reduce-scatter (see `regions`); the row bias then acts on
-sequence shards, so its gradient is all-reduced over the group.
+along the sequence, fused with the linear (`GatheredLinears`), and the row layer's g a reduce-scatter
+(see `regions`); the row bias then acts on sequence shards, so its gradient is all-reduced.
 """
 from __future__ import annotations
 
@@ -28,7 +28,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import collectives as C
+from ..weight_grads import DEFERS_WEIGHT_GRAD, WeightGradStore
 from . import regions as ops
+from .regions import SEQ_DIM
 
 
 def check_divisible(what: str, size: int, t: int, fix: str = "") -> None:
@@ -40,15 +42,72 @@ def check_divisible(what: str, size: int, t: int, fix: str = "") -> None:
                          + (f" or {fix}" if fix else "") + ".")
 
 
-def sync_replicated_grad(param: nn.Parameter, group, where: str | None) -> None:
+def sync_replicated_grad(param: nn.Parameter, group) -> None:
     """Sum ``param``'s gradient over the group as it is produced: for parameters replicated across the
     TP group but applied to sequence shards (LayerNorm, row-parallel bias under SP), each rank's
     gradient covers only its tokens (Korthikanti et al. 2022, Sec. 4.2.2)."""
     if C.group_size(group) == 1 or getattr(param, "sequence_parallel", False):
         return
     param.sequence_parallel = True
-    param.register_hook(lambda g: C.all_reduce(g.clone(), group, phase="backward",
-                                               operator="sp_param_grad", where=where))
+
+    def sum_over_group(grad: torch.Tensor) -> torch.Tensor:
+        return C.all_reduce(grad.clone(), group)
+    param.register_hook(sum_over_group)
+
+
+class GatheredLinears(torch.autograd.Function):
+    """Sequence-parallel g fused with the column-parallel linears after it, saving only the shard.
+
+        forward   x_shard (b, s/t, h) ──all-gather──> X (b, s, h) ──> Y_j = X W_j^T + b_j (b, s, out_j/t)
+        backward  all-gather X again (the "regather"), dW_j = dY_j^T X, db_j = sum dY_j,
+                  dX = sum_j dY_j W_j ──reduce-scatter──> (b, s/t, h)
+
+    (attention's q, k, v share one gather.)
+
+    Saving the shard (sbh/t) rather than X (sbh) is how Korthikanti et al. 2022 (Sec. 4.2.2) reach
+    activation memory sbh(34 + 5as/h)/t, for one extra all-gather per region in the backward.
+
+    Under a zero-bubble schedule the backward computes dX only, on the critical path (I), and hands
+    dW_j = dY_j^T X, db_j = sum dY_j to the active `WeightGradStore` for the W pass, keeping the
+    gathered X and dY_j alive until then (the memory zero bubble trades for its smaller bubble).
+    """
+
+    @staticmethod
+    def forward(ctx, x_shard, group, *weights_and_biases):
+        ctx.group, ctx.params = group, weights_and_biases    # (w_1, b_1 or None, w_2, ...)
+        x = C.all_gather(x_shard, SEQ_DIM, group)
+        ctx.save_for_backward(x_shard)
+        return tuple(F.linear(x, w, b) for w, b in zip(weights_and_biases[::2], weights_and_biases[1::2]))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (x_shard,) = ctx.saved_tensors
+        x = C.all_gather(x_shard, SEQ_DIM, ctx.group)         # (b, s, h) again
+        x2d = x.reshape(-1, x.shape[-1])
+        g2ds = [g.reshape(-1, g.shape[-1]) for g in grads]     # dY_j: (b s, out_j/t)
+        grad_x = sum(g2d @ w for g2d, w in zip(g2ds, ctx.params[::2]))             # (b s, h)
+        grad_x = C.reduce_scatter(grad_x.view(x.shape), SEQ_DIM, ctx.group)
+
+        def weight_grads() -> list:                                                 # [dW_1, db_1, dW_2, ...]
+            return [g for g2d, b in zip(g2ds, ctx.params[1::2])
+                    for g in (g2d.t() @ x2d, g2d.sum(0) if b is not None else None)]
+
+        store = WeightGradStore.current()
+        if store is None:
+            return (grad_x, None, *weight_grads())
+        store.defer(list(ctx.params), weight_grads)
+        return (grad_x, None, *[None] * len(ctx.params))
+
+
+def gathered_linears(x_shard: torch.Tensor, linears: list, group=None) -> tuple:
+    """All-gather ``x_shard`` along the sequence, apply each linear's (weight, bias); save the shard only."""
+    flat = [t for lin in linears for t in (lin.weight, lin.bias)]
+    if C.group_size(group) == 1:
+        return tuple(F.linear(x_shard, w, b) for w, b in zip(flat[::2], flat[1::2]))
+    for t in flat:
+        if t is not None:
+            setattr(t, DEFERS_WEIGHT_GRAD, True)            # zero bubble: its W comes from the store
+    return GatheredLinears.apply(x_shard, group, *flat)
 
 
 def _init_like_linear(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -> None:
@@ -66,13 +125,13 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_f: int, out_f: int, bias: bool = True, gather_output: bool = False, group=None,
-                 sequence_parallel: bool = False, where: str | None = None, device=None, dtype=None):
+                 sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         t = C.group_size(group)
         check_divisible("out_features", out_f, t, "choose out_features divisible by the TP degree")
         self.in_features, self.out_features, self.tp = in_f, out_f, t
         self.gather_output, self.group = gather_output, group
-        self.sequence_parallel, self.where = sequence_parallel and t > 1, where
+        self.sequence_parallel = sequence_parallel and t > 1
         kw = dict(device=device, dtype=dtype)
         self.weight = nn.Parameter(torch.empty(out_f // t, in_f, **kw))
         self.bias = nn.Parameter(torch.empty(out_f // t, **kw)) if bias else None
@@ -83,11 +142,10 @@ class ColumnParallelLinear(nn.Module):
         """This rank's row block of a full ``nn.Linear`` (same outputs as the slice of ``linear``)."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
                     device=linear.weight.device, dtype=linear.weight.dtype, **kw)
-        r, rows = C.group_rank(group), layer.weight.shape[0]
         with torch.no_grad():
-            layer.weight.copy_(linear.weight[r * rows:(r + 1) * rows])
+            layer.weight.copy_(C.split(linear.weight, 0, group))
             if layer.bias is not None:
-                layer.bias.copy_(linear.bias[r * rows:(r + 1) * rows])
+                layer.bias.copy_(C.split(linear.bias, 0, group))
         return layer
 
     @property
@@ -97,15 +155,14 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            (y,) = ops.gathered_linears(x, [self], self.group, self.where)
+            (y,) = gathered_linears(x, [self], self.group)      # (b, s/t, in) -> (b, s, out/t)
         else:
-            y = F.linear(ops.copy_to_region(x, self.group, self.where), self.weight, self.bias)
-        return ops.gather_from_tensor(y, self.group, self.where) if self.gather_output else y
+            y = F.linear(ops.copy_to_region(x, self.group), self.weight, self.bias)
+        return ops.gather_from_tensor(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (this rank: "
-                f"{self.weight.shape[0]}), tp={self.tp}, gather_output={self.gather_output}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"{self.weight.shape[0]}), tp={self.tp}, sequence_parallel={self.sequence_parallel}")
 
 
 class RowParallelLinear(nn.Module):
@@ -116,28 +173,27 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, in_f: int, out_f: int, bias: bool = True, input_is_parallel: bool = True, group=None,
-                 sequence_parallel: bool = False, where: str | None = None, device=None, dtype=None):
+                 sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         t = C.group_size(group)
         check_divisible("in_features", in_f, t, "choose in_features divisible by the TP degree")
         self.in_features, self.out_features, self.tp = in_f, out_f, t
         self.input_is_parallel, self.group = input_is_parallel, group
-        self.sequence_parallel, self.where = sequence_parallel and t > 1, where
+        self.sequence_parallel = sequence_parallel and t > 1
         kw = dict(device=device, dtype=dtype)
         self.weight = nn.Parameter(torch.empty(out_f, in_f // t, **kw))
         self.bias = nn.Parameter(torch.empty(out_f, **kw)) if bias else None
         _init_like_linear(self.weight.data, None if self.bias is None else self.bias.data, in_f)
         if self.bias is not None and self.sequence_parallel:
-            sync_replicated_grad(self.bias, group, where)
+            sync_replicated_grad(self.bias, group)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, **kw) -> "RowParallelLinear":
         """This rank's column block of a full ``nn.Linear``; the bias is replicated."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
                     device=linear.weight.device, dtype=linear.weight.dtype, **kw)
-        r, cols = C.group_rank(group), layer.weight.shape[1]
         with torch.no_grad():
-            layer.weight.copy_(linear.weight[:, r * cols:(r + 1) * cols])
+            layer.weight.copy_(C.split(linear.weight, 1, group))
             if layer.bias is not None:
                 layer.bias.copy_(linear.bias)
         return layer
@@ -148,15 +204,14 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
-            x = ops.split_to_tensor(x, self.group, self.where)
-        partial = F.linear(x, self.weight)
+            x = ops.split_to_tensor(x, self.group)
+        partial = F.linear(x, self.weight)                     # (b, s, out): my share of the sum
         if self.sequence_parallel:
-            z = ops.reduce_scatter_to_sequence(partial, self.group, self.where)
+            z = ops.reduce_scatter_to_sequence(partial, self.group)   # (b, s/t, out)
         else:
-            z = ops.reduce_from_region(partial, self.group, self.where)
+            z = ops.reduce_from_region(partial, self.group)
         return z if self.bias is None else z + self.bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (this rank: {self.weight.shape[1]}), "
-                f"out_features={self.out_features}, tp={self.tp}, input_is_parallel={self.input_is_parallel}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"out_features={self.out_features}, tp={self.tp}, sequence_parallel={self.sequence_parallel}")

@@ -34,12 +34,12 @@ class VocabParallelEmbedding(nn.Module):
     """nn.Embedding with its rows (the vocabulary) split over the group."""
 
     def __init__(self, num_embeddings: int, dim: int, group=None, sequence_parallel: bool = False,
-                 where: str | None = None, device=None, dtype=None):
+                 device=None, dtype=None):
         super().__init__()
         t = C.group_size(group)
         check_divisible("vocab", num_embeddings, t, "pad the vocabulary to a multiple of the TP degree")
         self.num_embeddings, self.dim, self.group, self.tp = num_embeddings, dim, group, t
-        self.sequence_parallel, self.where = sequence_parallel and t > 1, where
+        self.sequence_parallel = sequence_parallel and t > 1
         per_rank = num_embeddings // t
         self.vocab_start = C.group_rank(group) * per_rank
         self.vocab_end = self.vocab_start + per_rank
@@ -62,8 +62,8 @@ class VocabParallelEmbedding(nn.Module):
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         partial = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
-            return ops.reduce_scatter_to_sequence(partial, self.group, self.where)
-        return ops.reduce_from_region(partial, self.group, self.where)
+            return ops.reduce_scatter_to_sequence(partial, self.group)     # (b, s/t, h)
+        return ops.reduce_from_region(partial, self.group)                  # (b, s, h)
 
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.dim}, this rank: ids [{self.vocab_start}, {self.vocab_end}), "
@@ -72,17 +72,16 @@ class VocabParallelEmbedding(nn.Module):
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start, group, where):
-        tag = dict(phase="forward", operator="vocab_ce", where=where)
-        z = logits.float()
-        m = C.all_reduce(z.max(dim=-1).values, group, op="max", **tag)
+    def forward(ctx, logits, targets, vocab_start, group):
+        z = logits.float()                                        # (N, V/t)
+        m = C.all_reduce(z.max(dim=-1).values, group, op="max")  # (N,)
         shifted = z - m.unsqueeze(-1)
         owned = (targets >= vocab_start) & (targets < vocab_start + z.shape[-1])
         local_target = (targets - vocab_start).masked_fill(~owned, 0)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
-        target_logit = C.all_reduce(target_logit, group, **tag)
+        target_logit = C.all_reduce(target_logit, group)
         exp = shifted.exp()
-        sum_exp = C.all_reduce(exp.sum(dim=-1), group, **tag)
+        sum_exp = C.all_reduce(exp.sum(dim=-1), group)
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), owned, local_target)
         ctx.dtype = logits.dtype
         return sum_exp.log() - target_logit
@@ -92,13 +91,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, owned, local_target = ctx.saved_tensors
         grad = softmax.clone()
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -owned.to(grad.dtype).unsqueeze(-1))
-        return (grad * grad_loss.unsqueeze(-1)).to(ctx.dtype), None, None, None, None
+        return (grad * grad_loss.unsqueeze(-1)).to(ctx.dtype), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group=None,
-                                 where: str | None = "loss") -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
+                                 group=None) -> torch.Tensor:
     """Per-token cross-entropy from logits split by vocabulary: ``logits`` (N, V/t) holds ids
     [vocab_start, vocab_start + V/t); ``targets`` (N,) are global ids. Returns (N,) losses."""
     if C.group_size(group) == 1:
         return F.cross_entropy(logits, targets, reduction="none")
-    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group, where)
+    return _VocabParallelCrossEntropy.apply(logits, targets, vocab_start, group)
