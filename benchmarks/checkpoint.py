@@ -36,9 +36,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import distlab as dl  # noqa: E402
 from _results import default_out, machine_facts, write  # noqa: E402
-from distlab.checkpoint import store, training  # noqa: E402
+from distlab.checkpoint import state, store  # noqa: E402
 from distlab.models import PRESETS, build, dataset_for  # noqa: E402
-from distlab.strategies.base import TrainSpec  # noqa: E402
 
 SIDES = ("distlab", "torch DCP")
 
@@ -51,16 +50,16 @@ def _train_one_step(model, optimizer, x, y) -> None:
 
 class DistlabSide:
     def __init__(self, model_name: str, seed: int, lr: float):
-        self.spec = TrainSpec("zero3", model=model_name, seed=seed, lr=lr)
         self.gpt = build(model_name, seed).to(dl.device())
         self.zero = dl.ZeRO(self.gpt, stage=3, optim=torch.optim.AdamW, lr=lr)
         self.model, self.optimizer = self.zero, self.zero.optimizer
+        self.state = state.flat_shard_state(self.gpt, self.optimizer, keeps_history=True)   # what dl.train saves
 
     def snapshot(self) -> list[torch.Tensor]:
         return [s.detach().clone() for s in self.optimizer.shards]
 
     def save(self, directory: str) -> None:
-        own, replicated = training.capture(self.spec, self.gpt, self.zero, self.optimizer, [])
+        own, replicated = self.state.capture()
         store.save(directory, 1, own, replicated=replicated)
 
     def scramble(self) -> None:
@@ -69,7 +68,7 @@ class DistlabSide:
                 s.zero_()
 
     def load(self, directory: str) -> None:
-        training.restore(self.spec, self.gpt, self.zero, self.optimizer, store.load(directory, 1))
+        self.state.restore(store.load(directory, 1))
 
 
 class TorchSide:

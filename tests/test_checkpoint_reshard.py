@@ -5,7 +5,7 @@ import torch
 
 import distlab as dl
 from distlab.checkpoint import reshard
-from distlab.checkpoint.training import Checkpointer, capture
+from distlab.checkpoint.training import Checkpointer
 from distlab.strategies.base import TrainSpec, build_model
 
 # (saved strategy, its world size) -> (resuming strategy, its world size), precision
@@ -22,23 +22,25 @@ PAIRS = [
 def _restore_and_capture(strategy: str, precision: str, directory: str) -> dict:
     """On each rank: build `strategy`'s model and optimizer, resume from ``directory``, and return
     what a checkpoint would save right now."""
-    from distlab.strategies.data_parallel import _wrap
+    from distlab.strategies.data_parallel import _wrap, rank_state
     spec = TrainSpec(strategy, global_batch=12, precision=precision,
                      options={"checkpoint_dir": directory, "resume": True, "bucket_mb": 0.1})
     model = build_model(spec)
     if precision == "bf16-mixed":
         model = model.to(torch.bfloat16)
     wrapped, opt, _ = _wrap(spec, model)
-    _, losses = Checkpointer(spec).resume(model, wrapped, opt)
-    own, replicated = capture(spec, model, wrapped, opt, losses)
+    state = rank_state(model, opt, keeps_history=dl.rank() == 0)
+    _, losses = Checkpointer(spec, state).resume()
+    own, replicated = state.capture()
     if hasattr(wrapped, "comm"):
         wrapped.comm.close()
-    return {"own": own, "replicated": replicated}
+    own = {**own, "losses": torch.tensor(losses, dtype=torch.float64)}
+    return {"own": own, "replicated": replicated, "format": state.format}
 
 
-def _logical_of_run(results: list[dict], strategy: str) -> dict:
-    shared = results[0]["replicated"]              # replicated state: identical, saved by rank 0
-    return reshard.logical_state([{**r["own"], **shared} for r in results], strategy)
+def _logical_of_run(results: list[dict]) -> dict:
+    shared = results[0]["replicated"] or {}        # replicated state: identical, saved by rank 0
+    return reshard.logical_state([{**r["own"], **shared} for r in results], results[0]["format"])
 
 
 def _assert_same_logical(a: dict, b: dict):
@@ -67,7 +69,7 @@ def test_reshard_restores_the_exact_logical_state(saved, resumed, precision, tmp
     assert bool(before["masters"]) == (precision == "bf16-mixed")
     results = dl.launch(_restore_and_capture, world_size=r_world, args=(r_name, precision, str(tmp_path)),
                         output="quiet").results
-    after = _logical_of_run(results, r_name)
+    after = _logical_of_run(results)
     _assert_same_logical(before, after)
     if r_name.startswith("zero"):                   # and the new shards really are 1/M of each bucket
         elements = [sum(t.numel() for t in r["own"]["optimizer"]["optimizer"]["state"][0].values()

@@ -34,15 +34,9 @@ import torch
 
 from . import store
 
-PER_RANK = ("zero1", "zero2", "zero3")         # optimizer state in per-rank shards, cut by a layout
-REPLICATED = ("single", "ddp")                 # optimizer state whole, on rank 0
-DATA_PARALLEL = REPLICATED + PER_RANK
-
-
-def reshardable(strategy: str) -> bool:
-    """Whether a run of ``strategy`` can be consolidated and cut again (every built-in one can)."""
-    return (strategy in DATA_PARALLEL or strategy in ("tp", "tp-sp") or strategy.startswith("pp-")
-            or strategy.startswith("3d"))
+# how a checkpoint's ranks saved their state (see `distlab.checkpoint.state`): one whole copy, flat
+# ZeRO shards with their bucket layout, or model-parallel tensors with where they sit in the model
+FORMATS = ("replicated", "flat-shards", "model-parallel")
 
 
 def describe(full_model, params: list, held) -> list[dict]:
@@ -75,21 +69,26 @@ def bucket_layout(bucket, names_by_id: dict[int, str]) -> dict:
 def consolidate(directory, step: int | str = "latest") -> dict:
     """The logical (layout-free) state of a checkpoint; reads every rank's file."""
     info = store.manifest(directory, step)
-    strategy = info["meta"].get("strategy")
-    if not reshardable(strategy):
-        raise store.CheckpointError(f"checkpoint step {info['step']} in {directory} was saved by {strategy!r}, "
-                                    f"which cannot be resharded: resume it with the same strategy and world_size")
-    return {"step": info["step"], **logical_state(store.load_all(directory, info["step"]), strategy)}
+    fmt = info["meta"].get("format")
+    if fmt not in FORMATS:
+        raise store.CheckpointError(f"checkpoint step {info['step']} in {directory} records no known format "
+                                    f"({fmt!r}; saved by {info['meta'].get('strategy')!r}), so it cannot be "
+                                    f"resharded: resume it with the same strategy and world_size")
+    logical = logical_state(store.load_all(directory, info["step"]), fmt)
+    return {"step": info["step"], "strategy": info["meta"].get("strategy"), **logical}
 
 
-def logical_state(ranks: list[dict], strategy: str) -> dict:
-    """The logical state from every rank's saved state (its own merged with its replicated state)."""
-    if strategy not in DATA_PARALLEL:
-        return {"strategy": strategy, "world_size": len(ranks), **_from_model_parallel(ranks)}
-    out = {"strategy": strategy, "world_size": len(ranks),
-           "losses": sum(r["losses"] for r in ranks)}           # each rank saved its weighted share
-    out.update(_from_replicated(ranks[0]) if strategy in REPLICATED else _from_shards(ranks, strategy))
-    return out
+def logical_state(ranks: list[dict], fmt: str) -> dict:
+    """The logical state from every rank's saved state (its own merged with its replicated state),
+    saved in format ``fmt`` (one of `FORMATS`)."""
+    if fmt == "model-parallel":
+        out = _from_model_parallel(ranks)
+    elif fmt == "replicated":
+        out = _from_replicated(ranks[0])
+    else:
+        out = _from_shards(ranks)
+    losses = sum(r["losses"] * r.get("loss_weight", 1) for r in ranks)   # the ranks whose history counts
+    return {"world_size": len(ranks), **out, "losses": losses}
 
 
 def _from_model_parallel(ranks: list[dict]) -> dict:
@@ -115,8 +114,7 @@ def _from_model_parallel(ranks: list[dict]) -> dict:
                                  if torch.is_tensor(val) and val.dim() > 0 and val.shape == value.shape
                                  else val.clone() if torch.is_tensor(val) else val)   # a scalar ("step")
                            for key, val in first_state.items()}
-    losses = sum(r["losses"] * r["loss_weight"] for r in ranks)   # the ranks whose history counts once
-    return {"params": params, "buffers": {}, "optimizer": optimizer, "masters": {}, "losses": losses}
+    return {"params": params, "buffers": {}, "optimizer": optimizer, "masters": {}}
 
 
 def _local_parameters(ranks: list[dict]):
@@ -147,19 +145,20 @@ def _from_replicated(state: dict) -> dict:
             "masters": dict(zip(names, state.get("masters", [])))}
 
 
-def _from_shards(ranks: list[dict], strategy: str) -> dict:
+def _from_shards(ranks: list[dict]) -> dict:
     if "layout" not in ranks[0]:
         raise store.CheckpointError("this ZeRO checkpoint records no bucket layout (saved by an older distlab): "
                                     "resume it with the same world_size")
     layout = ranks[0]["layout"]
+    sharded_params = "params" in ranks[0]                  # ZeRO-3: the parameters were saved as shards too
     params, masters = {}, {}
     optimizer = _optimizer_from_shards([r["optimizer"]["optimizer"]["state"] for r in ranks], layout)
     for b, lay in enumerate(layout):
-        if strategy == "zero3":
+        if sharded_params:
             params.update(_cut(torch.cat([r["params"][b] for r in ranks]), lay))
         if ranks[0]["masters"]:
             masters.update(_cut(torch.cat([r["masters"][b] for r in ranks]), lay))
-    if strategy != "zero3":
+    if not sharded_params:
         model = ranks[0]["model"]
         names = [n for lay in layout for n in lay["names"]]
         params = {n: model[n] for n in names}
@@ -232,8 +231,22 @@ def restore_model_parallel(layout: list[dict], held, opt, logical: dict) -> None
 
 
 @torch.no_grad()
-def restore(spec, model, opt, logical: dict) -> None:
-    """Put a `consolidate`d state into this rank's model and optimizer, cut for this run's layout."""
+def restore_replicated(model, opt, logical: dict) -> None:
+    """Put a `consolidate`d state into a model and a whole optimizer (``opt.optimizer``, ``opt.params``,
+    fp32 ``opt.masters`` when ``opt.mixed``), the same on every rank."""
+    names_by_id = _check_names(model, logical)
+    _restore_local(model, opt, logical, names_by_id)
+
+
+@torch.no_grad()
+def restore_flat_shards(model, opt, logical: dict) -> None:
+    """Put a `consolidate`d state into this rank's shards of a `ShardedOptimizer`'s flat buckets."""
+    names_by_id = _check_names(model, logical)
+    _restore_sharded(opt, logical, names_by_id)
+
+
+def _check_names(model, logical: dict) -> dict[int, str]:
+    """Parameter names by id; copies the buffers; refuses a checkpoint of another model."""
     names_by_id = {id(p): n for n, p in model.named_parameters()}
     missing = set(names_by_id.values()) - set(logical["params"])
     if missing:
@@ -242,10 +255,7 @@ def restore(spec, model, opt, logical: dict) -> None:
     for name, buf in model.named_buffers():
         if name in logical["buffers"]:                          # (non-persistent buffers are not saved)
             buf.copy_(logical["buffers"][name])
-    if spec.strategy in REPLICATED:
-        _restore_local(model, opt, logical, names_by_id)
-    else:
-        _restore_sharded(opt, logical, names_by_id)
+    return names_by_id
 
 
 def _restore_local(model, opt, logical: dict, names_by_id: dict) -> None:

@@ -11,6 +11,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -136,15 +137,16 @@ def microbatch_count(requested: int | None, rows: int, p: int, schedule: str, wh
     return m
 
 
-def clip_to_norm(params, squared_norm: torch.Tensor, max_norm: float) -> float:
-    """Scale every gradient by min(1, max_norm / ||g||) given the global ``squared_norm``; returns ||g||.
-
-    ``torch.nn.utils.clip_grad_norm_``'s rule; each strategy sums ``squared_norm`` over its own shards
-    and groups first, since no rank sees the whole gradient.
-    """
-    norm = squared_norm.sqrt()
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(coef)
-    return float(norm)
+def gather_params(mine: dict[str, torch.Tensor], order: list[str]) -> dict[str, torch.Tensor] | None:
+    """The full model's parameters on rank 0 (None elsewhere), in ``order``: every rank sends ``mine``
+    (the full-size tensors it holds, name -> tensor; ``{}`` from ranks whose copies another rank sends)."""
+    mine = {n: t.detach().cpu().clone() for n, t in mine.items()}
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+    else:
+        gathered = [mine]
+    if gathered is None:
+        return None
+    merged = {k: v for part in gathered for k, v in part.items()}
+    return {n: merged[n] for n in order if n in merged}
