@@ -78,7 +78,7 @@ class GPTStage(nn.Module):
         self.has_embed, self.has_head = first == 0, last == layers + 2
         if self.has_embed:
             self.tok, self.pos = gpt.tok, gpt.pos
-            self._embed = gpt.embed                  # a bound method, not a child module: gpt stays unregistered
+            self._embed = gpt.embed      # a bound method, not a child module: gpt is not registered
         self.block_ids = list(range(max(first, 1) - 1, min(last, layers + 1) - 1))
         self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in self.block_ids})
         if self.has_head:
