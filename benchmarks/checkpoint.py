@@ -53,7 +53,8 @@ class DistlabSide:
         self.gpt = build(model_name, seed).to(dl.device())
         self.zero = dl.ZeRO(self.gpt, stage=3, optim=torch.optim.AdamW, lr=lr)
         self.model, self.optimizer = self.zero, self.zero.optimizer
-        self.state = state.flat_shard_state(self.gpt, self.optimizer, keeps_history=True)   # what dl.train saves
+        # what dl.train saves for ZeRO: the flat shards and their layout
+        self.state = state.flat_shard_state(self.gpt, self.optimizer, keeps_history=True)
 
     def snapshot(self) -> list[torch.Tensor]:
         return [s.detach().clone() for s in self.optimizer.shards]
@@ -100,7 +101,8 @@ class TorchSide:
         model_state, optim_state = get_state_dict(self.gpt, self.optimizer)
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=directory)
-        set_state_dict(self.gpt, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.gpt, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
 
 
 def _timed(fn) -> float:
@@ -194,7 +196,8 @@ def main(argv=None):
             if not all(row[name]["loaded_equal"] for name in SIDES):
                 raise SystemExit("a load did not restore what was saved: the timings would mean nothing")
     meta = {**machine_facts(started, backend), "model": a.model, "repeats": a.repeats, "dtype": "float32",
-            "optimizer": "AdamW", "statistic": "median over repeats of the slowest rank's time, barrier to barrier",
+            "optimizer": "AdamW",
+            "statistic": "median over repeats of the slowest rank's time, barrier to barrier",
             "bytes": "all files of one checkpoint on disk"}
     write(a.out, {"meta": meta, "results": rows}, lambda png: plot(rows, png, a.model))
 

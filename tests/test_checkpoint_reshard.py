@@ -104,7 +104,8 @@ MP = dict(model="gpt-small", global_batch=8)
 def test_model_parallel_checkpoint_consolidates_to_the_full_model(strategy, world, tmp_path):
     """Every rank's blocks and stages, joined by the layout each rank saved, are the full model that
     the run itself gathers at the end, bit for bit; the loss history counts each step once."""
-    report = dl.train(strategy, world_size=world, steps=2, checkpoint_dir=str(tmp_path), checkpoint_every=2, **MP)
+    report = dl.train(strategy, world_size=world, steps=2, checkpoint_dir=str(tmp_path), checkpoint_every=2,
+                      **MP)
     full = reshard.consolidate(tmp_path)
     assert full["params"].keys() == report.params.keys()
     assert all(torch.equal(full["params"][k], v) for k, v in report.params.items())
@@ -124,9 +125,10 @@ def test_resume_across_parallel_layouts(saved, resumed, tmp_path):
     reference = dl.train("single", steps=4, **MP)
     dl.train(saved[0], world_size=saved[1], steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2, **MP)
     at_two = reshard.consolidate(tmp_path, 2)["params"]
-    restored = dl.train(resumed[0], world_size=resumed[1], steps=2, checkpoint_dir=str(tmp_path), resume=2, **MP)
+    again = dict(world_size=resumed[1], checkpoint_dir=str(tmp_path), resume=2, **MP)
+    restored = dl.train(resumed[0], steps=2, **again)
     assert all(torch.equal(v, at_two[k]) for k, v in restored.params.items())
-    report = dl.train(resumed[0], world_size=resumed[1], steps=4, checkpoint_dir=str(tmp_path), resume=2, **MP)
+    report = dl.train(resumed[0], steps=4, **again)
     assert report.losses == pytest.approx(reference.losses, rel=1e-5)
     flat = lambda params: torch.cat([params[k].flatten() for k in sorted(params)])   # noqa: E731
     a, b = flat(report.params), flat(reference.params)

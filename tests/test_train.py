@@ -49,7 +49,8 @@ def test_mlp_uneven_split_and_cli(capsys, tmp_path):
         assert torch.allclose(ddp.params[k], v, rtol=1e-5, atol=1e-7), k
     from distlab.cli import main
     out = tmp_path / "r.json"
-    assert main(["train", "--strategy", "zero2", "--world-size", "2", "--steps", "2", "--json", str(out)]) == 0
+    argv = ["train", "--strategy", "zero2", "--world-size", "2", "--steps", "2", "--json", str(out)]
+    assert main(argv) == 0
     text = capsys.readouterr().out
     assert "step    0  loss" in text and "step    1  loss" in text and "sent" in text
     assert out.exists()

@@ -56,7 +56,8 @@ def describe(full_model, params: list, held) -> list[dict]:
     out = []
     for p in params:
         dim, tp_rank, tp_size = cuts.get(id(p), (None, 0, 1))
-        out.append({"name": names[id(p)], "key": keys[id(p)], "dim": dim, "tp_rank": tp_rank, "tp_size": tp_size})
+        out.append({"name": names[id(p)], "key": keys[id(p)], "dim": dim, "tp_rank": tp_rank,
+                    "tp_size": tp_size})
     return out
 
 
@@ -131,7 +132,8 @@ def _local_parameters(ranks: list[dict]):
         signature = tuple((lay["name"], lay["tp_rank"]) for lay in state["param_layout"])
         replicas.setdefault(signature, []).append(state)
     for group in replicas.values():
-        by_key = _optimizer_from_shards([s["optimizer"]["optimizer"]["state"] for s in group], group[0]["layout"])
+        inner = [s["optimizer"]["optimizer"]["state"] for s in group]
+        by_key = _optimizer_from_shards(inner, group[0]["layout"])
         for lay in group[0]["param_layout"]:
             yield lay, group[0]["model"][lay["key"]], by_key.get(lay["key"], {})
 
@@ -147,8 +149,8 @@ def _from_replicated(state: dict) -> dict:
 
 def _from_shards(ranks: list[dict]) -> dict:
     if "layout" not in ranks[0]:
-        raise store.CheckpointError("this ZeRO checkpoint records no bucket layout (saved by an older distlab): "
-                                    "resume it with the same world_size")
+        raise store.CheckpointError("this ZeRO checkpoint records no bucket layout (saved by an older "
+                                    "distlab): resume it with the same world_size")
     layout = ranks[0]["layout"]
     sharded_params = "params" in ranks[0]                  # ZeRO-3: the parameters were saved as shards too
     params, masters = {}, {}
@@ -250,8 +252,8 @@ def _check_names(model, logical: dict) -> dict[int, str]:
     names_by_id = {id(p): n for n, p in model.named_parameters()}
     missing = set(names_by_id.values()) - set(logical["params"])
     if missing:
-        raise store.CheckpointError(f"the checkpoint has no parameters {sorted(missing)[:3]}...: it was saved "
-                                    f"for another model")
+        raise store.CheckpointError(f"the checkpoint has no parameters {sorted(missing)[:3]}...: it was "
+                                    f"saved for another model")
     for name, buf in model.named_buffers():
         if name in logical["buffers"]:                          # (non-persistent buffers are not saved)
             buf.copy_(logical["buffers"][name])
@@ -264,7 +266,8 @@ def _restore_local(model, opt, logical: dict, names_by_id: dict) -> None:
     names = [names_by_id[id(p)] for p in opt.params]
     state = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in logical["optimizer"][n].items()}
              for i, n in enumerate(names) if n in logical["optimizer"]}
-    opt.optimizer.load_state_dict({"state": state, "param_groups": opt.optimizer.state_dict()["param_groups"]})
+    groups = opt.optimizer.state_dict()["param_groups"]
+    opt.optimizer.load_state_dict({"state": state, "param_groups": groups})
     if opt.mixed:                          # (a model-parallel checkpoint has fp32 parameters, no masters)
         for m, n in zip(opt.masters, names):
             m.copy_(logical["masters"].get(n, logical["params"][n]))
@@ -298,4 +301,5 @@ def _restore_sharded(opt, logical: dict, names_by_id: dict) -> None:
                           if torch.is_tensor(value) and value.dim() > 0 and value.shape == shape
                           else value.clone() if torch.is_tensor(value) else value)   # a scalar ("step")
                     for key, value in first.items()}
-    opt.optimizer.load_state_dict({"state": state, "param_groups": opt.optimizer.state_dict()["param_groups"]})
+    groups = opt.optimizer.state_dict()["param_groups"]
+    opt.optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -68,8 +68,10 @@ def replicated_state(model, opt, keeps_history: bool) -> RankState:
         for m, saved in zip(opt.masters if opt.mixed else [], state.get("masters", [])):
             m.copy_(saved)
 
-    return RankState(capture, restore, "replicated", lambda logical: reshard.restore_replicated(model, opt, logical),
-                     keeps_history=keeps_history)
+    def reshard_into(logical):
+        reshard.restore_replicated(model, opt, logical)
+
+    return RankState(capture, restore, "replicated", reshard_into, keeps_history=keeps_history)
 
 
 # -- "flat-shards": ZeRO's flat buckets, each rank one shard ----------------------------------------
@@ -95,13 +97,15 @@ def flat_shard_state(model, opt, keeps_history: bool) -> RankState:
             for name, buf in model.named_buffers():
                 buf.copy_(state["buffers"][name])
         else:
-            model.load_state_dict(state["model"])         # params are views of the flat buckets: shards follow
+            model.load_state_dict(state["model"])   # params are views of the flat buckets: shards follow
         for m, saved in zip([m for m, s in zip(opt.masters, opt.shards) if m is not s], state["masters"]):
             m.copy_(saved)
         opt.load_state_dict(state["optimizer"])
 
-    return RankState(capture, restore, "flat-shards", lambda logical: reshard.restore_flat_shards(model, opt, logical),
-                     keeps_history=keeps_history)
+    def reshard_into(logical):
+        reshard.restore_flat_shards(model, opt, logical)
+
+    return RankState(capture, restore, "flat-shards", reshard_into, keeps_history=keeps_history)
 
 
 # -- "model-parallel": each rank the tensors it holds, and where they sit ---------------------------
@@ -129,7 +133,9 @@ def model_parallel_state(full_model, params: list, held, opt, *, loss_weight: bo
         held.load_state_dict(state["model"])              # copies into the parameters in place
         opt.load_state_dict(state["optimizer"])
 
-    return RankState(capture, restore, "model-parallel",
-                     lambda logical: reshard.restore_model_parallel(described, held, opt, logical),
+    def reshard_into(logical):
+        reshard.restore_model_parallel(described, held, opt, logical)
+
+    return RankState(capture, restore, "model-parallel", reshard_into,
                      replica_group=replica_group, layout=dict(layout or {}), loss_weight=int(loss_weight),
                      keeps_history=bool(keeps_history))

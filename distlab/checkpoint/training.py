@@ -1,6 +1,6 @@
 """Checkpoint, resume and fault injection for the training loop of `dl.train`.
 
-    dl.train("zero2", world_size=4, steps=20, checkpoint_dir="ck", checkpoint_every=5)   # step_5, ..., step_20
+    dl.train("zero2", world_size=4, steps=20, checkpoint_dir="ck", checkpoint_every=5)   # step_5 .. step_20
     dl.train("zero2", world_size=4, steps=20, checkpoint_dir="ck", resume=True)          # from the latest
 
 What each rank writes, for Psi fp32 parameters with Adam (K = 8 bytes of state per parameter):
@@ -52,7 +52,8 @@ from ..runtime import rank, tracer, world_size
 from . import reshard, store
 from .state import RankState
 
-OPTIONS = ("checkpoint_dir", "checkpoint_every", "keep_last", "resume", "fail_at_step", "fail_rank", "fail_in")
+OPTIONS = ("checkpoint_dir", "checkpoint_every", "keep_last", "resume",
+           "fail_at_step", "fail_rank", "fail_in")
 # spec fields that must agree between the run that saved and the run that resumes (steps may grow);
 # "layout" (the rank state's facts) may differ when both sides can reshard
 _MUST_MATCH = ("strategy", "model", "seed", "global_batch", "lr", "optimizer", "weight_decay", "grad_accum",
@@ -127,8 +128,8 @@ class Checkpointer:
                                         f"different run ({'; '.join(diff)}): use the same settings, or a "
                                         f"new checkpoint_dir")
         if info["step"] > self.spec.steps:
-            raise store.CheckpointError(f"checkpoint is at step {info['step']}, beyond steps={self.spec.steps}: "
-                                        f"ask for at least {info['step']} steps")
+            raise store.CheckpointError(f"checkpoint is at step {info['step']}, beyond "
+                                        f"steps={self.spec.steps}: ask for at least {info['step']} steps")
 
     def _facts(self) -> dict:
         facts = {k: getattr(self.spec, k) for k in _MUST_MATCH if k != "layout"}

@@ -118,7 +118,7 @@ def loss_fn(spec: TrainSpec):
 
 
 def autocast(spec: TrainSpec):
-    """bf16 autocast on this rank's device for ``precision="bf16-mixed"`` (weights stay fp32), else nothing."""
+    """bf16 autocast on this rank's device for ``precision="bf16-mixed"`` (weights stay fp32), else none."""
     if spec.precision == "bf16-mixed":
         return torch.autocast(device().type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -129,7 +129,8 @@ def microbatch_count(requested: int | None, rows: int, p: int, schedule: str, wh
     (a smaller bubble, (p-1)/(m+p-1)), else p. ``where`` names the rows in the error message."""
     m = requested if requested is not None else (2 * p if rows >= 2 * p else p)
     if m > rows:
-        raise ValueError(f"{m} microbatches need at least {m} rows per {where}, got {rows}: raise global_batch "
+        raise ValueError(f"{m} microbatches need at least {m} rows per {where}, got {rows}: raise "
+                         f"global_batch "
                          "or set options={'microbatches': ...}")
     if schedule == "interleaved" and m % p:
         raise ValueError(f"the interleaved schedule needs microbatches to be a multiple of the {p} pipeline "

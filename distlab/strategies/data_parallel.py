@@ -4,7 +4,8 @@ Every rank draws the same global batch and keeps its rows (``torch.tensor_split`
 Exactness on uneven splits: rank r's mean loss is weighted by its share n_r / B of the batch, and
 the strategies *average* over N ranks, so the loss backpropagated is
 
-    L_r = (N n_r / B) * mean_r(loss)   =>   (1/N) sum_r grad L_r = sum_r (n_r / B) grad mean_r = grad mean(loss)
+    L_r = (N n_r / B) * mean_r(loss)
+      =>   (1/N) sum_r grad L_r = sum_r (n_r / B) grad mean_r = grad mean(loss)
 
 i.e. exactly the single-process gradient of the global batch. Gradient accumulation divides by
 ``grad_accum`` the same way, and runs the first ``grad_accum - 1`` micro-steps under the wrapper's

@@ -56,11 +56,12 @@ from .tensor import sharded_params
 INT_OPTIONS = ("dp", "tp", "pp", "microbatches", "virtual", "zero")
 OPTIONS = INT_OPTIONS + ("schedule", "balance", "sequence_parallel", "sp", "bucket_mb")
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
-LAYOUT = ("dp", "tp", "pp", "zero", "virtual", "balance", "sequence_parallel")   # what decides a rank's tensors
+LAYOUT = ("dp", "tp", "pp", "zero", "virtual", "balance", "sequence_parallel")   # what a rank holds
 
 
 def parse(strategy: str, options: dict | None = None) -> dict:
-    """``"3d:dp=2,tp=2,pp=2,zero=1"`` (plus ``options``, which win) -> {"dp": 2, "tp": 2, "pp": 2, "zero": 1, ...}."""
+    """``"3d:dp=2,tp=2,pp=2,zero=1"`` (plus ``options``, which win) -> {"dp": 2, "tp": 2, "pp": 2,
+    "zero": 1, ...}."""
     if not strategy.startswith("3d:"):
         raise ValueError(f"{strategy!r} is not a mesh strategy: write it like '3d:dp=2,tp=2,pp=2'")
     found: dict = {}
@@ -126,8 +127,9 @@ def train_rank(spec: TrainSpec) -> RankResult:
     model = build_model(spec)
     names = list(dict(model.named_parameters()))
     model, modules, stage_ids = _tensor_then_pipeline(model, opts, mesh)
-    pipe = Pipeline(modules if len(modules) > 1 else modules[0], stage_ids if len(modules) > 1 else stage_ids[0],
-                    mesh.pp * len(modules), schedule=opts["schedule"], microbatches=m,
+    v = len(modules)
+    pipe = Pipeline(modules if v > 1 else modules[0], stage_ids if v > 1 else stage_ids[0],
+                    mesh.pp * v, schedule=opts["schedule"], microbatches=m,
                     loss_fn=_criterion(spec, model, mesh, rows), group=mesh.pp_group)
     params = list(pipe.parameters())
     ddp, optimizer = _data_parallel(spec, opts, mesh, modules, params)
@@ -217,9 +219,11 @@ def _plan(spec: TrainSpec, opts: dict, mesh: Mesh, rows, model, modules, pipe, d
     if opts["zero"]:                                     # ZeRO-1: dp shards first, replicated weighted 1/T
         ids = {id(p) for p in sharded}
 
+        def weight(p) -> float:
+            return 1.0 if id(p) in ids else 1.0 / mesh.tp
+
         def clip(max_norm):
-            return optimizer.clip_grad_norm_(max_norm, weight=lambda p: 1.0 if id(p) in ids else 1.0 / mesh.tp,
-                                             outer=lambda sq: sum_over(sq, groups))
+            return optimizer.clip_grad_norm_(max_norm, weight=weight, outer=lambda sq: sum_over(sq, groups))
     else:
         def clip(max_norm):
             return clip_grad_norm_(params, max_norm, sharded=sharded, groups=groups)

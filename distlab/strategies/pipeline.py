@@ -53,8 +53,8 @@ def train_rank(spec: TrainSpec) -> RankResult:
         with autocast(spec):
             return pipe.step(x if pipe.first else None, y if pipe.last else None)
 
-    state = model_parallel_state(model, params, held, optimizer, loss_weight=pipe.last, keeps_history=pipe.last,
-                                 layout={"virtual": v, "balance": balance})
+    state = model_parallel_state(model, params, held, optimizer, loss_weight=pipe.last,
+                                 keeps_history=pipe.last, layout={"virtual": v, "balance": balance})
     plan = Plan(forward, optimizer, state, backward=False,
                 clip=lambda max_norm: clip_grad_norm_(params, max_norm, groups=[None]))
     trained = run(spec, plan)

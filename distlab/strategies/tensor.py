@@ -24,7 +24,7 @@ from .loop import Plan, run
 
 
 def sharded_params(modules) -> list[torch.Tensor]:
-    """The parameters of ``modules`` that tensor parallelism cut (their module lists them in ``shard_dims``)."""
+    """The parameters of ``modules`` that tensor parallelism cut (listed in their module's ``shard_dims``)."""
     return [p for m in modules for sub in m.modules() for name, p in sub.named_parameters(recurse=False)
             if name in getattr(sub, "shard_dims", {})]
 
