@@ -88,7 +88,8 @@ def run(spec: TrainSpec, plan: Plan) -> Trained:
         _optimizer_step(spec, plan, step, ledger)
         ckpt.after_step(step + 1, losses)
         progress(step + 1, spec.steps)
-    events = [e for e in tr.events() if e.kind == "comm" and t_start <= e.start <= tr.now()]
+    t_end = tr.now()
+    events = [e for e in tr.events() if e.kind == "comm" and t_start <= e.start <= t_end]
     info = {"comm": comm_totals(events, max(1, spec.steps - start)), **ckpt.summary(start)}
     if ledger is not None:
         info["memory"] = ledger.as_dict()
@@ -97,13 +98,15 @@ def run(spec: TrainSpec, plan: Plan) -> Trained:
 
 def _micro_steps(spec: TrainSpec, plan: Plan, step: int, ledger: Ledger | None) -> float:
     """Forward and backward of every micro-step of ``step``; returns this rank's share of its loss."""
-    tr, total = tracer(), 0.0
+    tr, total, nothing = tracer(), 0.0, contextlib.nullcontext
     for micro in range(spec.grad_accum):
         last = micro == spec.grad_accum - 1
-        with contextlib.nullcontext() if (last or plan.no_sync is None) else plan.no_sync():
-            with tr.span("forward", step=step, micro=micro) if plan.backward else contextlib.nullcontext():
-                with ledger.activations() if ledger is not None else contextlib.nullcontext():
-                    loss = plan.forward(step, micro)
+        local = plan.no_sync() if (plan.no_sync is not None and not last) else nothing()
+        span = tr.span("forward", step=step, micro=micro) if plan.backward else nothing()
+        activations = ledger.activations() if ledger is not None else nothing()
+        with local:                                       # all but the last: accumulate without talking
+            with span, activations:
+                loss = plan.forward(step, micro)
             _sample(ledger, "forward", plan)
             if loss is not None and plan.backward:
                 with tr.span("backward", step=step, micro=micro):
