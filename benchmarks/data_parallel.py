@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import distlab as dl  # noqa: E402
 from _results import default_out, machine_facts, write  # noqa: E402
 from distlab.models import PRESETS, build, dataset_for  # noqa: E402
-from distlab.parallel.data.buckets import storage_bytes  # noqa: E402
+from distlab.memory import optimizer_bytes, replica_memory, storage_bytes, zero_memory  # noqa: E402
 
 PAIRS = {"ddp": ("dl.DDP", "torch DDP"), "zero1": ("dl.ShardedOptimizer", "torch ZeroRedundancyOptimizer"),
          "zero3": ("dl.ZeRO stage 3", "torch FSDP2 fully_shard")}
@@ -70,7 +70,7 @@ class Impl:
         if name == "dl.DDP":
             self.model = dl.DDP(gpt)
             self.opt = torch.optim.AdamW(gpt.parameters(), **adamw)
-            self.states = lambda: {**self.model.memory_bytes(self.opt)}
+            self.states = replica_memory(gpt, self.opt)
         elif name == "torch DDP":
             from torch.nn.parallel import DistributedDataParallel
             self.model = DistributedDataParallel(gpt, gradient_as_bucket_view=True)
@@ -81,7 +81,7 @@ class Impl:
             self.opt = dl.ShardedOptimizer(gpt.parameters(), torch.optim.AdamW, **adamw)
             self.states = lambda: {"params": storage_bytes(b.full for b in self.opt.buckets),
                                    "grads": storage_bytes(p.grad for p in gpt.parameters()),
-                                   "optimizer": self.opt.state_bytes()}
+                                   "optimizer": optimizer_bytes(self.opt.optimizer)}
         elif name == "torch ZeroRedundancyOptimizer":
             from torch.distributed.optim import ZeroRedundancyOptimizer
             from torch.nn.parallel import DistributedDataParallel
@@ -91,7 +91,8 @@ class Impl:
         elif name == "dl.ZeRO stage 3":
             self.model = dl.ZeRO(gpt, stage=3, optim=torch.optim.AdamW, prefetch=zero3_prefetch, **adamw)
             self.opt = self.model.optimizer
-            self.states = lambda: {k: v for k, v in self.model.memory_bytes().items() if k in STATES}
+            measure = zero_memory(self.model)
+            self.states = lambda: {k: v for k, v in measure().items() if k in STATES}
         elif name == "torch FSDP2 fully_shard":
             from torch.distributed.fsdp import fully_shard
             for block in gpt.blocks:

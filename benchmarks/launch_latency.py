@@ -66,7 +66,8 @@ def time_torch_spawn(n: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=20, help="repeats for fork (spawn variants use a quarter)")
+    parser.add_argument("--repeats", type=int, default=20,
+                        help="repeats for fork (spawn variants use a quarter)")
     parser.add_argument("--out", default=default_out("launch_latency"))
     args = parser.parse_args()
     n, reps = args.ranks, args.repeats
@@ -90,7 +91,8 @@ def main() -> None:
     }
     write(args.out, result, lambda png: _plot(summary, n, target, png))
     for name, s in summary.items():
-        print(f"{name:>30}: median {s['median_s'] * 1e3:8.1f} ms  (min {s['min_s'] * 1e3:.1f}, max {s['max_s'] * 1e3:.1f})")
+        print(f"{name:>30}: median {s['median_s'] * 1e3:8.1f} ms  "
+              f"(min {s['min_s'] * 1e3:.1f}, max {s['max_s'] * 1e3:.1f})")
 
 
 def _plot(summary: dict, n: int, target: float, path: str) -> None:

@@ -56,13 +56,14 @@ def allreduce() -> list[str]:
         if nbytes >= 1 << 20 and "ring" in v and "torch" in v:
             rows.append(f"| {n} | {nbytes >> 20} MiB | {v['ring']:.3f} | {v['torch']:.3f} | "
                         f"{v['ring'] / v['torch']:.2f}x |")
-    ratios = ", ".join(f"{n} ranks: median {r['median_ratio_from_4MB']:.2f}x (min {r['min_ratio_from_4MB']:.2f}x)"
+    ratios = ", ".join(f"{n} ranks: median {r['median_ratio_from_4MB']:.2f}x "
+                       f"(min {r['min_ratio_from_4MB']:.2f}x)"
                        for n, r in d["ratio_ring_over_torch"].items())
-    return [f"**Ring all-reduce** (distlab's ring built from send/recv vs torch's gloo all_reduce, bus bandwidth "
-            f"as nccl-tests define it; `benchmarks/allreduce.py`). Target: >= 0.9x gloo from 4 MB up; measured "
-            f"{ratios}.{_load_note(d['meta'])}", "",
-            "| ranks | size | distlab ring busbw (GB/s) | gloo busbw (GB/s) | ratio |", "|---|---|---|---|---|",
-            *rows, ""]
+    return [f"**Ring all-reduce** (distlab's ring built from send/recv vs torch's gloo all_reduce, "
+            f"bus bandwidth as nccl-tests define it; `benchmarks/allreduce.py`). "
+            f"Target: >= 0.9x gloo from 4 MB up; measured {ratios}.{_load_note(d['meta'])}", "",
+            "| ranks | size | distlab ring busbw (GB/s) | gloo busbw (GB/s) | ratio |",
+            "|---|---|---|---|---|", *rows, ""]
 
 
 def data_parallel() -> list[str]:
@@ -71,14 +72,16 @@ def data_parallel() -> list[str]:
         return []
     rows = []
     for r in d["results"]:
-        for pair, v in r["pairs"].items():
+        for v in r["pairs"].values():
             ours, theirs = [k for k in v if isinstance(v[k], dict)]
             rows.append(f"| {r['world_size']} | {ours} vs {theirs} | {_ms(v[ours]['median_step_s'])} | "
                         f"{_ms(v[theirs]['median_step_s'])} | {v['time_ratio_dl_over_torch']:.2f}x | "
                         f"{v['memory_ratio_dl_over_torch']:.2f}x | {v['max_rel_loss_diff']:.1e} |")
-    return ["**Data parallelism** (gpt-small, AdamW; `benchmarks/data_parallel.py`). Targets: DDP <= 1.05x torch "
-            f"DDP's step time, ZeRO-3 <= 1.2x FSDP2's, ZeRO memory per rank <= torch's.{_load_note(d['meta'])}", "",
-            "| ranks | pair | distlab step | torch step | time ratio | model-state memory ratio | max loss diff |",
+    return ["**Data parallelism** (gpt-small, AdamW; `benchmarks/data_parallel.py`). "
+            "Targets: DDP <= 1.05x torch DDP's step time, ZeRO-3 <= 1.2x FSDP2's, "
+            f"ZeRO memory per rank <= torch's.{_load_note(d['meta'])}", "",
+            "| ranks | pair | distlab step | torch step | time ratio "
+            "| model-state memory ratio | max loss diff |",
             "|---|---|---|---|---|---|---|", *rows, ""]
 
 
@@ -86,12 +89,14 @@ def tensor_parallel() -> list[str]:
     d = _load("tensor_parallel")
     if not d:
         return []
-    rows = [f"| {r['world_size']} | {_ms(r['dl.tp']['median_step_s'])} | {_ms(r['torch DTensor']['median_step_s'])} "
+    rows = [f"| {r['world_size']} | {_ms(r['dl.tp']['median_step_s'])} "
+            f"| {_ms(r['torch DTensor']['median_step_s'])} "
             f"| {r['ratio_dl_over_torch']:.2f}x | {r['max_rel_loss_diff']:.1e} |" for r in d["results"]]
     return [f"**Tensor parallelism** ({d['meta']['model']}; distlab's Megatron layers vs DTensor "
             f"`parallelize_module` with ColwiseParallel/RowwiseParallel; `benchmarks/tensor_parallel.py`). "
             f"Target: <= 1.1x.{_load_note(d['meta'])}", "",
-            "| ranks | distlab step | DTensor step | ratio | max loss diff |", "|---|---|---|---|---|", *rows, ""]
+            "| ranks | distlab step | DTensor step | ratio | max loss diff |",
+            "|---|---|---|---|---|", *rows, ""]
 
 
 def pipeline() -> list[str]:
@@ -99,7 +104,8 @@ def pipeline() -> list[str]:
     if not d:
         return []
     rows = [f"| {r['p']} | {r['schedule']} vs {r['torch_schedule']} | {r['microbatches']} | "
-            f"{_ms(r['distlab_step_s'])} | {_ms(r['torch_step_s'])} | {r['ratio']:.2f}x | {r['max_loss_diff']:.1e} |"
+            f"{_ms(r['distlab_step_s'])} | {_ms(r['torch_step_s'])} | {r['ratio']:.2f}x | "
+            f"{r['max_loss_diff']:.1e} |"
             for r in d["rows"]]
     return [f"**Pipeline parallelism** (distlab's executor vs `torch.distributed.pipelining`, median of "
             f"{d['steps']} steps; `benchmarks/pipeline.py`). Target: <= 1.1x.{_load_note(d)}", "",
@@ -119,8 +125,9 @@ def checkpoint() -> list[str]:
                     f"{ours['bytes'] / 2**20:.1f} / {theirs['bytes'] / 2**20:.1f} MiB |")
     return [f"**Checkpoints** ({d['meta']['model']} ZeRO-3 state after one AdamW step: `dl.checkpoint` vs "
             f"`torch.distributed.checkpoint` on FSDP2, both loads checked to restore what was saved; "
-            f"`benchmarks/checkpoint.py`). No target: DCP is the general tool (it plans every save collectively "
-            f"and reshards any layout), distlab's format covers only its own strategies.{_load_note(d['meta'])}",
+            f"`benchmarks/checkpoint.py`). No target: DCP is the general tool "
+            f"(it plans every save collectively and reshards any layout), "
+            f"distlab's format covers only its own strategies.{_load_note(d['meta'])}",
             "",
             "| ranks | distlab save | DCP save | distlab load | DCP load | bytes on disk (distlab / DCP) |",
             "|---|---|---|---|---|---|", *rows, ""]

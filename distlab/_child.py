@@ -10,8 +10,9 @@ Order matters here, each step for a reason found the hard way:
    are ZMQ streams that must not be used after fork) at this rank's pipe;
 4. set the intra-op thread count *before any computation*: a forked child that inherits a
    parent's busy thread pool can hang in it;
-5. rendezvous (rank 0 serves the TCPStore on the socket the parent bound before forking), then a
-   barrier, so no rank can exit while a peer is still connecting to it;
+5. rendezvous (rank 0 serves the TCPStore on the socket the parent bound before forking; gloo's
+   own sockets stay on loopback when the rendezvous is), then a barrier, so no rank can exit while
+   a peer is still connecting to it;
 6. run the user's function, send back its result (or the traceback) and the trace, then a final
    barrier so that no rank tears its connections down while a peer still reads from them.
 """
@@ -53,6 +54,24 @@ def _die_with_parent() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
         except (OSError, AttributeError):
             pass
+
+
+def _pin_gloo_to_loopback(host: str) -> None:
+    """Gloo listens on the address of the machine's *hostname* unless told an interface, so a hostname
+    that maps to a LAN address would put every rank's sockets on the LAN. A loopback rendezvous keeps
+    gloo on the loopback interface too (GLOO_SOCKET_IFNAME); a user's own setting wins."""
+    import ipaddress
+    import socket
+
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    try:
+        loopback = ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return
+    names = [name for _, name in socket.if_nameindex()]
+    if loopback and "lo" in names:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
 
 
 def _redirect_output(fd: int) -> None:
@@ -110,6 +129,7 @@ def main(rank: int, spec: RankSpec, out_conn, result_conn, fds_to_close: list[in
         if spec.backend == "nccl":
             torch.cuda.set_device(local_rank)
         timeout = timedelta(seconds=spec.pg_timeout)
+        _pin_gloo_to_loopback(spec.host)
         if rank == 0 and spec.rank0_listen_fd is not None:
             store = dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=True,
                                   master_listen_fd=spec.rank0_listen_fd, wait_for_workers=False,

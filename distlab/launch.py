@@ -12,7 +12,7 @@ How it works (see `_child` for what happens inside a rank, `_supervisor` for the
   process. Under spawn the function travels by cloudpickle, so cells' functions work too.
 * **Rendezvous** on loopback by default: the parent binds a socket to port 0 (the OS picks a free
   port, so simultaneous launches never collide) before forking, and rank 0 serves the TCPStore
-  on that very socket. Under spawn the parent serves the store itself.
+  on that very socket. Under spawn the parent serves the store itself, on the same kind of socket.
 * **Output**: each rank's file descriptors 1 and 2 go into a pipe; the parent prints complete
   lines tagged ``[rank N]``, live or grouped by rank at the end ("ordered", deterministic).
 * **Errors**: any failing rank raises `LaunchError` naming the root cause, the earliest rank to
@@ -172,45 +172,16 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
 
     backend = resolve_backend(backend, world_size)
     method = resolve_start_method(start_method)
-    ctx = mp.get_context(method)
-    listener, store = None, None
-    if method == "fork":
-        payload = (fn, tuple(args), kwargs)
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind((host, 0))
-        listener.listen(max(128, world_size))
-        port = listener.getsockname()[1]
-    else:
-        payload = _spawn_payload(fn, tuple(args), kwargs)
-        import torch.distributed as dist
-        store = dist.TCPStore(host, 0, world_size + 1, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=timeout))
-        port = store.port
-    spec = _child.RankSpec(world_size=world_size, backend=backend, host=host, port=port,
-                           rank0_listen_fd=listener.fileno() if listener else None,
-                           threads=threads_per_rank(world_size), pg_timeout=float(timeout),
-                           payload=payload, local_world_size=world_size)
-
-    pipes = [(ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)) for _ in range(world_size)]
-    all_fds = [c.fileno() for pair in pipes for p in pair for c in p]
-    ranks: list[RankStatus] = []
     started = time.perf_counter()
+    rendezvous = _Rendezvous(method, host, world_size, timeout)
+    spec = _child.RankSpec(world_size=world_size, backend=backend, host=host, port=rendezvous.port,
+                           rank0_listen_fd=rendezvous.fd_for_rank0, threads=threads_per_rank(world_size),
+                           pg_timeout=float(timeout), local_world_size=world_size,
+                           payload=(fn, tuple(args), kwargs) if method == "fork" else
+                           _spawn_payload(fn, tuple(args), kwargs))
+    ranks: list[RankStatus] = []
     try:
-        for rank, ((out_r, out_w), (res_r, res_w)) in enumerate(pipes):
-            keep = {out_w.fileno(), res_w.fileno()}
-            close_in_child = [fd for fd in all_fds if fd not in keep] if method == "fork" else []
-            if listener is not None and rank != 0:
-                close_in_child.append(listener.fileno())
-            proc = ctx.Process(target=_child.main, args=(rank, spec, out_w, res_w, close_in_child),
-                               name=f"distlab-rank-{rank}")
-            proc.start()
-            ranks.append(RankStatus(rank, proc, out_r, res_r))
-        for (_, out_w), (_, res_w) in pipes:
-            out_w.close()
-            res_w.close()
-        if listener is not None:
-            listener.close()
-            listener = None
+        _start_ranks(mp.get_context(method), spec, rendezvous, ranks)
         bar = ProgressBar(enabled=(output != "quiet"))
         supervisor = Supervisor(ranks, time.monotonic() + timeout, live=(output == "live"),
                                 on_progress=bar.update)
@@ -218,12 +189,74 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
         bar.close()
     finally:
         shutdown(ranks)
-        for (out_r, out_w), (res_r, res_w) in pipes[len(ranks):]:
-            for c in (out_r, out_w, res_r, res_w):
-                c.close()
-        if listener is not None:
-            listener.close()
-        del store
+        rendezvous.close()
+    return _collect(ranks, supervisor, output, timeout,
+                    dict(world_size=world_size, backend=backend, start_method=method,
+                         seconds=time.perf_counter() - started))
+
+
+class _Rendezvous:
+    """Where the ranks meet: a socket bound to (host, port 0) before any rank starts, so the OS picks
+    a free port no other launch can take and nothing listens beyond ``host``.
+
+    fork: rank 0 serves the TCPStore on the very socket it inherits (``master_listen_fd``); spawn and
+    forkserver do not inherit it, so the parent serves the store on it here.
+    """
+
+    def __init__(self, method: str, host: str, world_size: int, timeout: float):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.listener = socket.socket(family, socket.SOCK_STREAM)
+        self.listener.bind((host, 0))
+        self.listener.listen(max(128, world_size))
+        self.port = self.listener.getsockname()[1]
+        self.fd_for_rank0 = self.listener.fileno() if method == "fork" else None
+        self.store = None
+        if method != "fork":
+            import torch.distributed as dist
+            fd = self.listener.detach()            # the store owns the socket from here (and closes it)
+            self.store = dist.TCPStore(host, self.port, world_size + 1, is_master=True,
+                                       wait_for_workers=False, timeout=timedelta(seconds=timeout),
+                                       master_listen_fd=fd)
+
+    def started(self) -> None:
+        """Every rank has its copy (fork) or the store holds it (spawn): the parent's can go."""
+        if self.store is None:
+            self.listener.close()
+
+    def close(self) -> None:
+        self.listener.close()
+        self.store = None
+
+
+def _start_ranks(ctx, spec: _child.RankSpec, rendezvous: _Rendezvous, ranks: list[RankStatus]) -> None:
+    """Start every rank, each with its own output and result pipes (appended to ``ranks`` as it starts,
+    so that whatever started is shut down if a later start fails)."""
+    pipes = [(ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)) for _ in range(spec.world_size)]
+    fork = rendezvous.fd_for_rank0 is not None
+    all_fds = [c.fileno() for pair in pipes for p in pair for c in p]
+    try:
+        for rank, ((out_r, out_w), (res_r, res_w)) in enumerate(pipes):
+            keep = {out_w.fileno(), res_w.fileno()}
+            close_in_child = [fd for fd in all_fds if fd not in keep] if fork else []
+            if fork and rank != 0:
+                close_in_child.append(rendezvous.fd_for_rank0)
+            proc = ctx.Process(target=_child.main, args=(rank, spec, out_w, res_w, close_in_child),
+                               name=f"distlab-rank-{rank}")
+            proc.start()
+            ranks.append(RankStatus(rank, proc, out_r, res_r))
+    finally:
+        for rank, ((out_r, out_w), (res_r, res_w)) in enumerate(pipes):
+            out_w.close()                          # the parent keeps only the read ends of started ranks
+            res_w.close()
+            if rank >= len(ranks):
+                out_r.close()
+                res_r.close()
+    rendezvous.started()
+
+
+def _collect(ranks: list[RankStatus], supervisor: Supervisor, output: str, timeout: float,
+             facts: dict) -> Run:
+    """Print the output, raise for failures, and build the `Run`."""
     outputs = ["\n".join(r.lines) + ("\n" if r.lines else "") for r in ranks]
     if output == "ordered":
         _print_ordered(ranks)
@@ -232,10 +265,8 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
         print(f"distlab: rank(s) {supervisor.stuck_at_exit} returned but did not exit within "
               f"{EXIT_SECONDS:g} s (an unmatched send or receive left behind?); they were stopped.",
               file=sys.stderr)
-    return Run(results=[r.result[1] for r in ranks],
-               trace=Trace.merge({r.rank: r.trace for r in ranks}), outputs=outputs,
-               world_size=world_size, backend=backend, start_method=method,
-               seconds=time.perf_counter() - started)
+    return Run(results=[r.result[1] for r in ranks], trace=Trace.merge({r.rank: r.trace for r in ranks}),
+               outputs=outputs, **facts)
 
 
 def _print_ordered(ranks: list[RankStatus]) -> None:

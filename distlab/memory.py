@@ -12,6 +12,10 @@ Bytes are counted by distinct storage (`storage_bytes`): views into one flat buf
 padding included, so a ZeRO ledger is comparable with `dl.theory.memory` exactly. On CUDA each
 sample also carries the caching allocator's ``cuda_allocated`` and ``cuda_peak``.
 
+The algorithms carry no memory probes: `replica_memory` and `zero_memory` read a DDP or ZeRO rank's
+state from outside (storages, and the plain queries ``reducer.in_flight()`` and ``gathered()``),
+sampling transient buffers from a launch hook on the wrapper's collectives.
+
     ledger = dl.memory.Ledger()
     with ledger.activations():              # count what autograd saves
         loss = model(x).sum()
@@ -22,6 +26,7 @@ sample also carries the caching allocator's ``cuda_allocated`` and ``cuda_peak``
 Two saved-tensor counters: `SavedTensors` follows what is *alive* over a whole step (released as
 backward frees it, with its peak), for the ledger; `SavedActivations` totals what one forward saved
 (the pipeline's stash per microbatch, the per-layer check against Korthikanti et al.).
+`PipelineStash` watches a `dl.pp.Pipeline` from outside and samples its activations in flight.
 """
 from __future__ import annotations
 
@@ -31,20 +36,84 @@ import weakref
 import torch
 import torch.nn as nn
 
-from .parallel.data.buckets import storage_bytes
 from .runtime import tracer
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 
 
-def optimizer_bytes(optimizer) -> int:
-    """Bytes of an optimizer's state tensors (and master weights, for a `ShardedOptimizer`)."""
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once, padding
+    included)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        s = t.untyped_storage()
+        if s.nbytes() == 0 or s.data_ptr() in seen:
+            continue
+        seen.add(s.data_ptr())
+        total += s.nbytes()
+    return total
+
+
+def optimizer_bytes(optimizer, masters=()) -> int:
+    """Bytes of a torch optimizer's state tensors, plus ``masters``: fp32 master copies of low-precision
+    parameters, which are optimizer state too (the ZeRO paper's K = 12 for mixed-precision Adam)."""
     if optimizer is None:
         return 0
-    if hasattr(optimizer, "state_bytes"):
-        return optimizer.state_bytes()
-    return storage_bytes(t for state in optimizer.state.values() for t in state.values()
-                         if isinstance(t, torch.Tensor))
+    state = [t for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    return storage_bytes(state) + storage_bytes(masters)
+
+
+# -- model states of a data-parallel rank, measured from outside the algorithm ---------------------
+class PeakBytes:
+    """The most bytes a set of transient tensors held at once: ``live()`` returns those alive now,
+    `sample` is attached to the moments they can grow, `take` returns the peak since the last take
+    (then restarts from what is alive now)."""
+
+    def __init__(self, live):
+        self.live, self.peak = live, 0
+
+    def sample(self) -> None:
+        self.peak = max(self.peak, storage_bytes(self.live()))
+
+    def take(self) -> int:
+        peak, self.peak = self.peak, storage_bytes(self.live())
+        return peak
+
+
+def replica_memory(model: nn.Module, optimizer, masters=()):
+    """A callable returning the model states of a rank that holds the whole model (single, DDP):
+    params, grads (DDP: its flat buckets, which ``p.grad`` are views of) and optimizer state."""
+    def measure() -> dict[str, int]:
+        params = list(model.parameters())
+        return {"params": storage_bytes(params), "grads": storage_bytes(p.grad for p in params),
+                "optimizer": optimizer_bytes(optimizer, masters)}
+    return measure
+
+
+def zero_memory(zero):
+    """A callable returning the model states of a rank under a ``dl.ZeRO`` wrapper, and its ``buffers``.
+
+    params: the shards (stage 3) or the flat buckets holding the parameters (1, 2); grads: the local
+    ``p.grad`` plus the gradient shards; optimizer: the inner optimizer's state (of the shards) and any
+    fp32 master copies; buffers: the most transient bytes alive at once since the last call: flat
+    gradient buckets waiting for their reduce-scatter (``optimizer.reducer.in_flight()``) and, under
+    stage 3, the gathered units (``zero.gathered()``). Both can only grow when the wrapper launches a
+    collective, so they are sampled right after every launch (``comm.register_launch_hook``).
+    """
+    opt = zero.optimizer
+    gathered = getattr(zero, "gathered", list)
+    peak = PeakBytes(lambda: [*opt.reducer.in_flight(), *gathered()])
+    zero.comm.register_launch_hook(peak.sample)
+
+    def measure() -> dict[str, int]:
+        params = opt.shards if opt.sharded_params else [b.full for b in opt.buckets]
+        masters = [m for m, s in zip(opt.masters, opt.shards) if m is not s]
+        return {"params": storage_bytes(params),
+                "grads": storage_bytes([*(p.grad for p in opt.params), *opt.grad_shards]),
+                "optimizer": optimizer_bytes(opt.optimizer, masters), "buffers": peak.take()}
+    return measure
 
 
 class SavedTensors:
@@ -128,6 +197,37 @@ class SavedActivations:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+
+
+class PipelineStash:
+    """A `dl.pp.Pipeline` observer: after every action, the activations the rank holds for its backwards.
+
+    ``Pipeline(..., observers=[PipelineStash()])`` records a memory sample ``"pipeline stash"`` with
+    ``microbatches`` (how many (stage, microbatch) forwards wait for their backward: ``pipe.stash``) and
+    ``activations`` (the bytes autograd saved for them, each measured by `SavedActivations` around its
+    first forward, parameters excluded). GPipe holds m microbatches at its peak, 1F1B p - i on rank i.
+    """
+
+    LABEL = "pipeline stash"
+
+    def __init__(self):
+        self.saved: dict[tuple[int, int], int] = {}     # (stage, microbatch) -> bytes saved by its forward
+
+    def around_step(self, pipe):
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def around_action(self, pipe, action):
+        key = (action.stage, action.microbatch)
+        if action.kind == "F" and key not in self.saved:
+            with SavedActivations(pipe.modules[action.stage]) as counter:
+                yield
+            self.saved[key] = counter.bytes
+        else:
+            yield
+        held = list(pipe.stash)
+        held_bytes = sum(self.saved.get(k, 0) for k in held)
+        tracer().memory(self.LABEL, activations=held_bytes, microbatches=len(held))
 
 
 class Ledger:

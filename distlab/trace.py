@@ -78,6 +78,13 @@ class Tracer:
     @contextlib.contextmanager
     def span(self, name: str, cat: str = "compute", **args: Any) -> Iterator[None]:
         """Time a block of work: ``with tracer.span("backward", microbatch=3): ...``."""
+        with self._timed(lambda start, end: self._events.append(("span", name, start, end,
+                                                                 {"cat": cat, **args}))):
+            yield
+
+    @contextlib.contextmanager
+    def _timed(self, write) -> Iterator[None]:
+        """Run the block, then ``write(start, end)`` (nothing when disabled)."""
         if not self.enabled:
             yield
             return
@@ -85,7 +92,7 @@ class Tracer:
         try:
             yield
         finally:
-            self._events.append(("span", name, start, self.now(), {"cat": cat, **args}))
+            write(start, self.now())
 
     def comm(self, op: str, *, start: float, end: float, sent: int = 0, received: int = 0,
              peer: int | None = None, **args: Any) -> None:
@@ -99,14 +106,9 @@ class Tracer:
     def comm_span(self, op: str, *, sent: int = 0, received: int = 0, peer: int | None = None,
                   **args: Any) -> Iterator[None]:
         """Time a blocking communication and record it as one comm event."""
-        if not self.enabled:
+        with self._timed(lambda start, end: self.comm(op, start=start, end=end, sent=sent, received=received,
+                                                      peer=peer, **args)):
             yield
-            return
-        start = self.now()
-        try:
-            yield
-        finally:
-            self.comm(op, start=start, end=self.now(), sent=sent, received=received, peer=peer, **args)
 
     def memory(self, label: str = "", **bytes_by_category: int) -> None:
         """Sample memory: ``tracer.memory("after step", params=..., grads=..., optimizer=...)``."""

@@ -28,6 +28,7 @@ def uneven_work():
 
 if __name__ == "__main__":
     run = dl.launch(uneven_work, world_size=4, output="quiet")
-    fig = dl.viz.timeline(run.trace, title="lesson 00: rank 3 is the straggler, the others wait in all_reduce")
+    fig = dl.viz.timeline(run.trace, title="lesson 00: rank 3 is the straggler, "
+                                           "the others wait in all_reduce")
     fig.savefig(HERE / "timeline.png", dpi=100)
     print("wrote", HERE / "timeline.png")

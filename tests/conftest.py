@@ -9,7 +9,8 @@ _warmed: list[bool] = []
 
 
 def _warm_singletons() -> None:
-    """TCPStore keeps one wake-up pipe per process and forkserver one connection: start them before counting."""
+    """TCPStore keeps one wake-up pipe per process and forkserver one connection:
+    start them before counting."""
     if not _warmed:
         from multiprocessing import forkserver, resource_tracker
 

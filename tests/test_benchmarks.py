@@ -18,7 +18,8 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 TINY = {  # script -> arguments that make it take seconds
-    "allreduce": ["--ranks", "2", "--sizes", "4K,4M", "--budget", "0.05", "--min-reps", "2", "--max-reps", "3"],
+    "allreduce": ["--ranks", "2", "--sizes", "4K,4M", "--budget", "0.05", "--min-reps", "2",
+                  "--max-reps", "3"],
     "data_parallel": ["--ranks", "2", "--steps", "2", "--warmup", "1", "--rows", "2", "--model", "gpt-tiny"],
     "tensor_parallel": ["--ranks", "2", "--steps", "2", "--warmup", "1", "--model", "gpt-tiny"],
     "pipeline": ["--steps", "1", "--warmup", "0"],

@@ -11,7 +11,8 @@ from _data_parallel_runs import CASES, assert_matches_single, run, same_losses
 DDP_CASES = [i for i, c in enumerate(CASES) if c[0] == "ddp"]
 
 
-@pytest.mark.parametrize("index", DDP_CASES, ids=[f"x{CASES[i][1]}-{CASES[i][2]}-{CASES[i][3]}" for i in DDP_CASES])
+@pytest.mark.parametrize("index", DDP_CASES,
+                         ids=[f"x{CASES[i][1]}-{CASES[i][2]}-{CASES[i][3]}" for i in DDP_CASES])
 def test_ddp_matches_single(index):
     assert_matches_single(run(index), CASES[index][2])
 
@@ -63,11 +64,14 @@ def _ddp_invariants():
                           for p, q in zip(params, [q for q in ref.parameters() if q.requires_grad])
                           if q.grad is not None)
         unused_zero = torch.count_nonzero(model.unused.weight.grad).item() == 0
-        opt.step(); opt.zero_grad(); ref_opt.step(); ref_opt.zero_grad()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
         flat = torch.cat([p.detach().flatten() for p in model.parameters()])
         gathered = [torch.empty_like(flat) for _ in range(n)]
         torch.distributed.all_gather(gathered, flat)
-        checks.append(dict(grads=grads_equal, unused_zero=unused_zero, frozen=model.gpt.ln_f.weight.grad is None,
+        checks.append(dict(grads=grads_equal, unused_zero=unused_zero,
+                           frozen=model.gpt.ln_f.weight.grad is None,
                            replicas=all(torch.equal(g, gathered[0]) for g in gathered),
                            tied=model.gpt.head.weight is model.gpt.tok.weight))
     out["checks"] = checks
@@ -93,7 +97,7 @@ def _ddp_invariants():
                                     for p, q in zip(params, [q for q in ref.parameters() if q.requires_grad])
                                     if q.grad is not None)
     # naive: one all-reduce per parameter, after backward
-    naive = dl.DDP(_WithUnused(), naive=True)
+    naive = dl.NaiveDDP(_WithUnused())
     start = len(tr.export())
     _loss(naive, x.chunk(n)[r], y.chunk(n)[r]).backward()
     out["naive_calls"] = len([e for e in tr.export()[start:] if e[0] == "comm"])
@@ -113,6 +117,57 @@ def test_ddp_invariants():
         assert res["in_flight_after_backward"] == res["buckets"] and res["in_flight_after_finish"] == 0
         assert res["started_sync_grads"]
         assert res["naive_calls"] == res["naive_params"]
+
+
+def _naive_bucketed_single(steps: int = 3, rows: int = 7):
+    """NaiveDDP, DDP (several buckets, overlapped) and one process on the whole batch, SGD, ``rows`` rows
+    split unevenly (``tensor_split``); each rank's mean loss weighted by its share so the average is exact."""
+    n, r, tr = dl.world_size(), dl.rank(), dl.tracer()
+    data = dl.models.MarkovTokens(seed=0)
+    torch.manual_seed(0)
+    models = {k: dl.models.GPT(dl.models.GPTConfig(layers=2)) for k in ("naive", "ddp", "single")}
+    for m in models.values():
+        m.load_state_dict(models["single"].state_dict())
+    wrapped = {"naive": dl.NaiveDDP(models["naive"]), "ddp": dl.DDP(models["ddp"], bucket_mb=0.01),
+               "single": models["single"]}
+    opts = {k: torch.optim.SGD(m.parameters(), lr=0.5) for k, m in models.items()}
+    out = {"no_sync_events": 0}
+    for step in range(steps):
+        x, y = data.batch(step, rows)
+        xs, ys = x.tensor_split(n)[r], y.tensor_split(n)[r]
+        weight = n * xs.shape[0] / rows
+        for k in ("naive", "ddp"):
+            half = xs.shape[0] // 2
+            before = len(tr.export())
+            with wrapped[k].no_sync():                 # accumulate the first rows locally
+                (weight * half / xs.shape[0] * _loss(wrapped[k], xs[:half], ys[:half])).backward()
+            out["no_sync_events"] += len([e for e in tr.export()[before:] if e[0] == "comm"])
+            rest = xs.shape[0] - half
+            (weight * rest / xs.shape[0] * _loss(wrapped[k], xs[half:], ys[half:])).backward()
+        _loss(models["single"], x, y).backward()
+        for opt in opts.values():
+            opt.step()
+            opt.zero_grad()
+    flat = {k: torch.cat([p.detach().flatten() for p in m.parameters()]) for k, m in models.items()}
+    for k in ("naive", "ddp"):
+        gathered = [torch.empty_like(flat[k]) for _ in range(n)]
+        torch.distributed.all_gather(gathered, flat[k])
+        out[f"{k}_replicas_equal"] = all(torch.equal(g, gathered[0]) for g in gathered)
+        out[f"{k}_vs_single"] = ((flat[k] - flat["single"]).abs().max() / flat["single"].abs().max()).item()
+    out["naive_vs_ddp"] = ((flat["naive"] - flat["ddp"]).abs().max() / flat["ddp"].abs().max()).item()
+    out["buckets"] = len(wrapped["ddp"].buckets)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_naive_ddp_equals_ddp_equals_single(world):
+    """7 rows over 2 or 3 ranks (4+3, 3+2+2): NaiveDDP, DDP and one process take the same steps."""
+    for res in dl.launch(_naive_bucketed_single, world_size=world, output="quiet").results:
+        assert res["buckets"] > 1
+        assert res["no_sync_events"] == 0                      # no_sync sends nothing, in either class
+        assert res["naive_replicas_equal"] and res["ddp_replicas_equal"]
+        assert res["naive_vs_single"] <= 1e-5 and res["ddp_vs_single"] <= 1e-5, res
+        assert res["naive_vs_ddp"] <= 1e-5, res
 
 
 def test_ddp_grad_accum_equals_big_batch():

@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 
 import distlab as dl
-launch_module = importlib.import_module("distlab.launch")   # the module, not dl.launch the function
 from _processes import child_pids
+
+launch_module = importlib.import_module("distlab.launch")   # the module, not dl.launch the function
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 

@@ -44,7 +44,8 @@ def test_bf16_mixed_ledger_matches_theory(bf16_reports):
         for r in range(4):
             peak = report.memory[r]["peak"]
             for cat in ("params", "grads", "optimizer"):
-                assert _within(peak[cat], getattr(theory, cat)), (strategy, r, cat, peak[cat], getattr(theory, cat))
+                predicted = getattr(theory, cat)
+                assert _within(peak[cat], predicted), (strategy, r, cat, peak[cat], predicted)
         # and in the trace, for the plot
         samples = report.run.trace.memory_samples(rank=0)
         assert samples and max(e.args["optimizer"] for e in samples) == report.memory[0]["peak"]["optimizer"]

@@ -13,10 +13,10 @@ import torch
 
 import distlab as dl
 from distlab import models
-import importlib
-
-stages = importlib.import_module("distlab.parallel.pipeline.split")   # the module (dl.pp.split is its function)
+from distlab.memory import PipelineStash
+from distlab.parallel.pipeline.measure import ActionTrace
 from distlab.parallel.pipeline.schedule import peak_activations, schedule
+from distlab.parallel.pipeline.split import _size, boundaries, partition, split, stage_module, units
 
 CFG = models.GPTConfig(vocab=32, seq_len=8, d_model=16, heads=2, layers=6)   # 8 units: embed, 6 blocks, head
 BATCH, STEPS, LR = 16, 2, 0.5
@@ -55,9 +55,10 @@ def train_pipeline(name, microbatch_counts, virtual=1):
         dl.tracer().clear()
         model, data = _gpt(), _data()
         ids = [r + k * p for k in range(virtual)]
-        modules = [stages.stage_module(model, s, p * virtual) for s in ids]
+        modules = [stage_module(model, s, p * virtual) for s in ids]
         pipe = dl.pp.Pipeline(modules if virtual > 1 else modules[0], ids if virtual > 1 else ids[0],
-                              p * virtual, schedule=name, microbatches=m)
+                              p * virtual, schedule=name, microbatches=m,
+                              observers=[ActionTrace(), PipelineStash()])     # measured from outside
         opt = torch.optim.SGD(list(pipe.parameters()), lr=LR)
         losses = []
         for step in range(STEPS):
@@ -84,7 +85,7 @@ def check_against_reference(results, p, virtual=1):
             params.update(results[r][m][1])
         assert set(params) == set(ref_params), "every parameter lives on exactly one stage"
         for n in ref_params:
-            torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=1e-6, msg=lambda s: f"{n} (m={m}): {s}")
+            torch.testing.assert_close(params[n], ref_params[n], rtol=1e-5, atol=1e-6, msg=f"{n} (m={m})")
 
 
 def check_trace(events, name, p, m, virtual=1):
@@ -104,7 +105,9 @@ def check_trace(events, name, p, m, virtual=1):
     S = p * virtual
     comms = {(e.rank, e.name, e.args["what"], e.args["step"], e.args["stage"], e.args["microbatch"]): e
              for e in trace.comms()}
-    owner = lambda s: s % p
+
+    def owner(stage):
+        return stage % p
     for (step, kind, s, j), e in done.items():
         if kind == "F" and s > 0:
             producer = done[(step, "F", s - 1, j)]
@@ -183,18 +186,68 @@ def test_zero_bubble_input_pass_computes_no_weight_gradient():
     fired = []
     for q in model.parameters():
         q.register_hook(lambda g: fired.append(tr.now()) or g)
-    pipe = dl.pp.Pipeline(model, 0, 1, schedule="zb-h1", microbatches=2)
+    pipe = dl.pp.Pipeline(model, 0, 1, schedule="zb-h1", microbatches=2, observers=[ActionTrace()])
     pipe.step(*data.batch(0, BATCH))
     spans = tr.events()
-    inside = lambda t, kind: any(e.kind == "span" and e.name == kind and e.start <= t <= e.end for e in spans)
+
+    def inside(t, kind):
+        return any(e.kind == "span" and e.name == kind and e.start <= t <= e.end for e in spans)
     assert fired and all(inside(t, "W") for t in fired)
     assert not any(inside(t, "I") for t in fired)
     assert {e.name for e in spans if e.kind == "span"} == {"F", "I", "W"}
 
 
+def observed_and_bare(name):
+    """On each rank: one step with no observers, then one with both; every event of each."""
+    p, r = dl.world_size(), dl.rank()
+    model, data = _gpt(), _data()
+    pipe = dl.pp.Pipeline(stage_module(model, r, p), r, p, schedule=name, microbatches=4)
+    x, y = data.batch(0, BATCH)
+    tr = dl.tracer()
+    tr.clear()
+    pipe.step(x if pipe.first else None, y if pipe.last else None)
+    bare = tr.events()
+    tr.clear()
+    pipe.observers += [ActionTrace(), PipelineStash()]
+    pipe.step(x if pipe.first else None, y if pipe.last else None)
+    saved = None
+    if pipe.first:                                     # stage 0's forward of microbatch 0, measured alone
+        with dl.memory.SavedActivations(pipe.modules[0]) as counter:
+            pipe.modules[0](x.tensor_split(4)[0])
+        saved = counter.bytes
+    return bare, tr.events(), saved
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-h1"])
+def test_the_executor_records_nothing_itself_observers_record_from_outside(name):
+    """Without observers a step leaves only the comm events (written by collectives.record, with the
+    message's own what/stage/microbatch and no step); with them, a span per action, the step mark, the
+    step tag on every message, and a stash sample after every action whose bytes are the forward's."""
+    results = dl.launch(observed_and_bare, world_size=2, args=(name,), output="quiet").results
+    plan = schedule(name, 2, 4)
+    for r, (bare, observed, saved) in enumerate(results):
+        assert {e.kind for e in bare} == {"comm"}
+        assert all("step" not in e.args and {"what", "stage", "microbatch"} <= set(e.args) for e in bare)
+        spans = [(e.name, e.args["stage"], e.args["microbatch"]) for e in observed if e.kind == "span"]
+        assert spans == [(a.kind, a.stage, a.microbatch) for a in plan[r]]
+        assert [e.name for e in observed if e.kind == "mark"] == ["pipeline step"]
+        comms = [e for e in observed if e.kind == "comm"]
+        assert comms and all(e.args["step"] == 1 for e in comms)
+
+        def messages(events):
+            return sorted((e.name, e.args["what"], e.args["stage"], e.args["microbatch"], e.sent, e.received)
+                          for e in events if e.args["what"] != "shape")
+        assert messages(comms) == messages(bare)
+        samples = [e for e in observed if e.kind == "memory"]
+        assert len(samples) == len(plan[r]) and max(e.args["microbatches"] for e in samples) == \
+            peak_activations(plan)[r]
+        if r == 0:
+            assert samples[0].args == {"activations": saved, "microbatches": 1} and saved > 0
+
+
 def test_stage_split_keeps_names_shares_parameters_and_balances():
     model = _gpt()
-    parts = stages.split(model, 3)
+    parts = split(model, 3)
     names = [n for part in parts for n, _ in part.named_parameters()]
     assert sorted(names) == sorted(n for n, _ in model.named_parameters())
     assert names[:2] == ["tok.weight", "pos.weight"]
@@ -204,15 +257,15 @@ def test_stage_split_keeps_names_shares_parameters_and_balances():
     for part in parts:
         h = part(h)
     torch.testing.assert_close(h, model(x))
-    assert stages.partition([1] * 8, 3) == [(0, 2), (2, 5), (5, 8)]
-    assert stages.partition([5, 1, 1, 1, 1, 5], 3) == [(0, 1), (1, 5), (5, 6)]     # minimises the largest
-    by_params = stages.boundaries(model, 3, balance="params")
-    sizes = [sum(stages._size(u) for u in stages.units(model)[a:b]) for a, b in by_params]
-    even = [sum(stages._size(u) for u in stages.units(model)[a:b]) for a, b in stages.boundaries(model, 3)]
+    assert partition([1] * 8, 3) == [(0, 2), (2, 5), (5, 8)]
+    assert partition([5, 1, 1, 1, 1, 5], 3) == [(0, 1), (1, 5), (5, 6)]     # minimises the largest
+    by_params = boundaries(model, 3, balance="params")
+    sizes = [sum(_size(u) for u in units(model)[a:b]) for a, b in by_params]
+    even = [sum(_size(u) for u in units(model)[a:b]) for a, b in boundaries(model, 3)]
     assert max(sizes) <= max(even)
     mlp = models.MLP((4, 8, 8, 8, 2))
     mx = torch.randn(3, 4)
-    torch.testing.assert_close(stages.split(mlp, 2)[1](stages.split(mlp, 2)[0](mx)), mlp(mx))
+    torch.testing.assert_close(split(mlp, 2)[1](split(mlp, 2)[0](mx)), mlp(mx))
 
 
 def test_clear_errors():
@@ -229,12 +282,13 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="multiple of stages"):
         dl.pp.schedule("interleaved", 2, 3, virtual=2)
     with pytest.raises(ValueError, match="tied"):
-        stages.split(models.GPT(models.GPTConfig(tied=True)), 2)
+        split(models.GPT(models.GPTConfig(tied=True)), 2)
     with pytest.raises(TypeError, match="cannot split"):
-        stages.split(torch.nn.Linear(2, 2), 2)
+        split(torch.nn.Linear(2, 2), 2)
 
 
-@pytest.mark.parametrize("strategy, world", [("pp-gpipe", 4), ("pp-1f1b", 2), ("pp-interleaved", 2), ("pp-zb-h1", 4)])
+@pytest.mark.parametrize("strategy, world",
+                         [("pp-gpipe", 4), ("pp-1f1b", 2), ("pp-interleaved", 2), ("pp-zb-h1", 4)])
 def test_strategy_runner_matches_single(strategy, world):
     kw = dict(model="gpt-tiny", steps=3, seed=0, optimizer="sgd", lr=0.5, grad_accum=2, clip=1.0)
     ref = dl.train(strategy="single", world_size=1, **kw)

@@ -122,7 +122,8 @@ def test_communication_delay_grows_the_step():
 
 
 @pytest.mark.parametrize("name, p, m, v", [("gpipe", 4, 6, 1), ("1f1b", 4, 8, 1), ("1f1b", 8, 3, 1),
-                                           ("zb-h1", 4, 8, 1), ("interleaved", 4, 8, 2), ("interleaved", 2, 4, 3)])
+                                           ("zb-h1", 4, 8, 1), ("interleaved", 4, 8, 2),
+                                           ("interleaved", 2, 4, 3)])
 def test_theory_in_flight_matches_every_ranks_simulated_peak(name, p, m, v):
     peaks = peak_activations(schedule(name, p, m, virtual=v))
     assert [theory.pipeline_in_flight(name, p, m, v, stage=r) for r in range(p)] == [x / v for x in peaks]

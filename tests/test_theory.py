@@ -79,8 +79,10 @@ def test_activation_memory_forms_of_korthikanti():
     sbh = s * b * h
     assert theory.activation_bytes_per_layer(s, b, h, a) == sbh * (34 + 5 * a * s / h)
     assert theory.activation_bytes_per_layer(s, b, h, a, tp=t) == sbh * (10 + 24 / t + 5 * a * s / (h * t))
-    assert theory.activation_bytes_per_layer(s, b, h, a, tp=t, sp=True) == pytest.approx(sbh * (34 + 5 * a * s / h) / t)
-    assert theory.activation_bytes_per_layer(s, b, h, a, tp=t, sp=True, recompute="selective") == pytest.approx(34 * sbh / t)
+    assert (theory.activation_bytes_per_layer(s, b, h, a, tp=t, sp=True)
+            == pytest.approx(sbh * (34 + 5 * a * s / h) / t))
+    assert (theory.activation_bytes_per_layer(s, b, h, a, tp=t, sp=True, recompute="selective")
+            == pytest.approx(34 * sbh / t))
     assert theory.activation_bytes_per_layer(s, b, h, a, recompute="full") == 2 * sbh
 
 
@@ -105,9 +107,16 @@ def test_ring_all_reduce_time_is_2_n_minus_1_over_n_s_over_b():
 
 def test_algorithms_trade_latency_for_bandwidth():
     small, big, n, bw, lat = 1e3, 1e9, 64, 50e9, 5e-6
-    ring = lambda s: theory.comm_time("all_reduce", s, n, bw, lat, "ring")
-    tree = lambda s: theory.comm_time("all_reduce", s, n, bw, lat, "tree")
-    naive = lambda s: theory.comm_time("all_reduce", s, n, bw, lat, "naive")
+
+    def ring(s):
+        return theory.comm_time("all_reduce", s, n, bw, lat, "ring")
+
+    def tree(s):
+        return theory.comm_time("all_reduce", s, n, bw, lat, "tree")
+
+    def naive(s):
+        return theory.comm_time("all_reduce", s, n, bw, lat, "naive")
+
     assert tree(small) < ring(small)                # log n latency wins for small messages
     assert ring(big) < tree(big) < naive(big)       # bandwidth-optimal ring wins for large ones
     assert theory.comm_time("broadcast", big, n, bw, algorithm="tree") == pytest.approx(6 * big / bw)

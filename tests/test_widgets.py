@@ -86,7 +86,8 @@ def test_quiz_has_40_questions_with_right_answers_checked_by_theory():
         assert 0 <= question.answer < len(question.choices)
     one_f_one_b = next(x for x in q.questions if x.prompt.startswith("1F1B pipeline"))
     p, m = (int(one_f_one_b.prompt.split(s)[1].split()[0].rstrip(",")) for s in ("p = ", "m = "))
-    assert float(one_f_one_b.choices[one_f_one_b.answer]) == pytest.approx(theory.bubble("1f1b", p, m), rel=1e-3)
+    assert float(one_f_one_b.choices[one_f_one_b.answer]) == pytest.approx(theory.bubble("1f1b", p, m),
+                                                                            rel=1e-3)
     assert [x.prompt for x in widgets.quiz(seed=3).questions] == [x.prompt for x in q.questions]
     assert [x.prompt for x in widgets.quiz(seed=4).questions] != [x.prompt for x in q.questions]
 

@@ -40,7 +40,7 @@ def test_zero_matches_single(index):
 
 def test_bytes_per_step_match_theory():
     """DDP, ZeRO-1, ZeRO-2: 2 (N-1)/N Psi bytes sent per rank per step; ZeRO-3: 3 (N-1)/N Psi (within 1%)."""
-    for index, (strategy, n, optimizer, _) in enumerate(CASES):
+    for index, (strategy, n, _optimizer, _) in enumerate(CASES):
         report = run(index)
         stage = 0 if strategy == "ddp" else int(strategy[-1])
         predicted = dl.theory.comm.zero_volume(stage, 4 * param_numel(report), n)
@@ -84,12 +84,15 @@ def _sharded_optimizer_and_zero3_rest():
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for _ in range(3):
         model(x.chunk(n)[r]).pow(2).mean().backward()          # each rank: its rows (equal: 12/3)
-        opt.step(); opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
         ref(x).pow(2).mean().backward()
-        ref_opt.step(); ref_opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
     mine, total = opt.numel()
     state = sum(v.numel() for s in opt.state.values() for v in s.values() if v.dim())
-    same = all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(model.parameters(), ref.parameters()))
+    same = all(torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+               for a, b in zip(model.parameters(), ref.parameters()))
     # ZeRO-3 at rest: only shards; full_state_dict gathers the whole model
     torch.manual_seed(1)
     gpt = dl.models.build("gpt-tiny", 1)

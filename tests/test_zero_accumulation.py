@@ -13,7 +13,7 @@ import torch
 
 import distlab as dl
 from _data_parallel_runs import max_relative_error, param_numel, same_losses
-from distlab.parallel.data.buckets import storage_bytes
+from distlab.memory import storage_bytes
 
 ROWS = 10                      # global batch: micro-batches of 5 rows, uneven over 2 and 3 ranks
 LR, MOMENTUM = 0.1, 0.9
@@ -91,7 +91,8 @@ def test_no_sync_is_silent_and_the_accumulated_step_is_the_big_batch_step(n):
             assert err <= 1e-5, f"{tag}: {name} differs from the big-batch step by {err:.2e} (relative)"
             # the no_sync micro-step: stages 1-2 send nothing; stage 3 only gathers its parameters
             if stage == 3:
-                assert res["no_sync_ops"] and set(res["no_sync_ops"]) == {"all_gather"}, (tag, res["no_sync_ops"])
+                ops = res["no_sync_ops"]
+                assert ops and set(ops) == {"all_gather"}, (tag, ops)
             else:
                 assert res["no_sync_ops"] == [], (tag, res["no_sync_ops"])
             # ...and holds the whole gradient locally, reduced nowhere yet (the documented memory cost)

@@ -1,4 +1,5 @@
-"""ZeRO's transient gradient buffers: freed as soon as their reduce-scatter is retired, never a whole gradient.
+"""ZeRO's transient gradient buffers: freed as soon as their reduce-scatter is retired, never a whole
+gradient.
 
 A reduce-scatter needs its bucket packed into a flat buffer. ZeRO-1/2/3 keep at most ``max_inflight`` of
 them alive (`distlab.parallel.zero.reducer`), so the ledger's ``buffers`` peak is set by the bucket (ZeRO-3:
@@ -75,7 +76,8 @@ def test_peak_buffers_are_bucket_sized(index):
 
 
 def test_zero2_small_buckets_at_4_ranks_the_reviewers_case():
-    """The reported case: gpt-tiny, 4 ranks, ``bucket_mb=0.05``: was 4 Psi (the whole gradient), now one bucket."""
+    """The reported case: gpt-tiny, 4 ranks, ``bucket_mb=0.05``: was 4 Psi (the whole gradient), now one
+    bucket."""
     rep = dl.train("zero2", world_size=4, model="gpt-tiny", steps=2, global_batch=8, bucket_mb=0.05)
     ref = dl.train("single", model="gpt-tiny", steps=2, global_batch=8)
     assert all(abs(a - b) <= 1e-5 * b for a, b in zip(rep.losses, ref.losses))
@@ -127,11 +129,12 @@ def _flat_buffer_lifetimes(stage: int, max_inflight: int, bucket_mb: float) -> d
     model = dl.ZeRO(dl.models.build("gpt-tiny", seed=0), stage=stage, optim=torch.optim.SGD, lr=0.1,
                     bucket_mb=bucket_mb, max_inflight=max_inflight)
     x, y = dl.models.dataset_for("gpt-tiny").batch(0, 4)
+    measure = dl.memory.zero_memory(model)            # from outside: samples after each launch
     loss = F.cross_entropy(model(x.chunk(n)[r]).flatten(0, 1), y.chunk(n)[r].flatten())
-    model.memory_bytes()                              # restart the peak: measure backward alone
+    measure()                                         # restart the peak: measure backward alone
     loss.backward()
     after_backward = _alive(refs, 0)
-    buffers = model.memory_bytes()["buffers"]
+    buffers = measure()["buffers"]
     model.optimizer.step()
     return {"packed": len(refs), "most_alive_before_packing": most[0], "after_backward": after_backward,
             "buffers": buffers}

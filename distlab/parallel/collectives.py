@@ -109,6 +109,11 @@ def record(op: str, *, start: float, end: float, sent: int, received: int, group
     tracer().comm(op, start=start, end=end, sent=sent, received=received, **merged)
 
 
+def now() -> float:
+    """The clock `record` takes ``start`` and ``end`` on: seconds on this rank's trace axis."""
+    return tracer().now()
+
+
 class Handle:
     """A launched collective: ``wait()`` blocks until it finished (idempotent)."""
 
@@ -134,11 +139,18 @@ class Collectives:
             raise ValueError(f"comm={comm!r}: choose 'torch' (torch.distributed collectives) or "
                              f"'ring' (distlab's ring from send/recv)")
         if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("data parallelism needs a process group: run inside dl.launch(fn, world_size=N)")
+            raise RuntimeError("data parallelism needs a process group: "
+                               "run inside dl.launch(fn, world_size=N)")
         self.comm, self.group = comm, group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._pool: ThreadPoolExecutor | None = None
+        self._launch_hooks: list = []
+
+    def register_launch_hook(self, hook) -> None:
+        """Call ``hook()`` right after every collective this object launches (before any wait): how
+        an observer outside the algorithm, such as `distlab.memory`, samples the buffers in flight."""
+        self._launch_hooks.append(hook)
 
     # -- the three collectives ---------------------------------------------------------------
     @torch.no_grad()
@@ -170,7 +182,8 @@ class Collectives:
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Handle:
         """``out`` <- every rank's ``shard`` concatenated in rank order (equal shard sizes)."""
         if out.numel() != self.size * shard.numel():
-            raise ValueError(f"all_gather needs out of {self.size} x {shard.numel()} elements, got {out.numel()}")
+            raise ValueError(f"all_gather needs out of {self.size} x {shard.numel()} elements, "
+                             f"got {out.numel()}")
         if self.comm == "ring":
             from .. import comm as ring
             sizes = [shard.numel()] * self.size
@@ -205,6 +218,7 @@ class Collectives:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="distlab-comm")
         handle = Handle(waiter=self._pool.submit(_without_grad, call).result)
+        self._launched()
         if not async_op:
             handle.wait()
         return handle
@@ -227,9 +241,15 @@ class Collectives:
             record(op, start=start, end=end, sent=sent, received=received, group=self.group, tags=tags,
                    impl="torch", bytes="ring-model", size=numel * element_size, world=self.size)
         handle = Handle(waiter=work.wait, on_done=on_done)
+        self._launched()
         if not async_op:
             handle.wait()
         return handle
+
+
+    def _launched(self) -> None:
+        for hook in self._launch_hooks:
+            hook()
 
 
 def _without_grad(call):

@@ -26,12 +26,19 @@ from __future__ import annotations
 import torch
 
 from ..checkpoint.state import flat_shard_state, replicated_state
-from ..memory import optimizer_bytes
+from ..memory import replica_memory, zero_memory
 from ..models import shard
-from ..parallel.data.buckets import storage_bytes
 from ..runtime import rank, world_size
-from .base import (RankResult, TrainSpec, build_model, global_batch, loss_fn, make_optimizer,
-                   optimizer_class, optimizer_kwargs)
+from .base import (
+    RankResult,
+    TrainSpec,
+    build_model,
+    global_batch,
+    loss_fn,
+    make_optimizer,
+    optimizer_class,
+    optimizer_kwargs,
+)
 from .loop import Plan, run, sum_losses
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
@@ -44,7 +51,9 @@ class LocalOptimizer:
     def __init__(self, params, spec: TrainSpec):
         self.params = [p for p in params if p.requires_grad]
         self.mixed = self.params[0].dtype != torch.float32
-        self.masters = [p.detach().float().requires_grad_(True) for p in self.params] if self.mixed else self.params
+        self.masters = self.params
+        if self.mixed:                                   # fp32 master copies of bf16 parameters
+            self.masters = [p.detach().float().requires_grad_(True) for p in self.params]
         self.optimizer = make_optimizer(self.masters, spec)
 
     def clip_grad_norm_(self, max_norm: float):
@@ -72,35 +81,29 @@ class LocalOptimizer:
             for m in self.masters:
                 m.grad = None
 
-    def state_bytes(self) -> int:
-        return optimizer_bytes(self.optimizer) + (storage_bytes(self.masters) if self.mixed else 0)
-
 
 def _wrap(spec: TrainSpec, model: torch.nn.Module):
-    """(model to call, optimizer with clip_grad_norm_/step/zero_grad, memory_bytes())."""
+    """(model to call, optimizer with clip_grad_norm_/step/zero_grad, a callable returning the ledger's
+    bytes by category), the last measured from outside by `distlab.memory`."""
     opts = {k: v for k, v in spec.options.items() if k in OPTIONS}
     comm = opts.get("comm", "torch")
-    if spec.strategy == "single":
+    if spec.strategy in ("single", "ddp"):
+        wrapped = model
+        if spec.strategy == "ddp" and opts.get("naive", False):
+            from ..parallel.data import NaiveDDP
+            wrapped = NaiveDDP(model, comm=comm)
+        elif spec.strategy == "ddp":
+            from ..parallel.data import DDP
+            wrapped = DDP(model, bucket_mb=opts.get("bucket_mb", 25.0), overlap=opts.get("overlap", True),
+                          comm=comm)
         opt = LocalOptimizer(model.parameters(), spec)
-        return model, opt, lambda: _plain_bytes(model, opt)
-    if spec.strategy == "ddp":
-        from ..parallel.data.ddp import DDP
-        ddp = DDP(model, bucket_mb=opts.get("bucket_mb", 25.0), overlap=opts.get("overlap", True),
-                  comm=comm, naive=opts.get("naive", False))
-        opt = LocalOptimizer(model.parameters(), spec)
-        return ddp, opt, lambda: _plain_bytes(model, opt)
+        return wrapped, opt, replica_memory(model, opt.optimizer, opt.masters if opt.mixed else ())
     from ..parallel.zero import ZeRO
-    stage = int(spec.strategy[-1])
-    zero = ZeRO(model, stage=stage, optim=optimizer_class(spec), bucket_mb=opts.get("bucket_mb", 25.0),
-                overlap=opts.get("overlap", True), prefetch=opts.get("prefetch", False), comm=comm,
-                max_inflight=opts.get("max_inflight", 1), **optimizer_kwargs(spec))
-    return zero, zero.optimizer, zero.memory_bytes
-
-
-def _plain_bytes(model, opt) -> dict[str, int]:
-    params = list(model.parameters())
-    return {"params": storage_bytes(params), "grads": storage_bytes(p.grad for p in params),
-            "optimizer": opt.state_bytes()}
+    zero = ZeRO(model, stage=int(spec.strategy[-1]), optim=optimizer_class(spec),
+                bucket_mb=opts.get("bucket_mb", 25.0), overlap=opts.get("overlap", True),
+                prefetch=opts.get("prefetch", False), comm=comm, max_inflight=opts.get("max_inflight", 1),
+                **optimizer_kwargs(spec))
+    return zero, zero.optimizer, zero_memory(zero)
 
 
 def train_rank(spec: TrainSpec) -> RankResult:

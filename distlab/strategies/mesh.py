@@ -43,13 +43,26 @@ import hashlib
 import torch
 
 from ..checkpoint.state import model_parallel_state
+from ..memory import PipelineStash
 from ..parallel import tensor as tp_lib
 from ..parallel.clip import clip_grad_norm_, sum_over
 from ..parallel.mesh import AXES, Mesh
 from ..parallel.pipeline.executor import Pipeline
+from ..parallel.pipeline.measure import ActionTrace
 from ..parallel.pipeline.split import stage_module
-from .base import (RankResult, TrainSpec, autocast, build_model, gather_params, global_batch, loss_fn,
-                   make_optimizer, microbatch_count, optimizer_class, optimizer_kwargs)
+from .base import (
+    RankResult,
+    TrainSpec,
+    autocast,
+    build_model,
+    gather_params,
+    global_batch,
+    loss_fn,
+    make_optimizer,
+    microbatch_count,
+    optimizer_class,
+    optimizer_kwargs,
+)
 from .loop import Plan, run, sum_losses
 from .tensor import sharded_params
 
@@ -131,6 +144,7 @@ def train_rank(spec: TrainSpec) -> RankResult:
     pipe = Pipeline(modules if v > 1 else modules[0], stage_ids if v > 1 else stage_ids[0],
                     mesh.pp * v, schedule=opts["schedule"], microbatches=m,
                     loss_fn=_criterion(spec, model, mesh, rows), group=mesh.pp_group)
+    pipe.observers += [ActionTrace(), PipelineStash()]    # measured from outside: spans, stash bytes
     params = list(pipe.parameters())
     ddp, optimizer = _data_parallel(spec, opts, mesh, modules, params)
     plan = _plan(spec, opts, mesh, rows, model, modules, pipe, ddp, optimizer)

@@ -17,12 +17,23 @@ from __future__ import annotations
 import torch
 
 from ..checkpoint.state import model_parallel_state
+from ..memory import PipelineStash
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.pipeline.executor import Pipeline
+from ..parallel.pipeline.measure import ActionTrace
 from ..parallel.pipeline.split import stage_module
 from ..runtime import rank, world_size
-from .base import (RankResult, TrainSpec, autocast, build_model, gather_params, global_batch, loss_fn,
-                   make_optimizer, microbatch_count)
+from .base import (
+    RankResult,
+    TrainSpec,
+    autocast,
+    build_model,
+    gather_params,
+    global_batch,
+    loss_fn,
+    make_optimizer,
+    microbatch_count,
+)
 from .loop import Plan, run
 
 SCHEDULE_OF = {"pp-gpipe": "gpipe", "pp-1f1b": "1f1b", "pp-interleaved": "interleaved", "pp-zb-h1": "zb-h1"}
@@ -44,8 +55,10 @@ def train_rank(spec: TrainSpec) -> RankResult:
     plain = loss_fn(spec)
     pipe = Pipeline(modules if v > 1 else modules[0], ids if v > 1 else ids[0], p * v, schedule=name,
                     microbatches=m, loss_fn=lambda out, y: plain(out, y) / spec.grad_accum)
+    pipe.observers += [ActionTrace(), PipelineStash()]    # measured from outside: spans, stash bytes
     params = list(pipe.parameters())
     optimizer = make_optimizer(params, spec)
+    pipe.observers += [ActionTrace(), PipelineStash()]    # measured from outside: spans, stash bytes
     held = torch.nn.ModuleList(modules)             # this rank's stage(s): what a checkpoint holds
 
     def forward(step: int, micro: int) -> torch.Tensor | None:

@@ -43,7 +43,8 @@ def pipeline_in_flight(schedule: str, p: int, m: int, v: int = 1, stage: int = 0
     zb-h2 min(2p - 1, m) at most; interleaved min(p v + p - 1 - 2i, m v) / v (Megatron's warm-up).
     """
     if m < 1 or p < 1 or v < 1 or not 0 <= stage < p:
-        raise ValueError(f"need p >= 1, m >= 1, v >= 1 and 0 <= stage < p; got p={p}, m={m}, v={v}, stage={stage}")
+        raise ValueError(f"need p >= 1, m >= 1, v >= 1 and 0 <= stage < p; "
+                         f"got p={p}, m={m}, v={v}, stage={stage}")
     if schedule == "gpipe":
         return float(m)
     if schedule == "1f1b":

@@ -7,8 +7,10 @@ Yuan 2009 for the ring):
 
     op              ring                             tree                               naive (one root)
     all_reduce      2(n-1) a + 2 (n-1)/n S/B         2 lg n (a + S/B)  reduce + bcast   2 (n-1)(a + S/B)
-    reduce_scatter  (n-1) a + (n-1)/n S/B            lg n a + (n-1)/n S/B  halving      (n-1)(a + S/B) + (n-1)(a + S/(nB))
-    all_gather      (n-1) a + (n-1)/n S/B            lg n a + (n-1)/n S/B  doubling     (n-1)(a + S/(nB)) + (n-1)(a + S/B)
+    reduce_scatter  (n-1) a + (n-1)/n S/B            lg n a + (n-1)/n S/B  halving      (n-1)(a + S/B)
+                                                                                          + (n-1)(a + S/(nB))
+    all_gather      (n-1) a + (n-1)/n S/B            lg n a + (n-1)/n S/B  doubling     (n-1)(a + S/(nB))
+                                                                                          + (n-1)(a + S/B)
     broadcast       (n-1) a + S/B  (pipelined)       lg n (a + S/B)  binomial           (n-1)(a + S/B)
     all_to_all      (n-1) a + (n-1)/n S/B  pairwise  lg n a + lg n S/(2B)  Bruck        (n-1)(a + S/(nB))
 

@@ -26,7 +26,8 @@ def zero2_offload(params: float, gpus_per_node: int = 1, nodes: int = 1, offload
     gpus = gpus_per_node * nodes
     if offload:
         return OffloadEstimate(gpu=2 * params, cpu=params * max(4 * gpus, 16) * buffer_factor)
-    return OffloadEstimate(gpu=4 * params + int(16 * params / gpus), cpu=params * 4 * gpus_per_node * buffer_factor)
+    return OffloadEstimate(gpu=4 * params + int(16 * params / gpus),
+                           cpu=params * 4 * gpus_per_node * buffer_factor)
 
 
 def zero3_offload(params: float, largest_layer: float, gpus_per_node: int = 1, nodes: int = 1,
@@ -39,4 +40,5 @@ def zero3_offload(params: float, largest_layer: float, gpus_per_node: int = 1, n
         return OffloadEstimate(gpu=layer, cpu=params * 18 / nodes * buffer_factor)
     if offload_optimizer:
         return OffloadEstimate(gpu=layer + int(2 * params / gpus), cpu=params * 16 / nodes * buffer_factor)
-    return OffloadEstimate(gpu=layer + int(18 * params / gpus), cpu=largest_layer * 4 * gpus_per_node * buffer_factor)
+    return OffloadEstimate(gpu=layer + int(18 * params / gpus),
+                           cpu=largest_layer * 4 * gpus_per_node * buffer_factor)

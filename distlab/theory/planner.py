@@ -116,7 +116,8 @@ def advise(model: str | ModelPreset, gpu: str = "h100-80gb", gpus: int = 8, seq_
                       (2, "ZeRO-2 also shards gradients, same traffic as DDP"),
                       (3, "ZeRO-3/FSDP also shards parameters, 1.5x DDP's traffic")):
         if plan is None and gpus > 1:
-            plan = attempt(f"Fits with ZeRO-{zero} over dp={gpus} (+ selective recompute)?", gpus, 1, 1, zero, "selective", why)
+            plan = attempt(f"Fits with ZeRO-{zero} over dp={gpus} (+ selective recompute)?", gpus, 1, 1,
+                           zero, "selective", why)
     tp = 2
     while plan is None and tp <= min(gpus_per_node, gpus) and gpus % tp == 0:
         plan = attempt(f"Fits with tensor parallel tp={tp} inside a node (+SP, ZeRO-1)?", gpus // tp, tp, 1,

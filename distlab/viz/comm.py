@@ -38,7 +38,8 @@ def calls(trace: Trace, op: str) -> list[dict]:
             grouped = defaultdict(list)
             for e in events:
                 grouped[e.args.get("call")].append(e)
-            per_call[rank] = [(min(e.start for e in g), max(e.end for e in g)) for _, g in sorted(grouped.items())]
+            per_call[rank] = [(min(e.start for e in g), max(e.end for e in g))
+                              for _, g in sorted(grouped.items())]
         count = min(len(v) for v in per_call.values())
         for k in range(count):
             seconds = max(v[k][1] - v[k][0] for v in per_call.values())
@@ -97,7 +98,8 @@ def comm(trace: Trace, model=None, ops: list[str] | None = None, title: str | No
             for n in sorted({c["world"] for c in measured}):
                 ends = [c["size"] for c in measured if c["world"] == n]
                 sizes = np.geomspace(min(ends), max(ends), 40) if max(ends) > min(ends) else ends
-                predicted = [busbw(collective, s, comm_time(collective, s, n, bandwidth, latency, algorithm), n) / 1e9
+                predicted = [busbw(collective, s,
+                                   comm_time(collective, s, n, bandwidth, latency, algorithm), n) / 1e9
                              for s in sizes]
                 ax_bw.plot(sizes, predicted, "-", color=colour, alpha=0.7, label=f"{op} model (N={n})")
     ax_bw.set_xscale("log")
@@ -152,14 +154,17 @@ def ring_steps(n: int = 4, trace: Trace | None = None, op: str = "ring_all_reduc
             x0 = r * (n + 1)
             for c in range(n):
                 who = state[r][c]
-                ax.add_patch(Rectangle((x0 + c, 0), 0.92, 0.9, facecolor=cmap(0.15 + 0.75 * len(who) / n),
-                                       edgecolor="black", lw=2.2 if not final and moves[s][r][0] == c else 0.3))
-                label = "all" if len(who) == n else "".join(str(k) for k in sorted(who)) if n <= 5 else str(len(who))
+                ax.add_patch(Rectangle((x0 + c, 0), 0.92, 0.9,
+                                       facecolor=cmap(0.15 + 0.75 * len(who) / n), edgecolor="black",
+                                       lw=2.2 if not final and moves[s][r][0] == c else 0.3))
+                label = ("all" if len(who) == n
+                         else "".join(str(k) for k in sorted(who)) if n <= 5 else str(len(who)))
                 ax.text(x0 + c + 0.46, 0.45, label, ha="center", va="center", fontsize=7)
             if s == 0:
                 ax.text(x0 + n / 2, 1.15, f"rank {r}", ha="center", fontsize=9)
             if not final:
-                ax.text(x0 + n / 2, -0.35, f"sends c{moves[s][r][0]} -> rank {(r + 1) % n}", ha="center", fontsize=7)
+                ax.text(x0 + n / 2, -0.35, f"sends c{moves[s][r][0]} -> rank {(r + 1) % n}", ha="center",
+                        fontsize=7)
         phase = "final" if final else ("reduce-scatter" if s < n - 1 else "all-gather")
         ax.text(-0.4, 0.45, f"{phase}\nstep {s}" if not final else "after\n" + str(rows - 1) + " steps",
                 ha="right", va="center", fontsize=8)
@@ -172,7 +177,8 @@ def ring_steps(n: int = 4, trace: Trace | None = None, op: str = "ring_all_reduc
         for r, c, who in sent:
             dst = (r + 1) % n
             if moves[s][dst][1] != c:
-                raise ValueError(f"step {s}: rank {dst} receives chunk {moves[s][dst][1]} but rank {r} sends {c}")
+                raise ValueError(f"step {s}: rank {dst} receives chunk {moves[s][dst][1]} "
+                                 f"but rank {r} sends {c}")
             state[dst][c] = state[dst][c] | who if s < n - 1 else who
     fig.suptitle(title or f"ring all-reduce over {n} ranks: labels = ranks summed into each chunk, "
                  "outline = chunk sent this step", fontsize=10)

@@ -64,8 +64,8 @@ def memory(trace, predicted=None, title: str | None = None, unit: str = "auto", 
                 ax.bar(i + width / 2, pv, width, bottom=bottoms["p"], color=COLORS[c], alpha=0.45,
                        hatch="//", edgecolor="black", linewidth=0.4)
                 bottoms["p"] += pv
-    ax.set_xticks(range(len(ranks)), [f"rank {r}" + ("\nmeasured | predicted" if pred else "") for r in ranks],
-                  fontsize=8)
+    ax.set_xticks(range(len(ranks)),
+                  [f"rank {r}" + ("\nmeasured | predicted" if pred else "") for r in ranks], fontsize=8)
     ax.set_ylabel(label)
     ax.set_title(title or "memory per rank (peak by category)")
     ax.legend(fontsize=7, loc="upper right")

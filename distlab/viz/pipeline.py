@@ -1,6 +1,7 @@
 """Pipeline timelines: one row per rank, one box per action (F/B/I/W, microbatch written inside).
 
-``pipeline(trace)`` draws a measured run of `distlab.pp.Pipeline`: compute boxes where the rank
+``pipeline(trace)`` draws a measured run of `distlab.pp.Pipeline` (watched by `distlab.pp.ActionTrace`;
+``stash`` also by `distlab.memory.PipelineStash`): compute boxes where the rank
 worked, a thin grey bar under them while it waited on a receive from a neighbour, white where it
 idled -- the bubble. ``schedule(actions)`` draws the same picture from the schedule alone, replayed
 on an ideal clock by `distlab.parallel.pipeline.schedule.simulate`. Same colours, so the two sit side by side.
@@ -40,10 +41,12 @@ def _finish(ax, p: int, title: str, xlabel: str, kinds: set[str]) -> None:
 
 
 def pipeline(trace, step: int | None = None, ax=None, title: str | None = None):
-    """Measured timeline of one ``step`` (default: the last recorded) of a `Pipeline` run; returns the Figure."""
+    """Measured timeline of one ``step`` (default: the last recorded) of a `Pipeline` run;
+    returns the Figure."""
     spans = [e for e in trace.spans(cat="compute") if e.name in COLOURS and "step" in e.args]
     if not spans:
-        raise ValueError("no pipeline actions in this trace: run dl.pp.Pipeline.step inside dl.launch first")
+        raise ValueError("no pipeline actions in this trace: run dl.pp.Pipeline.step inside dl.launch, "
+                         "with observers=[dl.pp.ActionTrace()]")
     step = max(e.args["step"] for e in spans) if step is None else step
     ranks = sorted({e.rank for e in spans})
     p = len(ranks)
@@ -60,8 +63,8 @@ def pipeline(trace, step: int | None = None, ax=None, title: str | None = None):
         for c in trace.comms(rank=r, op="recv", step=step):
             # a receive is posted early; the rank only *waits* from its last finished action to the arrival
             waiting_from = max([c.start] + [t for t in ends if t <= c.end])
-            ax.barh(r + 0.47, (c.end - waiting_from) * 1e3, left=(waiting_from - origin[r]) * 1e3, height=0.08,
-                    color="#999999")
+            ax.barh(r + 0.47, (c.end - waiting_from) * 1e3, left=(waiting_from - origin[r]) * 1e3,
+                    height=0.08, color="#999999")
     b = measured_bubble(trace, step)
     _finish(ax, p, title or f"measured: bubble {b.total:.0%} of step time ({b.ideal:.0%} of ideal)",
             "ms since the step started (each rank's own clock); grey: waiting on a receive",
@@ -77,7 +80,8 @@ def schedule(actions, t_f: float = 1.0, t_b: float = 2.0, t_w: float | None = No
     fig, ax = _axes(ax, p)
     for row in timeline.spans:
         for s in row:
-            _box(ax, s.rank, s.start, s.end, s.action.kind, s.action.microbatch, s.action.stage // p, label=True)
+            a = s.action
+            _box(ax, s.rank, s.start, s.end, a.kind, a.microbatch, a.stage // p, label=True)
     _finish(ax, p, title or f"simulated: bubble {timeline.bubble:.0%} of step time",
             "time (units of t_f)", {a.kind for row in actions for a in row})
     return fig
@@ -87,7 +91,8 @@ def stash(trace, step: int | None = None, ax=None, title: str | None = None):
     """Microbatches whose activations each rank holds, over one step; returns the Figure."""
     ranks = sorted({e.rank for e in trace.memory_samples() if e.name == "pipeline stash"})
     if not ranks:
-        raise ValueError("no 'pipeline stash' samples in this trace: run dl.pp.Pipeline.step inside dl.launch")
+        raise ValueError("no 'pipeline stash' samples in this trace: run dl.pp.Pipeline.step inside "
+                         "dl.launch, with observers=[dl.memory.PipelineStash()]")
     if ax is None:
         fig, ax = plt.subplots(figsize=(7, 2.6))
     else:
@@ -97,7 +102,8 @@ def stash(trace, step: int | None = None, ax=None, title: str | None = None):
         if not samples:
             continue
         t0 = samples[0][0]
-        ax.step([(t - t0) * 1e3 for t, _, _ in samples], [n for _, n, _ in samples], where="post", label=f"rank {r}")
+        ax.step([(t - t0) * 1e3 for t, _, _ in samples], [n for _, n, _ in samples], where="post",
+                label=f"rank {r}")
     ax.set_xlabel("ms since the rank's first action")
     ax.set_ylabel("microbatches in flight")
     ax.set_title(title or "activations stashed per rank", fontsize=10)

@@ -48,7 +48,8 @@ def timeline(trace: Trace, ranks: list[int] | None = None, start: float | None =
     kind_of = comm_kind or (lambda e: "communication")
     kinds = sorted({kind_of(e) for e in comms}) or ["communication"]
     chosen = comm_colours or {}
-    comm_colours = {k: chosen.get(k, COMM_COLOUR if comm_kind is None else COMM_PALETTE[i % len(COMM_PALETTE)])
+    comm_colours = {k: chosen.get(k, COMM_COLOUR if comm_kind is None
+                                  else COMM_PALETTE[i % len(COMM_PALETTE)])
                     for i, k in enumerate(kinds)}
     for row, r in enumerate(ranks):
         y = len(ranks) - 1 - row
@@ -57,8 +58,8 @@ def timeline(trace: Trace, ranks: list[int] | None = None, start: float | None =
         ax.broken_barh(compute, (y + 0.38, 0.5),
                        facecolors=[colours[e.name] for e in mine if e.kind == "span"])
         comm = [e for e in mine if e.kind == "comm"]
-        ax.broken_barh([((e.start - t0) * scale, max(e.duration, 1e-9) * scale) for e in comm], (y + 0.08, 0.28),
-                       facecolors=[comm_colours[kind_of(e)] for e in comm])
+        ax.broken_barh([((e.start - t0) * scale, max(e.duration, 1e-9) * scale) for e in comm],
+                       (y + 0.08, 0.28), facecolors=[comm_colours[kind_of(e)] for e in comm])
     ax.set_yticks([len(ranks) - 1 - i + 0.5 for i in range(len(ranks))])
     ax.set_yticklabels([f"rank {r}" for r in ranks])
     ax.set_ylim(0, max(len(ranks), 1))
@@ -66,7 +67,8 @@ def timeline(trace: Trace, ranks: list[int] | None = None, start: float | None =
     if end is not None:
         ax.set_xlim(0, (end - t0) * scale)
     handles = [Patch(color=c, label=n) for n, c in colours.items()] + \
-        [Patch(color=c, label=k if comm_kind is None else f"{k} communication") for k, c in comm_colours.items()]
+        [Patch(color=c, label=k if comm_kind is None else f"{k} communication")
+         for k, c in comm_colours.items()]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     ax.set_title(title or "timeline: compute (upper lane) and communication (lower lane) per rank")
     ax.grid(axis="x", alpha=0.3)

@@ -38,7 +38,8 @@ class AllReduceExplorer(Explorer):
 
     def _times(self, nbytes: float) -> dict[str, float]:
         card = theory.link(self.value("link"))
-        return {a: theory.comm_time(self.value("op"), nbytes, self.value("n"), card.bandwidth, card.latency, a)
+        return {a: theory.comm_time(self.value("op"), nbytes, self.value("n"),
+                                    card.bandwidth, card.latency, a)
                 for a in ALGORITHMS}
 
     def compute(self) -> CommResult:

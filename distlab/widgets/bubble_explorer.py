@@ -41,7 +41,8 @@ class BubbleExplorer(Explorer):
     def compute(self) -> BubbleResult:
         name, p, m = self.value("schedule"), self.value("p"), self.value("m")
         v = self.value("v") if name == "interleaved" else 1
-        times = dict(t_f=self.value("t_f"), t_b=self.value("t_b"), t_w=min(self.value("t_w"), self.value("t_b")))
+        times = dict(t_f=self.value("t_f"), t_b=self.value("t_b"),
+                     t_w=min(self.value("t_w"), self.value("t_b")))
         try:
             timeline = simulate(schedule(name, p, m, virtual=v), t_comm=self.value("t_comm"), **times)
         except ValueError as error:
@@ -61,7 +62,8 @@ class BubbleExplorer(Explorer):
                 if span.end - span.start >= 0.5:
                     ax.text((span.start + span.end) / 2, rank, str(span.action.microbatch),
                             ha="center", va="center", fontsize=7, color="white")
-        ax.set_yticks(range(len(result.timeline.spans)), [f"rank {r}" for r in range(len(result.timeline.spans))])
+        ax.set_yticks(range(len(result.timeline.spans)),
+                      [f"rank {r}" for r in range(len(result.timeline.spans))])
         ax.invert_yaxis()
         ax.set_xlabel("time")
         ax.set_title(f"{self.value('schedule')}: bubble {result.simulated:.1%} of the step")

@@ -70,7 +70,8 @@ class MemoryCalculator(Explorer):
         stages = [theory.memory(model, **common, **layout, stage=s) for s in range(layout["pp"])]
         fullest = max(stages, key=lambda b: b.total)
         shape = theory.model(model) if isinstance(model, str) else None
-        cheapest = theory.cheapest_plan(shape, seq_len, self.value("micro_batch"), **common) if shape else None
+        cheapest = (theory.cheapest_plan(shape, seq_len, self.value("micro_batch"), **common)
+                    if shape else None)
         return MemoryResult(fullest, stages, {g: theory.fits(fullest, g) for g in theory.GPUS}, cheapest)
 
     def render(self, result: MemoryResult):

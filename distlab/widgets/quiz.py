@@ -93,15 +93,16 @@ class Quiz(Explorer):
             radio.options, radio.value = self.questions[self.index].choices, None
 
     def compute(self) -> QuizState:
-        return QuizState(self.index, len(self.questions), self.questions[self.index], self.verdict is not None,
-                         self.verdict, self.score, self.attempted)
+        return QuizState(self.index, len(self.questions), self.questions[self.index],
+                         self.verdict is not None, self.verdict, self.score, self.attempted)
 
     def render(self, result: QuizState):
         q = result.question
         text = (f"<p><b>Question {result.index + 1} of {result.total}</b> ({html.escape(q.topic)}) "
                 f"score {result.score}/{result.attempted}</p><p>{html.escape(q.prompt)}</p>")
         if result.answered:
-            verdict = "Right." if result.correct else f"Not quite: the answer is {html.escape(q.choices[q.answer])}."
+            verdict = ("Right." if result.correct
+                       else f"Not quite: the answer is {html.escape(q.choices[q.answer])}.")
             text += f"<p><b>{verdict}</b> {html.escape(q.explanation)}</p>"
         return None, text
 

@@ -22,13 +22,20 @@ replica takes exactly the step a single process would take on the whole batch, a
 That is all of DDP's maths. Its engineering (Li et al. 2020, *PyTorch Distributed: Experiences on Accelerating
 Data Parallel Training*) is about making the all-reduce cheap:
 
-1. **naive**: one all-reduce per parameter tensor after backward: a latency α per tensor;
+1. **naive** (`NaiveDDP`): one all-reduce per parameter tensor after backward: a latency α per tensor;
 2. **bucketed**: pack gradients into ~25 MB *buckets*: few, large messages;
 3. **overlapped**: launch each bucket's all-reduce *during* backward, the moment its gradients are ready, so
    communication hides behind the rest of the backward pass.
 
 In this lesson you will predict and measure the bytes per step (2(N-1)/N · Ψ), see communication move under
 the backward pass in a timeline, accumulate gradients with `no_sync`, and measure scaling at 1, 2 and 4 ranks.
+
+**The code, in reading order** ([distlab/parallel/data/](../distlab/parallel/data/__init__.py)):
+[ddp.py](../distlab/parallel/data/ddp.py) holds `NaiveDDP` (version 1, about 40 lines) and then `DDP`
+(versions 2 and 3); [buckets.py](../distlab/parallel/data/buckets.py) packs parameters into buckets;
+[backward_hooks.py](../distlab/parallel/data/backward_hooks.py) notices, during backward, when a bucket is full.
+Every all-reduce goes through [distlab/parallel/collectives.py](../distlab/parallel/collectives.py), which
+records it in the trace (the algorithms carry no instrumentation).
 """)
 code("""
 import contextlib
@@ -52,6 +59,11 @@ md("""
 Before any library: give each rank its rows, run backward, all-reduce every gradient and divide by N. Because
 the loss is a **mean** over the batch and the shards are equal, the mean of the N shard-gradients *is* the
 gradient of the whole batch. We check it against one process that sees every row.
+
+`dl.NaiveDDP` ([ddp.py](../distlab/parallel/data/ddp.py)) is this loop as a class, plus the two things a real
+run needs: it broadcasts rank 0's weights at construction (replicas that start equal and take equal steps stay
+equal), and it runs the loop by itself when `loss.backward()` returns (a post-accumulate-grad hook queues it
+with autograd). We check it too.
 """)
 code("""
 def by_hand():
@@ -62,16 +74,22 @@ def by_hand():
     for p in replica.parameters():                           # the naive DDP: one all-reduce per tensor
         dist.all_reduce(p.grad)
         p.grad /= n
+    naive = dl.NaiveDDP(dl.models.build(MODEL, seed=0))      # the same, as a class
+    F.cross_entropy(naive(x.chunk(n)[r]).flatten(0, 1), y.chunk(n)[r].flatten()).backward()
     whole = dl.models.build(MODEL, seed=0)                   # one process, the whole batch
     F.cross_entropy(whole(x).flatten(0, 1), y.flatten()).backward()
-    diff = sum((p.grad - q.grad).pow(2).sum() for p, q in zip(replica.parameters(), whole.parameters()))
     norm = sum(q.grad.pow(2).sum() for q in whole.parameters())
-    return (diff / norm).sqrt().item()
+
+    def error(model):
+        diff = sum((p.grad - q.grad).pow(2).sum() for p, q in zip(model.parameters(), whole.parameters()))
+        return (diff / norm).sqrt().item()
+    return {"by hand": error(replica), "dl.NaiveDDP": error(naive)}
 
 errors = dl.launch(by_hand, world_size=2, output="quiet").results
-print("relative difference from the single-process gradient, per rank:",
-      ["< 1e-6" if e < 1e-6 else f"{e:.1e}" for e in errors])
-assert max(errors) < 1e-6
+for name in ("by hand", "dl.NaiveDDP"):
+    print(f"{name:12} relative difference from the single-process gradient, per rank:",
+          ["< 1e-6" if e[name] < 1e-6 else f"{e[name]:.1e}" for e in errors])
+assert max(e[name] for e in errors for name in e) < 1e-6
 """)
 md("""
 ## 2. The prediction: bytes and messages per step
@@ -84,8 +102,9 @@ reduce-scatter, as much again in the all-gather. The gradient is Ψ fp32 numbers
 Packing changes the *number of messages*, and each costs a latency α (the α-β model:
 T = Σ_messages 2(N-1)(α + (S_i/N)/β)): one per parameter tensor for the naive version, one per bucket otherwise.
 
-`dl.DDP(module, bucket_mb, overlap, naive)` implements all three. Buckets are filled in **reverse registration
-order**, the order backward produces gradients; each bucket is one flat buffer and `p.grad` is a view into it, so
+`dl.NaiveDDP(module)` is version 1; `dl.DDP(module, bucket_mb, overlap)` versions 2 (`overlap=False`) and 3.
+Buckets are filled in **reverse registration order** ([buckets.py](../distlab/parallel/data/buckets.py)), the
+order backward produces gradients; each bucket is one flat buffer and `p.grad` is a view into it, so
 all-reducing a bucket needs no copy. We train 5 steps of `gpt-small` at N = 2 in each mode, record a mark every
 time a parameter's gradient is ready, and read the trace.
 """)
@@ -93,7 +112,10 @@ code("""
 def ddp_steps(mode, steps=5, bucket_mb=0.5):
     tr, n, r = dl.tracer(), dl.world_size(), dl.rank()
     gpt = dl.models.build(MODEL, seed=0)
-    ddp = dl.DDP(gpt, bucket_mb=bucket_mb, overlap=(mode == "overlapped"), naive=(mode == "naive"))
+    if mode == "naive":
+        ddp = dl.NaiveDDP(gpt)                      # one all-reduce per parameter, after backward
+    else:
+        ddp = dl.DDP(gpt, bucket_mb=bucket_mb, overlap=(mode == "overlapped"))
     for name, p in gpt.named_parameters():          # registered after DDP's hooks: marks follow DDP's launches
         p.register_post_accumulate_grad_hook(lambda p, name=name: tr.mark("grad ready", param=name))
     opt = torch.optim.AdamW(gpt.parameters(), lr=1e-3)
@@ -108,7 +130,7 @@ def ddp_steps(mode, steps=5, bucket_mb=0.5):
         with tr.span("optimizer", step=step):
             opt.step()
             opt.zero_grad()
-    return {"buckets": len(ddp.buckets), "tensors": len(ddp.params)}
+    return {"buckets": len(ddp.buckets) if mode != "naive" else None, "tensors": len(ddp.params)}
 
 N = 2
 MODES = ("naive", "bucketed", "overlapped")
@@ -149,7 +171,9 @@ watch.
 Backward runs from the last layer to the first. In the overlapped version, the bucket holding the last layers'
 gradients is complete long before backward reaches the embeddings, and its all-reduce starts right then (a
 `register_post_accumulate_grad_hook` notices the bucket is full); `loss.backward()` waits for the outstanding
-ones at the very end. Without overlap, every all-reduce starts after the last gradient.
+ones at the very end. Without overlap, every all-reduce starts after the last gradient. (That hook, and the
+queue that keeps every rank launching its buckets in the same order, is
+[backward_hooks.py](../distlab/parallel/data/backward_hooks.py).)
 
 **Prediction that holds on any machine, loaded or not:** in overlapped mode the first all-reduce *starts before
 the last gradient is ready*; in the other two modes, every all-reduce starts after it. It is a statement about

@@ -33,6 +33,13 @@ Redundancy Optimizer*) keeps one copy, split over the N data-parallel ranks:
 (Ψ in the last column is the bytes of one copy of the gradients.) Stages 1 and 2 cost **no extra
 communication**; stage 3 costs 1.5x. In this lesson you predict each row with `dl.theory`, measure it with
 distlab's ledger, and see where the bytes go.
+
+**The code, one file per stage, in reading order** ([distlab/parallel/zero/](../distlab/parallel/zero/__init__.py)):
+[zero1.py](../distlab/parallel/zero/zero1.py) is `ShardedOptimizer` (stage 1, and the optimizer of every stage)
+and the stage-1 model wrapper; [zero2.py](../distlab/parallel/zero/zero2.py) reduce-scatters each gradient bucket
+during backward; [zero3.py](../distlab/parallel/zero/zero3.py) owns the model's flat parameter buffers, gathers
+and frees them unit by unit, and hands its shards to the optimizer; [reducer.py](../distlab/parallel/zero/reducer.py)
+is the bounded queue of reduce-scatters they share. `dl.ZeRO(module, stage=...)` picks the stage's wrapper.
 """)
 code("""
 import torch
@@ -77,6 +84,9 @@ on every rank: the exact bytes of the distinct storages holding parameters, grad
 Two more categories are measured but not part of the model states: **activations** (tensors autograd saved for
 backward, counted with saved-tensor hooks) and **buffers** (flat gradient buckets waiting for their
 reduce-scatter, in every ZeRO stage, and ZeRO-3's gathered parameters).
+
+The algorithms carry no memory probes: the ledger is [distlab/memory.py](../distlab/memory.py), which reads a
+rank's storages from outside and samples the transient buffers right after each collective is launched.
 
 Every strategy must still train exactly like one process on the whole batch; we check that first.
 """)
@@ -223,7 +233,7 @@ gradients and parameters travel.)
 
 ## 6. ZeRO-3 up close: gather, compute, free
 
-`dl.ZeRO(module, stage=3)` cuts the model into **units**: each transformer block, and the root module for the
+`dl.ZeRO(module, stage=3)` ([zero3.py](../distlab/parallel/zero/zero3.py)) cuts the model into **units**: each transformer block, and the root module for the
 rest (embeddings, final norm, head). Each unit's parameters live in one flat buffer whose storage is freed except
 while the unit computes; each rank keeps only its 1/N shard:
 
@@ -250,7 +260,7 @@ def zero3_step():
     with tr.span("optimizer"):
         model.optimizer.step()
         model.optimizer.zero_grad()
-    return {"units": len(model.stage3.units), "at_rest": at_rest, "optimizer": repr(model.optimizer)}
+    return {"units": len(model.units), "at_rest": at_rest, "optimizer": repr(model.optimizer)}
 
 z3 = dl.launch(zero3_step, world_size=2, output="quiet")
 info = z3.results[0]

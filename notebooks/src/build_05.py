@@ -25,6 +25,17 @@ In this lesson you will
 3. **measure** the four schedules' timelines side by side and compare the bubble with `dl.theory.bubble`;
 4. sweep the number of microbatches: predicted and measured bubble, in both conventions;
 5. watch the activations each stage keeps in flight: GPipe holds m microbatches, 1F1B at most p - i on stage i.
+
+The code, in the order [`distlab/parallel/pipeline/__init__.py`](../distlab/parallel/pipeline/__init__.py) gives:
+the schedules as pure lists in [schedule.py](../distlab/parallel/pipeline/schedule.py), cutting a model into stages
+in [split.py](../distlab/parallel/pipeline/split.py), the messages between neighbours in
+[p2p.py](../distlab/parallel/pipeline/p2p.py), the executor in
+[executor.py](../distlab/parallel/pipeline/executor.py) (each action: receive, compute, send) and the split
+backward of zero bubble in [zero_bubble.py](../distlab/parallel/pipeline/zero_bubble.py). The executor measures
+nothing itself: observers attached from outside, like a module's forward hooks, do.
+[measure.py](../distlab/parallel/pipeline/measure.py) records a span per action and reads the bubble back from the
+trace, [distlab/memory.py](../distlab/memory.py) (`PipelineStash`) the activations in flight, and
+[distlab/viz/pipeline.py](../distlab/viz/pipeline.py) draws both.
 """)
 code("""
 import statistics
@@ -40,6 +51,9 @@ from distlab.viz.pipeline import pipeline as draw_pipeline, schedule as draw_sch
 
 P, M = 4, 8                       # pipeline ranks, microbatches
 CFG = GPTConfig(vocab=64, seq_len=32, d_model=64, heads=4, layers=6)   # 8 units: embed, 6 blocks, head
+
+def observers():             # what we measure, attached from outside the executor
+    return [dl.pp.ActionTrace(), dl.memory.PipelineStash()]    # a span per action; activations in flight
 """)
 
 md("""
@@ -106,7 +120,7 @@ def pipelined(name, v, steps=3, batch=16):
     ids = [r + k * p for k in range(v)]
     modules = [dl.pp.stage_module(model, s, p * v) for s in ids]
     pipe = dl.pp.Pipeline(modules if v > 1 else modules[0], ids if v > 1 else ids[0], p * v,
-                          schedule=name, microbatches=M)
+                          schedule=name, microbatches=M, observers=observers())
     opt = torch.optim.SGD(list(pipe.parameters()), lr=0.5)
     losses = []
     for step in range(steps):
@@ -134,8 +148,9 @@ md("""
 To see the *schedule* rather than two CPU cores being shared by four processes, each stage here is a
 `dl.pp.TimedStage`: y = x + w with real gradients, whose forward takes T, backward 2T (split evenly into I and W),
 spent sleeping. Everything else is the real executor: real messages (gloo `isend`/`irecv`), real waiting.
-The trace records every F/B/I/W as a compute span, every send and receive as a comm event, and after every action
-how many microbatches the rank holds activations for.
+The trace records every F/B/I/W as a compute span (`dl.pp.ActionTrace`, around the compute only: a rank waiting
+for a message is idle), every send and receive as a comm event (`parallel/collectives.py`, the one writer), and
+after every action how many microbatches the rank holds activations for (`dl.memory.PipelineStash`).
 
 Prediction, with t_F = T and t_B = 2T (`dl.theory.bubble`, "total" convention: idle share of the step):
 
@@ -151,7 +166,7 @@ def timed_run(name, m, v=1, steps=2):
     ids = [r + k * p for k in range(v)]
     stages = [dl.pp.TimedStage(8, t_f=T / v, t_b=2 * T / v) for _ in ids]
     pipe = dl.pp.Pipeline(stages if v > 1 else stages[0], ids if v > 1 else ids[0], p * v,
-                          schedule=name, microbatches=m)
+                          schedule=name, microbatches=m, observers=observers())
     x, y = torch.randn(m, 8), torch.zeros(m, 8)
     for _ in range(steps):       # step 0 also exchanges shapes; we measure step 1
         dist.barrier()           # start every rank's step together
@@ -229,8 +244,9 @@ md("""
 
 A stage must keep a microbatch's activations from its forward until its backward. GPipe runs all m forwards
 first, so every stage holds **m** microbatches at its peak. 1F1B starts a backward as soon as one is possible,
-so stage i holds at most **p - i** (Narayanan et al. 2021): memory no longer grows with m. The executor samples
-this count after every action; the plot is the measured count over the step.
+so stage i holds at most **p - i** (Narayanan et al. 2021): memory no longer grows with m. `PipelineStash`
+samples this count after every action (it reads `pipe.stash`, the executor's own record of what it keeps for the
+backward); the plot is the measured count over the step.
 """)
 code("""
 fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3))
@@ -245,8 +261,8 @@ fig.tight_layout()
 fig
 """)
 md("""
-In bytes, for the real GPT of section 2: the executor measures what autograd saves for the backward in each
-stage's forward (saved-tensor hooks, parameters excluded). Peak stash = peak count x bytes per microbatch.
+In bytes, for the real GPT of section 2: `PipelineStash` measures what autograd saves for the backward in each
+stage's first forward of a microbatch (saved-tensor hooks around the action, parameters excluded). Peak stash = peak count x bytes per microbatch.
 """)
 code("""
 def gpt_stash(name):

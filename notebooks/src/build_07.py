@@ -17,6 +17,12 @@ paper it comes from and tested against the paper's own figures; `dl.widgets` put
 
 Every widget here also exposes `.controls` (its inputs) and `.result` (its latest answer), so the cells below
 move the controls from code and **assert** what the answer must be. Change the sliders yourself afterwards.
+
+The formulas are plain Python, no torch, one file per topic: memory per GPU in
+[distlab/theory/memory.py](../distlab/theory/memory.py), activations in
+[activations.py](../distlab/theory/activations.py), collective costs in [comm.py](../distlab/theory/comm.py),
+bubbles in [pipeline.py](../distlab/theory/pipeline.py), the advisor in [planner.py](../distlab/theory/planner.py);
+the widgets that draw them in [distlab/widgets/](../distlab/widgets/base.py).
 """)
 code("""
 %matplotlib inline

@@ -32,9 +32,10 @@ import pytest
 CHROMIUM = Path(os.environ.get("DISTLAB_CHROMIUM", "/usr/bin/chromium"))
 CHROMEDRIVER = Path(os.environ.get("DISTLAB_CHROMEDRIVER", "/usr/bin/chromedriver"))
 INSTALL_HINT = "run tests/browser/install_browser.sh (apt chromium + chromium-driver, pip selenium)"
-CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
-                  "--no-first-run", "--disable-background-networking", "--disable-component-update",
-                  "--disable-sync", "--window-size=1400,1600", "--force-device-scale-factor=1")
+CHROMIUM_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                  "--disable-quic", "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--window-size=1400,1600",
+                  "--force-device-scale-factor=1")
 
 # JupyterLab user settings for a quiet, fully rendered notebook: every cell in the DOM (no windowing),
 # no news or update pop-ups, no autosave over the copied lesson.
@@ -68,7 +69,8 @@ def processes_mentioning(marker: str) -> list[int]:
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmdline = (Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
+                       .decode(errors="replace"))
             state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
@@ -122,10 +124,11 @@ def lab(browser_tmp: Path):
         path.write_text(json.dumps(values))
     token = secrets.token_hex(16)
     env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(runtime), JUPYTERLAB_SETTINGS_DIR=str(settings),
-               JUPYTERLAB_WORKSPACES_DIR=str(browser_tmp / "workspaces"), JUPYTER_CONFIG_DIR=str(browser_tmp / "config"),
-               OMP_NUM_THREADS="1", MPLBACKEND="agg")
+               JUPYTERLAB_WORKSPACES_DIR=str(browser_tmp / "workspaces"),
+               JUPYTER_CONFIG_DIR=str(browser_tmp / "config"), OMP_NUM_THREADS="1", MPLBACKEND="agg")
     command = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={_free_port()}",
-               "--ServerApp.port_retries=20", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
+               "--ServerApp.port_retries=20", f"--IdentityProvider.token={token}",
+               f"--ServerApp.root_dir={root}",
                "--LabApp.expose_app_in_browser=True", "--LabApp.extension_manager=readonly",
                "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
                "--ServerApp.jpserver_extensions={'jupyter_lsp': False}"]
@@ -142,7 +145,8 @@ def lab(browser_tmp: Path):
         assert not left, f"JupyterLab left processes behind (killed): {left}"
 
 
-def _wait_for_server(server: subprocess.Popen, runtime: Path, token: str, log: Path, timeout: float = 60.0) -> str:
+def _wait_for_server(server: subprocess.Popen, runtime: Path, token: str, log: Path,
+                     timeout: float = 60.0) -> str:
     """The server's URL once it answers /api/status (it writes jpserver-<pid>.json when listening)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -203,5 +207,6 @@ def chrome(browser_tmp: Path, monkeypatch):
         finally:
             service.stop()
         time.sleep(0.2)
-        left = kill_survivors(str(browser_tmp / "chromium-profile")) + kill_survivors(str(browser_tmp / "chromedriver.log"))
+        left = (kill_survivors(str(browser_tmp / "chromium-profile"))
+                + kill_survivors(str(browser_tmp / "chromedriver.log")))
         assert not left, f"Chromium/chromedriver left processes behind (killed): {left}"

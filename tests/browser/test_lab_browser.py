@@ -37,7 +37,8 @@ LESSON_STATE = dict(model="llama2-7b", precision="bf16-mixed", optimizer="adam",
 NOTEBOOK_JS = "const nb = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
 READY_JS = NOTEBOOK_JS + """
 return !!(nb && nb.content && nb.sessionContext && nb.sessionContext.session
-          && nb.sessionContext.session.kernel && nb.sessionContext.session.kernel.connectionStatus === 'connected'
+          && nb.sessionContext.session.kernel
+          && nb.sessionContext.session.kernel.connectionStatus === 'connected'
           && nb.sessionContext.session.kernel.status === 'idle');"""
 PROGRESS_JS = NOTEBOOK_JS + """
 const cells = nb.content.widgets.filter(c => c.model.type === 'code');
@@ -73,7 +74,8 @@ def prepared_copy(root: Path) -> str:
 
 def wait(driver, condition, timeout: float, what: str):
     """Poll ``condition`` (a redraw may swap elements under it: missing or stale ones mean "not yet")."""
-    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException, TimeoutException
+    from selenium.common.exceptions import (NoSuchElementException, StaleElementReferenceException,
+                                            TimeoutException)
     from selenium.webdriver.support.ui import WebDriverWait
     patient = WebDriverWait(driver, timeout, poll_frequency=0.25,
                             ignored_exceptions=(NoSuchElementException, StaleElementReferenceException))

@@ -2,10 +2,11 @@
 
 Reading order:
 
-    ddp.py             DDP: bucketed gradients, all-reduced during backward (overlap)
+    ddp.py             NaiveDDP: one all-reduce per parameter after backward (the textbook version),
+                       then DDP: gradients bucketed and all-reduced during backward (overlap)
     buckets.py         flat buffers and the bucketing DDP and ZeRO share
     backward_hooks.py  knowing, during backward, when a bucket's gradients are all there
 """
-from .ddp import DDP
+from .ddp import DDP, NaiveDDP
 
-__all__ = ["DDP"]
+__all__ = ["NaiveDDP", "DDP"]

@@ -90,7 +90,10 @@ class FlatBucket:
 
     def flat_grads(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The parameters' ``.grad`` packed into a padded flat buffer (zeros where a grad is None)."""
-        out = torch.zeros(self.padded, dtype=self.dtype, device=self.full.device) if out is None else out.zero_()
+        if out is None:
+            out = torch.zeros(self.padded, dtype=self.dtype, device=self.full.device)   # (padded,)
+        else:
+            out.zero_()
         for p, view in zip(self.params, self.views(out)):
             if p.grad is not None:
                 view.copy_(p.grad)
@@ -106,16 +109,3 @@ class FlatBucket:
                 out.append((i, slice(a - o, b - o), slice(a - lo, b - lo)))
         return out
 
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once, padding included)."""
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        s = t.untyped_storage()
-        if s.nbytes() == 0 or s.data_ptr() in seen:
-            continue
-        seen.add(s.data_ptr())
-        total += s.nbytes()
-    return total

@@ -3,12 +3,12 @@ gradients are averaged so every replica takes the same step.
 
     g = (1/N) sum_r g_r          (all-reduce; ring cost 2 (N-1)/N * Psi bytes sent per rank)
 
-Three versions, from the simplest (Li et al. 2020, "PyTorch Distributed: Experiences on
-Accelerating Data Parallel Training", VLDB, Sec. 3):
+Two classes, from the simplest (Li et al. 2020, "PyTorch Distributed: Experiences on Accelerating
+Data Parallel Training", VLDB, Sec. 3):
 
-* ``naive=True``   after backward, one all-reduce per parameter (a latency alpha per tensor);
-* ``overlap=False`` after backward, one all-reduce per *bucket* of ~``bucket_mb`` MB;
-* ``overlap=True`` (default) each bucket's all-reduce starts, asynchronously, the moment its last
+* `NaiveDDP`: after backward, one all-reduce per parameter (a latency alpha per tensor);
+* `DDP`: gradients packed into *buckets* of ~``bucket_mb`` MB, one all-reduce per bucket; with
+  ``overlap=True`` (default) each bucket's all-reduce starts, asynchronously, the moment its last
   gradient is accumulated, so communication hides under the rest of backward:
 
       backward   |== L4 ==|== L3 ==|== L2 ==|== L1 ==|
@@ -16,10 +16,8 @@ Accelerating Data Parallel Training", VLDB, Sec. 3):
 
   ...and is waited on when backward finishes: ``loss.backward()`` returns averaged gradients.
 
-Gradients live in each bucket's flat buffer (``p.grad`` is a view into it), so all-reducing a
-bucket needs no copy. ``no_sync()`` accumulates locally without communicating (gradient
-accumulation). Frozen parameters are skipped; parameters unused in a step contribute zeros;
-tied parameters are reduced once.
+Both start by broadcasting rank 0's weights, so the replicas begin identical and, taking identical
+steps, stay identical. ``no_sync()`` accumulates locally without communicating (gradient accumulation).
 """
 from __future__ import annotations
 
@@ -27,10 +25,66 @@ import contextlib
 
 import torch
 import torch.nn as nn
+from torch.autograd import Variable
 
 from ..collectives import Collectives
-from .buckets import bucketize, storage_bytes, trainable
 from .backward_hooks import BackwardWatcher
+from .buckets import bucketize, trainable
+
+
+@torch.no_grad()
+def broadcast_from_rank0(module: nn.Module, comm: Collectives) -> None:
+    """Copy rank 0's parameters and buffers to every rank: the replicas start identical."""
+    seen = set()
+    for t in [*module.parameters(), *module.buffers()]:
+        if id(t) not in seen:                         # a tied weight once
+            seen.add(id(t))
+            comm.broadcast(t.data, src=0)
+
+
+class NaiveDDP(nn.Module):
+    """Data parallelism as first written: after backward, all-reduce (average) every gradient, one by one.
+
+        rank r:  forward(x_r) -> backward -> for p in params: all_reduce(p.grad) / N -> step
+
+    Correct, and slow at scale: one message per parameter tensor, each paying the latency alpha, and
+    all of them after the backward pass, none hidden under it. `DDP` fixes both.
+    """
+
+    def __init__(self, module: nn.Module, comm: str = "torch", group=None):
+        super().__init__()
+        self.module = module
+        self.comm = Collectives(comm, group)
+        broadcast_from_rank0(module, self.comm)
+        self.params = trainable(module.parameters())
+        self._sync, self._queued = True, False
+        for p in self.params:                         # the first gradient of a backward queues the sync
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally; the first one outside averages the sum."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if self._sync and not self._queued:
+            self._queued = True                       # run all_reduce_grads once autograd has finished
+            Variable._execution_engine.queue_callback(self.all_reduce_grads)
+
+    def all_reduce_grads(self) -> None:
+        """One all-reduce per parameter: g <- (1/N) sum_r g_r. Unused parameters contribute zeros."""
+        self._queued = False
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self.comm.all_reduce(p.grad, op="avg")
 
 
 class _GradBucket:
@@ -42,7 +96,7 @@ class _GradBucket:
         for p in params:
             self.offsets.append(total)
             total += p.numel()
-        self.grad = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)
+        self.grad = torch.zeros(total, dtype=params[0].dtype, device=params[0].device)   # (sum of numel,)
         self.views = [self.grad[o:o + p.numel()].view_as(p) for o, p in zip(self.offsets, params)]
 
     def absorb(self, i: int) -> None:
@@ -56,28 +110,27 @@ class _GradBucket:
 
 
 class DDP(nn.Module):
-    """Wrap ``module`` for data parallelism over ``group`` (default: all ranks).
+    """Wrap ``module`` for data parallelism over ``group`` (default: all ranks): bucketed, overlapped.
 
-    ``comm``: "torch" (torch.distributed collectives, default) or "ring" (distlab's ring, built from
-    send/recv). Bytes per step are recorded in ``dl.tracer()`` either way (see `parallel/collectives.py`).
+    Buckets are filled in reverse registration order, the order backward produces gradients (Li et
+    al. 2020, Sec. 3.2.3; `buckets.bucketize`). Gradients live in each bucket's flat buffer (``p.grad``
+    is a view into it), so all-reducing a bucket needs no copy. ``overlap=False`` all-reduces the
+    buckets one by one after backward. Frozen parameters are skipped; parameters unused in a step
+    contribute zeros; tied parameters are reduced once. ``comm``: "torch" (torch.distributed) or
+    "ring" (distlab's ring from send/recv); both traced by `parallel/collectives.py`.
     """
 
     def __init__(self, module: nn.Module, bucket_mb: float = 25.0, overlap: bool = True,
-                 comm: str = "torch", naive: bool = False, group=None):
+                 comm: str = "torch", group=None):
         super().__init__()
-        self.module = module
+        self.module, self.overlap, self.bucket_mb = module, overlap, bucket_mb
         self.comm = Collectives(comm, group)
-        self.naive = naive
-        self.overlap = overlap and not naive
-        self.bucket_mb = 0.0 if naive else bucket_mb
-        with torch.no_grad():                      # identical replicas: rank 0's weights everywhere
-            for t in _unique([*module.parameters(), *module.buffers()]):
-                self.comm.broadcast(t.data, src=0)
+        broadcast_from_rank0(module, self.comm)
         self.params = trainable(module.parameters())
-        groups = bucketize(self.params, self.bucket_mb)
+        groups = bucketize(self.params, bucket_mb)
         self.buckets = [_GradBucket(ps) for ps in groups]
         self._index = {id(p): i for ps in groups for i, p in enumerate(ps)}
-        self._pending: list = []
+        self._pending: list = []                   # handles of bucket all-reduces in flight
         self._sync = True
         self._wait_in_finish = False               # inside start_grad_sync(): finish_grad_sync waits
         self.watcher = BackwardWatcher(groups, on_ready=self._bucket_ready, on_end=self._backward_done,
@@ -95,6 +148,36 @@ class DDP(nn.Module):
         finally:
             self._sync = True
 
+    # -- backward hooks: each bucket's all-reduce starts when its last gradient arrives --------
+    def _grad_ready(self, p: torch.Tensor, b: int) -> None:
+        self.buckets[b].absorb(self._index[id(p)])
+
+    def _bucket_ready(self, b: int) -> None:
+        bucket = self.buckets[b]
+        for i, p in enumerate(bucket.params):        # unused this step: contribute zeros, not stale values
+            if p.grad is None:
+                bucket.views[i].zero_()
+        if self._sync and self.overlap:
+            self._pending.append(self.comm.all_reduce(bucket.grad, op="avg", async_op=True))
+
+    def _backward_done(self) -> None:
+        if not self._sync or self._wait_in_finish:
+            return
+        if not self.overlap:                          # everything after backward, one bucket at a time
+            for bucket in self.buckets:
+                self.comm.all_reduce(bucket.grad, op="avg")
+        self._wait_pending()
+
+    def _wait_pending(self) -> None:
+        for handle in self._pending:
+            handle.wait()
+        self._pending = []
+        for bucket in self.buckets:                   # unused parameters now hold the average too
+            for i, p in enumerate(bucket.params):
+                if p.grad is None:
+                    p.grad = bucket.views[i]
+
+    # -- for callers that drive backward themselves (a pipeline over DDP replicas) ----------------
     @contextlib.contextmanager
     def start_grad_sync(self):
         """The backward inside (even under ``no_sync()``) starts each bucket's all-reduce the moment the
@@ -112,42 +195,13 @@ class DDP(nn.Module):
         """Bucket all-reduces started and not yet waited for (after a `start_grad_sync` backward)."""
         return len(self._pending)
 
-    # -- backward hooks --------------------------------------------------------------------
-    def _grad_ready(self, p: torch.Tensor, b: int) -> None:
-        self.buckets[b].absorb(self._index[id(p)])
-
-    def _bucket_ready(self, b: int) -> None:
-        bucket = self.buckets[b]
-        for i, p in enumerate(bucket.params):        # unused this step: contribute zeros, not stale values
-            if p.grad is None:
-                bucket.views[i].zero_()
-        if self._sync and self.overlap:
-            self._pending.append(self.comm.all_reduce(self.buckets[b].grad, op="avg", async_op=True))
-
-    def _backward_done(self) -> None:
-        if not self._sync or self._wait_in_finish:
-            return
-        if not self.overlap:                          # everything after backward, one by one
-            for bucket in self.buckets:
-                self.comm.all_reduce(bucket.grad, op="avg")
-        self._wait_pending()
-
-    def _wait_pending(self) -> None:
-        for handle in self._pending:
-            handle.wait()
-        self._pending = []
-        for bucket in self.buckets:                   # unused parameters now hold the average too
-            for i in range(len(bucket.params)):
-                if bucket.params[i].grad is None:
-                    bucket.params[i].grad = bucket.views[i]
-
     def finish_grad_sync(self) -> None:
         """All-reduce (average) every bucket now (Megatron's ``finish_grad_sync``).
 
-        For callers that drive backward themselves, such as a pipeline whose micro-steps all ran
-        under ``no_sync()``: gradients assigned outside autograd's accumulation (a zero-bubble W
-        pass sets ``p.grad`` directly) are first copied into their bucket, so every one takes part.
-        After a `start_grad_sync` backward it only waits for the all-reduces that backward started.
+        For callers whose micro-steps all ran under ``no_sync()``: gradients assigned outside
+        autograd's accumulation (a zero-bubble W pass sets ``p.grad`` directly) are first copied into
+        their bucket, so every one takes part. After a `start_grad_sync` backward it only waits for
+        the all-reduces that backward started.
         """
         if self._wait_in_finish:
             self._wait_in_finish = False
@@ -158,20 +212,3 @@ class DDP(nn.Module):
             for i in range(len(bucket.params)):
                 bucket.absorb(i)
             self.comm.all_reduce(bucket.grad, op="avg")
-
-    # -- accounting ------------------------------------------------------------------------
-    def memory_bytes(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-        """Bytes this rank holds by category (params, grads, optimizer)."""
-        from ...memory import optimizer_bytes
-        params = list(self.module.parameters())
-        return {"params": storage_bytes(params), "grads": storage_bytes(p.grad for p in params),
-                "optimizer": optimizer_bytes(optimizer) if optimizer is not None else 0}
-
-
-def _unique(tensors):
-    seen, out = set(), []
-    for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out

@@ -3,27 +3,32 @@
     actions = dl.pp.schedule("1f1b", stages=4, microbatches=8)     # pure: per-rank action lists
     dl.pp.simulate(actions).bubble                                   # replayed on a clock
     stage = dl.pp.stage_module(gpt, stage_id=r, num_stages=4)        # this rank's slice of the model
-    pipe = dl.pp.Pipeline(stage, r, 4, schedule="1f1b", microbatches=8)
+    pipe = dl.pp.Pipeline(stage, r, 4, schedule="1f1b", microbatches=8,       # measured from outside:
+                          observers=[dl.pp.ActionTrace(), dl.memory.PipelineStash()])
     loss = pipe.step(x=ids, target=targets)                          # loss on the last stage, else None
+    dl.pp.measured_bubble(run.trace, step=1)                         # read back from the trace
 
 Reading order:
 
     schedule.py      the schedules as pure lists of actions, and a simulator that raises on deadlock
     split.py         cutting a model into contiguous stages
     p2p.py           activations forward, gradients backward between neighbouring stages
-    executor.py      Pipeline: runs one rank's list of actions
+    executor.py      Pipeline: runs one rank's list of actions (receive, compute, send)
     zero_bubble.py   the split backward (I and W) of zero-bubble schedules
-    measure.py       reading a run back from its trace: the measured bubble, activations in flight
+    measure.py       ActionTrace (a span per action) and reading a run back from its trace
+
+``dl.pp.schedule`` and ``dl.pp.split`` are the functions; import from their modules by name
+(``from distlab.parallel.pipeline.split import partition``), not as ``dl.pp.split.<name>``.
 """
 from __future__ import annotations
 
-from .executor import Pipeline, default_loss
+from .executor import Observer, Pipeline, Stash, default_loss
 from .schedule import SCHEDULES, Action, DeadlockError, Timeline, peak_activations, schedule, simulate
-from .measure import Bubble, executed, in_flight, measured_bubble, peak_in_flight
-from .split import (GPTStage, MLPStage, SequentialStage, TimedStage, boundaries, partition, split, stage_module,
-                    stage_names)
+from .measure import ActionTrace, Bubble, executed, in_flight, measured_bubble, peak_in_flight
+from .split import (GPTStage, MLPStage, SequentialStage, TimedStage, boundaries, partition, split,
+                    stage_module, stage_names)
 
 __all__ = ["schedule", "simulate", "Action", "Timeline", "DeadlockError", "peak_activations", "SCHEDULES",
-           "Pipeline", "default_loss", "split", "stage_module", "stage_names", "boundaries", "partition",
-           "GPTStage", "MLPStage", "SequentialStage", "TimedStage",
-           "measured_bubble", "Bubble", "executed", "in_flight", "peak_in_flight"]
+           "Pipeline", "Observer", "Stash", "default_loss", "split", "stage_module", "stage_names",
+           "boundaries", "partition", "GPTStage", "MLPStage", "SequentialStage", "TimedStage",
+           "ActionTrace", "measured_bubble", "Bubble", "executed", "in_flight", "peak_in_flight"]

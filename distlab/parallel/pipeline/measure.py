@@ -1,8 +1,11 @@
-"""Reading a pipeline run back from its trace: what ran, the measured bubble, activations in flight.
+"""Watching a pipeline run from outside, and reading it back from the trace.
 
-`distlab.parallel.pipeline.Pipeline` records, per rank: a mark ``"pipeline step"`` when a step
-starts, one compute span per action (name F/B/I/W; args stage, microbatch, step), and after every
-action a memory sample ``"pipeline stash"`` (args ``microbatches``, ``activations`` bytes).
+`ActionTrace`, attached to a `Pipeline` (``pipe.observers.append(ActionTrace())``), records per rank:
+a mark ``"pipeline step"`` when a step starts, one compute span per action (name F/B/I/W; args
+stage, microbatch, step) and, inside a W span whose custom Functions deferred weight gradients, a mark
+``"deferred weight grads"`` (``count``); every comm event of the step is tagged ``step`` through
+`collectives.scope`. `distlab.memory.PipelineStash` adds after every action a memory sample
+``"pipeline stash"`` (args ``microbatches`` in flight, their saved ``activations`` bytes).
 
 Measured bubble of one step, on p ranks (each rank's times on its own clock, so no cross-rank
 clock offset enters)::
@@ -16,12 +19,37 @@ For the start marks to line up, start the step on every rank together (``dist.ba
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
+from ...runtime import tracer
+from .. import collectives
+from .executor import Observer
 from .schedule import Action
 
-STASH = "pipeline stash"
+STASH = "pipeline stash"          # the label `distlab.memory.PipelineStash` samples under
 STEP = "pipeline step"
+
+
+class ActionTrace(Observer):
+    """Records a pipeline's steps and actions into ``dl.tracer()`` (see the module docstring)."""
+
+    @contextlib.contextmanager
+    def around_step(self, pipe):
+        tracer().mark(STEP, step=pipe.steps)
+        with collectives.scope(step=pipe.steps):            # every send/recv (and collective) of the step
+            yield
+
+    @contextlib.contextmanager
+    def around_action(self, pipe, action: Action):
+        s, j = action.stage, action.microbatch
+        with tracer().span(action.kind, stage=s, microbatch=j, step=pipe.steps):
+            if action.kind == "W":
+                store = pipe.stash[(s, j)].deferred
+                count = sum(p is not None for params, _ in store.work for p in params)
+                if count:
+                    tracer().mark("deferred weight grads", stage=s, microbatch=j, count=count)
+            yield
 
 
 def executed(trace, rank: int, step: int) -> list[Action]:
@@ -46,7 +74,8 @@ def measured_bubble(trace, step: int) -> Bubble:
     """The bubble of ``step`` measured from the executed timeline (see the module docstring)."""
     ranks = sorted({e.rank for e in trace.spans(cat="compute") if e.args.get("step") == step})
     if not ranks:
-        raise ValueError(f"no pipeline actions recorded for step {step}")
+        raise ValueError(f"no pipeline actions recorded for step {step}: attach dl.pp.ActionTrace() to the "
+                         "Pipeline (observers=[...])")
     makespan, busy = 0.0, 0.0
     for r in ranks:
         spans = [e for e in trace.spans(rank=r, cat="compute") if e.args.get("step") == step]

@@ -1,4 +1,4 @@
-"""Point-to-point links between pipeline stages: activations forward, gradients backward, traced.
+"""Point-to-point links between pipeline stages: activations forward, gradients backward.
 
 Stage ``s`` lives on pipeline rank ``s % p``. Two kinds of message cross a stage boundary::
 
@@ -21,17 +21,21 @@ Sends are never waited for in the middle of a step (``isend`` then carry on): a 
 blocks on a receive it needs, exactly the rule `distlab.parallel.pipeline.schedule.simulate` replays, so a
 schedule that simulates without deadlock also runs without one.
 
-Tracing: a send is recorded as an instant comm event when posted (``sent`` bytes, ``peer``); a
-receive as a comm event from its post to the data's arrival (``received`` bytes, ``peer``), so a
-long receive is a rank waiting on its neighbour. Args: ``what`` ("activation", "grad" or
-"shape"), ``stage`` (the sending stage), ``microbatch``, ``step``.
+Every transfer is recorded through `distlab.parallel.collectives.record` (on the pipeline's group):
+a send as an instant when posted (``sent`` bytes, ``peer``); a receive from its post to the data's
+arrival (``received`` bytes, ``peer``), so a long receive is a rank waiting on its neighbour. Its
+args are the message's own address, the same (``what``: "activation", "grad" or "shape";
+``stage``: the sending stage; ``microbatch``) its tag is made of, since a receive is posted ahead and
+completes during another action; anything else (the ``step``) comes from the caller's
+`collectives.scope`.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from ...runtime import tracer
+from ...comm.p2p import Ring
+from .. import collectives
 
 ACT_HEADER, ACT, GRAD = 0, 1, 2
 WHAT = {ACT_HEADER: "shape", ACT: "activation", GRAD: "grad"}
@@ -56,19 +60,11 @@ class Links:
     def __init__(self, group, num_stages: int, device: torch.device, static_shapes: bool = True):
         self.group, self.num_stages, self.device = group, num_stages, device
         self.static_shapes = static_shapes
-        if dist.is_available() and dist.is_initialized():
-            size = dist.get_world_size(group)
-            if group is None or group is dist.group.WORLD:
-                self.members = list(range(size))
-            else:
-                self.members = [dist.get_global_rank(group, r) for r in range(size)]
-            self.grouped = dist.get_backend(group) == "nccl"
-        else:
-            self.members, self.grouped = [0], False
+        self.members = Ring.of(group).members              # global rank of each pipeline rank
+        self.grouped = dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl"
         self.shapes: dict[tuple[int, int], tuple[torch.Size, torch.dtype]] = {}
         self._queue: list[Transfer] = []
         self._sends: list[Transfer] = []
-        self.step = 0
 
     def owner(self, stage: int) -> int:
         """Global rank holding ``stage``."""
@@ -79,7 +75,7 @@ class Links:
 
     # -- posting ---------------------------------------------------------------------------
     def _post(self, t: Transfer) -> Transfer:
-        t.start = tracer().now()
+        t.start = collectives.now()
         if self.grouped:
             self._queue.append(t)
         else:
@@ -106,15 +102,14 @@ class Links:
             self.flush()
         t.work.wait()
         if not t.send:
-            self._record(t, end=tracer().now())
+            self._record(t, end=collectives.now())
         return t.tensor
 
     def _record(self, t: Transfer, end: float) -> None:
         nbytes = t.tensor.numel() * t.tensor.element_size()
-        what, stage, mb = t.info["what"], t.info["stage"], t.info["microbatch"]
-        tracer().comm("send" if t.send else "recv", start=t.start, end=end,
-                      sent=nbytes if t.send else 0, received=0 if t.send else nbytes, peer=t.peer,
-                      what=WHAT[what], stage=stage, microbatch=mb, step=self.step)
+        collectives.record("send" if t.send else "recv", start=t.start, end=end, sent=nbytes if t.send else 0,
+                           received=0 if t.send else nbytes, group=self.group, peer=t.peer,
+                           what=WHAT[t.info["what"]], stage=t.info["stage"], microbatch=t.info["microbatch"])
 
     # -- activations -----------------------------------------------------------------------
     def send_activation(self, stage: int, mb: int, act: torch.Tensor) -> None:
@@ -125,9 +120,9 @@ class Links:
             self._post(Transfer(True, _header(act, self.device), peer, self.tag(ACT_HEADER, stage, mb),
                                 {"what": ACT_HEADER, "stage": stage, "microbatch": mb}))
         elif known != (act.shape, act.dtype):
-            raise RuntimeError(f"stage {stage} output for microbatch {mb} changed shape from {tuple(known[0])} "
-                               f"to {tuple(act.shape)} between steps: build the Pipeline with "
-                               "static_shapes=False to send shapes every step")
+            raise RuntimeError(f"stage {stage} output for microbatch {mb} changed shape from "
+                               f"{tuple(known[0])} to {tuple(act.shape)} between steps: build the Pipeline "
+                               "with static_shapes=False to send shapes every step")
         self.shapes[key] = (act.shape, act.dtype)
         self._post(Transfer(True, act.contiguous(), peer, self.tag(ACT, stage, mb),
                             {"what": ACT, "stage": stage, "microbatch": mb}))
@@ -138,8 +133,9 @@ class Links:
         info = {"stage": stage - 1, "microbatch": mb}
         if key in self.shapes and self.static_shapes:
             shape, dtype = self.shapes[key]
-            return Incoming(self, self._post(Transfer(False, torch.empty(shape, dtype=dtype, device=self.device),
-                                                      src, self.tag(ACT, *key), {"what": ACT, **info})))
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            payload = Transfer(False, buf, src, self.tag(ACT, *key), {"what": ACT, **info})
+            return Incoming(self, self._post(payload))
         header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
         return Incoming(self, self._post(Transfer(False, header, src, self.tag(ACT_HEADER, *key),
                                                   {"what": ACT_HEADER, **info})), key=key)
@@ -154,8 +150,8 @@ class Links:
         """Post the receive of the gradient of stage ``stage``'s output (sent by stage ``stage + 1``)."""
         shape, dtype = self.shapes[(stage, mb)]
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        return Incoming(self, self._post(Transfer(False, buf, self.owner(stage + 1), self.tag(GRAD, stage + 1, mb),
-                                                  {"what": GRAD, "stage": stage + 1, "microbatch": mb})))
+        tag, info = self.tag(GRAD, stage + 1, mb), {"what": GRAD, "stage": stage + 1, "microbatch": mb}
+        return Incoming(self, self._post(Transfer(False, buf, self.owner(stage + 1), tag, info)))
 
     # -- completion ------------------------------------------------------------------------
     def wait_sends(self) -> None:
@@ -167,7 +163,7 @@ class Links:
 
 
 class Incoming:
-    """A receive in flight; ``take()`` waits and returns the tensor (reading a shape header first if needed)."""
+    """A receive in flight; ``take()`` waits and returns the tensor (after a shape header, if needed)."""
 
     def __init__(self, links: Links, transfer: Transfer, key: tuple[int, int] | None = None):
         self.links, self.transfer, self.key = links, transfer, key

@@ -191,7 +191,8 @@ def durations(t_f: float = 1.0, t_b: float = 2.0, t_w: float | None = None) -> d
     (``t_w`` defaults to ``t_b / 2``), so a split backward costs the same as a whole one."""
     t_w = t_b / 2 if t_w is None else t_w
     if not 0 <= t_w <= t_b:
-        raise ValueError(f"t_w={t_w} must lie in [0, t_b={t_b}]: W is the weight-gradient part of the backward")
+        raise ValueError(f"t_w={t_w} must lie in [0, t_b={t_b}]: "
+                         "W is the weight-gradient part of the backward")
     return {"F": t_f, "B": t_b, "I": t_b - t_w, "W": t_w}
 
 

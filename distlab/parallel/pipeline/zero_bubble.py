@@ -38,7 +38,7 @@ class WeightUses(TorchFunctionMode):
         kwargs = kwargs or {}
         if not torch.is_grad_enabled() or not self.params:
             return func(*args, **kwargs)
-        if getattr(func, "__name__", "") == "__get__":       # attributes: alias only graph-connected views (.T)
+        if getattr(func, "__name__", "") == "__get__":     # attributes: alias only graph-connected views (.T)
             out = func(*args, **kwargs)
             if not (isinstance(out, torch.Tensor) and out.grad_fn is not None and id(args[0]) in self.params):
                 return out

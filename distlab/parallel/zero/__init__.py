@@ -6,13 +6,35 @@
 
 Reading order:
 
-    zero1.py     ShardedOptimizer: stage 1, and the optimizer of every stage
-    zero2.py     ZeRO: gradients reduce-scattered during backward (stage 2), and the wrapper of all stages
-    zero3.py     parameters gathered and freed per unit (stage 3)
+    zero1.py     ShardedOptimizer: stage 1, and the optimizer of every stage; ZeRO1, the model wrapper
+    zero2.py     ZeRO2: gradients reduce-scattered bucket by bucket during backward
+    zero3.py     ZeRO3: parameters sharded at rest, gathered and freed one unit at a time
     reducer.py   the bounded queue of gradient reduce-scatters every stage uses
 Flat buffers and bucketing: `..data.buckets`.
 """
-from .zero2 import ZeRO
-from .zero1 import ShardedOptimizer
+from __future__ import annotations
 
-__all__ = ["ZeRO", "ShardedOptimizer"]
+import torch
+import torch.nn as nn
+
+from .zero1 import ShardedOptimizer, ZeRO1, ZeROModule
+from .zero2 import ZeRO2
+from .zero3 import ZeRO3
+
+__all__ = ["ZeRO", "ShardedOptimizer", "ZeRO1", "ZeRO2", "ZeRO3"]
+
+
+def ZeRO(module: nn.Module, stage: int = 1, optim: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
+         bucket_mb: float = 25.0, overlap: bool = True, units: list[nn.Module] | None = None,
+         prefetch: bool = False, **kwargs) -> ZeROModule:
+    """The model wrapper of ZeRO ``stage`` 1, 2 or 3 (`ZeRO1`, `ZeRO2`, `ZeRO3`); ``.optimizer`` is its
+    `ShardedOptimizer`. ``bucket_mb`` (stages 1, 2), ``overlap`` (2), ``units`` and ``prefetch`` (3) go to
+    the stage that uses them, so one call can sweep the stages; ``comm``, ``group``, ``max_inflight`` to
+    every stage, and the remaining keyword arguments to ``optim``."""
+    if stage == 1:
+        return ZeRO1(module, optim, bucket_mb=bucket_mb, **kwargs)
+    if stage == 2:
+        return ZeRO2(module, optim, bucket_mb=bucket_mb, overlap=overlap, **kwargs)
+    if stage == 3:
+        return ZeRO3(module, optim, units=units, prefetch=prefetch, **kwargs)
+    raise ValueError(f"ZeRO stage must be 1, 2 or 3 (stage 0 is plain DDP: use dl.DDP), got {stage}")

@@ -29,6 +29,7 @@ does not grow with the model.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -37,21 +38,30 @@ from ..collectives import Collectives, Handle
 from ..data.buckets import FlatBucket
 
 
+@dataclass
+class _InFlight:
+    """One launched reduce-scatter: bucket ``b``'s flat gradients and the shard they reduce into."""
+    b: int
+    flat: torch.Tensor                # (padded,): every gradient of the bucket, back to back
+    shard: torch.Tensor               # (padded / N,): this rank's averaged part, once complete
+    handle: Handle | None = None
+
+
 class GradReducer:
     """Bounded queue of launched reduce-scatters: ``submit`` packs and launches, ``drain`` waits for all.
 
     ``on_shard(b, shard)`` receives bucket ``b``'s averaged shard once its reduce-scatter has completed
-    (the optimizer adds it to its gradient shard). ``peak`` is the most flat-buffer bytes alive at once
-    since the last `take_peak`.
+    (the optimizer adds it to its gradient shard).
     """
 
-    def __init__(self, comm: Collectives, on_shard: Callable[[int, torch.Tensor], None], max_inflight: int = 1):
+    def __init__(self, comm: Collectives, on_shard: Callable[[int, torch.Tensor], None],
+                 max_inflight: int = 1):
         if not isinstance(max_inflight, int) or max_inflight < 1:
-            raise ValueError(f"max_inflight is how many flat gradient buckets may be reduce-scattering at once: "
-                             f"an int >= 1 (1 = FSDP2's default, 2 = more overlap), got {max_inflight!r}")
+            raise ValueError(f"max_inflight is how many flat gradient buckets may be reduce-scattering at "
+                             f"once: an int >= 1 (1 = FSDP2's default, 2 = more overlap), "
+                             f"got {max_inflight!r}")
         self.comm, self.on_shard, self.max_inflight = comm, on_shard, max_inflight
-        self._queue: list[tuple[int, Handle | None, torch.Tensor, torch.Tensor]] = []   # (b, handle, shard, flat)
-        self.peak = 0
+        self._queue: list[_InFlight] = []          # oldest first
 
     def submit(self, b: int, bucket: FlatBucket, *, average: bool = True, async_op: bool = True,
                release_grads: bool = True) -> None:
@@ -66,14 +76,12 @@ class GradReducer:
         if release_grads:
             for p in bucket.params:
                 p.grad = None
-        shard = torch.empty(bucket.shard_numel, dtype=flat.dtype, device=flat.device)
-        handle = None
+        job = _InFlight(b, flat, torch.empty(bucket.shard_numel, dtype=flat.dtype, device=flat.device))
+        self._queue.append(job)                           # in flight from here on
         if average:
-            handle = self.comm.reduce_scatter(flat, shard, op="avg", async_op=async_op)
+            job.handle = self.comm.reduce_scatter(flat, job.shard, op="avg", async_op=async_op)
         else:
-            shard.copy_(bucket.chunk(flat, self.comm.rank))
-        self._queue.append((b, handle, shard, flat))
-        self.peak = max(self.peak, self.in_flight_bytes())
+            job.shard.copy_(bucket.chunk(flat, self.comm.rank))
         if not async_op:
             self.drain()
 
@@ -88,17 +96,12 @@ class GradReducer:
         while self._queue:
             self._retire_oldest()
 
-    def in_flight_bytes(self) -> int:
-        """Bytes of the flat gradient buffers alive now (launched, not yet retired)."""
-        return sum(flat.untyped_storage().nbytes() for *_, flat in self._queue)
-
-    def take_peak(self) -> int:
-        """The most flat-buffer bytes alive at once since the last call (then restart from now)."""
-        peak, self.peak = self.peak, self.in_flight_bytes()
-        return peak
+    def in_flight(self) -> list[torch.Tensor]:
+        """The flat gradient buffers launched and not yet retired (at most ``max_inflight``)."""
+        return [job.flat for job in self._queue]
 
     def _retire_oldest(self) -> None:
-        b, handle, shard, _flat = self._queue.pop(0)      # FIFO: every rank waits in launch order
-        if handle is not None:
-            handle.wait()
-        self.on_shard(b, shard)                            # _flat's last reference goes with this frame
+        job = self._queue.pop(0)                          # FIFO: every rank waits in launch order
+        if job.handle is not None:
+            job.handle.wait()
+        self.on_shard(job.b, job.shard)                   # job.flat's last reference goes with this frame

@@ -3,7 +3,7 @@
 Every rank keeps the whole model and computes whole gradients, but owns the optimizer state of only
 1/N of the (flattened, padded) parameters:
 
-    flat params  [ rank 0's shard | rank 1's shard | ... | rank N-1's shard ]   (per bucket, see `flat`)
+    flat params  [ rank 0's shard | rank 1's shard | ... | rank N-1's shard ]   (per bucket, `FlatBucket`)
     step:  reduce-scatter grads  -> each rank holds the averaged grads of its own shard   (N-1)/N Psi
            optimizer.step() on the shard (Adam state: 8 bytes x Psi/N instead of 8 x Psi)
            all-gather params     -> every rank has the whole updated model again           (N-1)/N Psi
@@ -12,16 +12,20 @@ Same bytes on the wire as DDP's all-reduce (2 (N-1)/N Psi), a K/N optimizer term
 Works with any ``torch.optim`` class: the inner optimizer sees one flat tensor per bucket. With
 low-precision parameters (bf16) it keeps fp32 master copies of its shards (counted as optimizer state).
 
-Also the optimizer of ZeRO-2 (gradients already reduce-scattered during backward) and ZeRO-3
-(parameters sharded at rest: ``sharded_params=True``, no all-gather after the step).
+`ShardedOptimizer` is also the optimizer of ZeRO-2 (gradients already reduce-scattered during
+backward, `zero2.py`) and ZeRO-3 (the model hands it the shards of its own flat buffers: parameters
+sharded at rest, no all-gather after the step, `zero3.py`). `ZeRO1` wraps a module with it.
 """
 from __future__ import annotations
 
+import contextlib
 
 import torch
+import torch.nn as nn
 
 from ..collectives import Collectives
-from ..data.buckets import FlatBucket, bucketize, storage_bytes, trainable
+from ..data.buckets import FlatBucket, bucketize, trainable
+from ..data.ddp import broadcast_from_rank0
 from .reducer import GradReducer
 
 
@@ -32,28 +36,33 @@ class ShardedOptimizer:
     and all-gathers the parameters. Pass ``average_grads=False`` when the gradients are already
     averaged (e.g. under `DDP`): then each rank just reads its slice. ``max_inflight``: how many
     buckets' flat gradient buffers may be reduce-scattering at once (`GradReducer`, ``.reducer``).
+
+    ZeRO-3 passes its own layout instead of ``params``: ``buckets`` (its flat buffers, one per unit)
+    and ``shards`` (this rank's chunk of each, the only copy of the parameters at rest).
     """
 
     def __init__(self, params, optim: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
                  bucket_mb: float = 25.0, comm: str | Collectives = "torch", group=None,
-                 average_grads: bool = True, groups: list[list[torch.Tensor]] | None = None,
-                 sharded_params: bool = False, max_inflight: int = 1, **optim_kwargs):
+                 average_grads: bool = True, buckets: list[FlatBucket] | None = None,
+                 shards: list[torch.Tensor] | None = None, max_inflight: int = 1, **optim_kwargs):
         self.comm = comm if isinstance(comm, Collectives) else Collectives(comm, group)
-        n, r = self.comm.size, self.comm.rank
-        self.params = trainable(params) if groups is None else [p for g in groups for p in g]
-        if not self.params:
-            raise ValueError("ShardedOptimizer got no parameters that require grad")
-        self.buckets = [FlatBucket(g, n) for g in (groups or bucketize(self.params, bucket_mb))]
-        self.average_grads, self.sharded_params = average_grads, sharded_params
-        # this rank's shard of each bucket: a view of the flat buffer, or its own tensor (ZeRO-3)
-        self.shards = [b.chunk(b.full, r).clone() if sharded_params else b.chunk(b.full, r) for b in self.buckets]
+        if buckets is None:
+            params = trainable(params)
+            if not params:
+                raise ValueError("ShardedOptimizer got no parameters that require grad")
+            buckets = [FlatBucket(g, self.comm.size) for g in bucketize(params, bucket_mb)]
+        self.buckets = buckets
+        self.params = [p for b in buckets for p in b.params]
+        self.average_grads, self.sharded_params = average_grads, shards is not None
+        # this rank's shard of each bucket: a view of the flat buffer, or the model's own shard (ZeRO-3)
+        self.shards = shards if shards is not None else [b.chunk(b.full, self.comm.rank) for b in buckets]
         # what the inner optimizer updates: the shard itself (fp32) or an fp32 master copy of it
         self.masters = [s if s.dtype == torch.float32 else s.detach().float() for s in self.shards]
         for m in self.masters:
             m.requires_grad_(True)
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._reduced = [False] * len(self.buckets)       # local p.grad already folded into grad_shards
-        self.reducer = GradReducer(self.comm, self._add_shard, max_inflight)   # ZeRO-2/3 use it during backward
+        self.reducer = GradReducer(self.comm, self._add_shard, max_inflight)   # ZeRO-2/3: during backward
         self.optimizer = optim(self.masters, **optim_kwargs)
 
     # -- the torch.optim surface -------------------------------------------------------------
@@ -149,13 +158,6 @@ class ShardedOptimizer:
         for h in handles:
             h.wait()
 
-    # -- accounting and checkpoints ------------------------------------------------------------
-    def state_bytes(self) -> int:
-        """Optimizer state on this rank: the inner optimizer's tensors plus fp32 master copies."""
-        state = [t for st in self.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
-        masters = [m for m, s in zip(self.masters, self.shards) if m is not s]
-        return storage_bytes(state) + storage_bytes(masters)
-
     def state_dict(self) -> dict:
         """This rank's shard of the optimizer state (save one per rank)."""
         return {"rank": self.comm.rank, "world": self.comm.size, "optimizer": self.optimizer.state_dict()}
@@ -174,3 +176,50 @@ class ShardedOptimizer:
         mine, total = self.numel()
         return (f"ShardedOptimizer({type(self.optimizer).__name__}, rank {self.comm.rank}/{self.comm.size}: "
                 f"{mine} of {total} elements, {len(self.buckets)} buckets)")
+
+
+class ZeROModule(nn.Module):
+    """What the model wrapper of every stage shares: ``.module``, ``.optimizer`` (a `ShardedOptimizer`),
+    ``.comm``, calling the module, ``no_sync()``, ``clip_grad_norm_``."""
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside keep their gradients local (stage 1 always does); the first synced
+        backward, or else ``optimizer.step()``, reduce-scatters the accumulated sum (trade-off: `zero2`)."""
+        before, self._sync = self._sync, False             # nesting is harmless: restore, not reset
+        try:
+            yield
+        finally:
+            self._sync = before
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global gradient norm across all shards (see `ShardedOptimizer.clip_grad_norm_`)."""
+        return self.optimizer.clip_grad_norm_(max_norm)
+
+
+class ZeRO1(ZeROModule):
+    """``ZeRO1(module, torch.optim.AdamW, lr=1e-3)``: the model replicated, the optimizer sharded.
+
+    Backward is plain local autograd; all communication happens in ``optimizer.step()``.
+    """
+
+    stage = 1
+
+    def __init__(self, module: nn.Module, optim: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
+                 bucket_mb: float = 25.0, comm: str = "torch", group=None, max_inflight: int = 1,
+                 **optim_kwargs):
+        super().__init__()
+        self.module = module
+        self.comm = Collectives(comm, group)
+        broadcast_from_rank0(module, self.comm)          # identical starting point on every rank
+        self.optimizer = ShardedOptimizer(module.parameters(), optim, bucket_mb=bucket_mb, comm=self.comm,
+                                          max_inflight=max_inflight, **optim_kwargs)
+        self._sync = True                                 # False inside no_sync()
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's parameters and buffers, cloned, on every rank."""
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}

@@ -1,4 +1,5 @@
-"""ZeRO stage 3: parameters sharded at rest, gathered one *unit* at a time (Rajbhandari et al. 2020, Sec. 5.3).
+"""ZeRO stage 3: parameters sharded at rest, gathered one *unit* at a time (Rajbhandari et al. 2020,
+Sec. 5.3).
 
 A unit is a submodule (each transformer block; the root keeps the rest: embeddings, final norm,
 head). Its parameters live in one flat padded buffer (`FlatBucket`) whose storage is *freed*
@@ -9,6 +10,8 @@ head). Its parameters live in one flat padded buffer (`FlatBucket`) whose storag
                                                                            (N-1)/N Psi + (N-1)/N Psi
     total per step: 3 (N-1)/N Psi, 1.5x DDP's, for model states of (2+2+K) Psi / N per rank.
 
+The model side owns the flat buffers (``ZeRO3.buckets``, one per unit) and keeps this rank's chunk of
+each (``ZeRO3.shards``); it hands the shards to the `ShardedOptimizer`, which updates them in place.
 Hooks: a forward pre-hook gathers, a forward hook frees and puts a gradient hook on the unit's
 output, which fires just before autograd enters the unit's backward (gather again); a
 post-accumulate-grad hook on the unit's last parameter frees the parameters and reduce-scatters the
@@ -28,7 +31,7 @@ Autograd's saved references to the parameters are views into the same storage, s
 re-gathered values.
 ``prefetch=True`` starts the next unit's all-gather (in forward, or backward, order) early.
 
-Under ``ZeRO.no_sync()`` (``sync = False``) a unit's gradients are *not* reduce-scattered: they stay
+Under ``no_sync()`` a unit's gradients are *not* reduce-scattered: they stay
 unsharded in ``p.grad``, where autograd sums the next micro-steps, until a synced backward (or the
 optimizer's step) reduce-scatters the sum. The parameters are still gathered and freed per unit.
 
@@ -40,8 +43,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..data.buckets import FlatBucket
+from ..collectives import Collectives
 from ..data.backward_hooks import BackwardWatcher
+from ..data.buckets import FlatBucket
+from ..data.ddp import broadcast_from_rank0
+from .zero1 import ShardedOptimizer, ZeROModule
 
 
 def default_units(module: nn.Module) -> list[nn.Module]:
@@ -61,33 +67,51 @@ def unit_params(units: list[nn.Module]) -> list[list[nn.Parameter]]:
     return out
 
 
-class Stage3:
-    """The gather/free/reduce-scatter machinery over ``units`` of a ZeRO-3 model."""
+class ZeRO3(ZeROModule):
+    """``ZeRO3(module, torch.optim.AdamW, lr=1e-3)``: parameters, gradients and optimizer state sharded.
 
-    def __init__(self, units: list[nn.Module], opt, prefetch: bool = False):
-        self.units, self.opt, self.comm = units, opt, opt.comm
-        self.buckets: list[FlatBucket] = opt.buckets
-        self.prefetch = prefetch
-        self.sync = True                            # False under ZeRO.no_sync(): keep gradients local
+    ``units``: the gather units (default: the children of every ``nn.ModuleList``, then the root);
+    ``prefetch``: gather the next unit early; ``max_inflight``: transient buffers alive at once
+    (gathered units and flat gradients waiting for their reduce-scatter, `GradReducer`).
+    """
+
+    stage = 3
+
+    def __init__(self, module: nn.Module, optim: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
+                 units: list[nn.Module] | None = None, prefetch: bool = False, comm: str = "torch",
+                 group=None, max_inflight: int = 1, **optim_kwargs):
+        super().__init__()
+        self.module, self.prefetch = module, prefetch
+        self.comm = Collectives(comm, group)
+        broadcast_from_rank0(module, self.comm)           # identical starting point on every rank
+        units = units if units is not None else default_units(module)
+        groups = unit_params(units)
+        self.units = [u for u, g in zip(units, groups) if g]
+        # the model's flat buffers, one per unit (its parameters become views into it); at rest each
+        # rank keeps only chunk `rank` of each, and the buffers' storage is freed
+        self.buckets = [FlatBucket(g, self.comm.size) for g in groups if g]
+        self.shards = [b.chunk(b.full, self.comm.rank).clone() for b in self.buckets]   # (padded / N,) each
+        for b in self.buckets:
+            _free(b.full)
+        self.optimizer = ShardedOptimizer(None, optim, comm=self.comm, buckets=self.buckets,
+                                          shards=self.shards, max_inflight=max_inflight, **optim_kwargs)
+        self.reducer = self.optimizer.reducer      # flat gradient units being reduce-scattered
+        self._sync = True                           # False under no_sync(): keep gradients local
         self._gathers: dict[int, object] = {}      # unit -> pending all-gather handle
         self._live: set[int] = set()                # units whose full parameters are allocated
         self._fwd_order: list[int] = []
-        self.reducer = opt.reducer                  # flat gradient units being reduce-scattered
-        self.peak_live = 0                          # most gathered + in-flight gradient bytes (see take_peak)
-        for b in self.buckets:
-            _free(b.full)
-        self._hooks = []
-        for i, unit in enumerate(units):
-            self._hooks.append(unit.register_forward_pre_hook(lambda m, a, i=i: self._pre_forward(i)))
-            self._hooks.append(unit.register_forward_hook(lambda m, a, out, i=i: self._post_forward(i, out)))
+        for i, unit in enumerate(self.units):
+            unit.register_forward_pre_hook(lambda m, a, i=i: self._pre_forward(i))
+            unit.register_forward_hook(lambda m, a, out, i=i: self._post_forward(i, out))
         # gradients complete in reverse forward order, the root (embeddings) last
-        self._bwd_order = list(reversed(range(len(units) - 1))) + [len(units) - 1]
+        self._bwd_order = list(reversed(range(len(self.units) - 1))) + [len(self.units) - 1]
         self.watcher = BackwardWatcher([self.buckets[i].params for i in self._bwd_order],
                                        on_ready=lambda k: self._grads_ready(self._bwd_order[k]),
                                        on_end=self._backward_done)
 
     # -- gather and free -----------------------------------------------------------------------
     def gather(self, i: int, async_op: bool = False) -> None:
+        """All-gather unit i's shards into its flat buffer: every rank's parameters of the unit."""
         if i in self._live or i in self._gathers:
             if not async_op and i in self._gathers:
                 self._gathers.pop(i).wait()
@@ -95,9 +119,8 @@ class Stage3:
         b = self.buckets[i]
         self.reducer.make_room()                    # a gathered unit takes an in-flight slot too
         _alloc(b.full)
-        handle = self.comm.all_gather(b.full.data, self.opt.shards[i], async_op=async_op)
         self._live.add(i)
-        self._note_peak()
+        handle = self.comm.all_gather(b.full.data, self.shards[i], async_op=async_op)
         if async_op:
             self._gathers[i] = handle
 
@@ -116,18 +139,17 @@ class Stage3:
         for i in range(len(self.buckets)):
             self.free(i)
 
-    def live_bytes(self) -> int:
-        """Bytes of the units' parameters gathered now."""
-        return sum(self.buckets[i].full.untyped_storage().nbytes() for i in self._live)
+    def gathered(self) -> list[torch.Tensor]:
+        """The flat buffers of the units gathered now."""
+        return [self.buckets[i].full for i in sorted(self._live)]
 
-    def _note_peak(self) -> None:
-        self.peak_live = max(self.peak_live, self.live_bytes() + self.reducer.in_flight_bytes())
-
-    def take_peak(self) -> int:
-        """The most transient bytes at once since the last call: gathered parameters plus flat gradients
-        waiting for their reduce-scatter; then restart from what is held now."""
-        peak, self.peak_live = self.peak_live, self.live_bytes() + self.reducer.in_flight_bytes()
-        return peak
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's parameters and buffers, cloned, on every rank (a collective)."""
+        self.gather_all()
+        state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        self.free_all()
+        return state
 
     # -- hooks -------------------------------------------------------------------------------
     def _pre_forward(self, i: int) -> None:
@@ -164,9 +186,8 @@ class Stage3:
         then reduce-scatter its gradients into this rank's shard (``p.grad`` dropped; the flat copy freed
         once the reduce-scatter is retired). Under no_sync: only the free; ``p.grad`` keeps the gradients."""
         self.free(i)
-        if self.sync:
+        if self._sync:
             self.reducer.submit(i, self.buckets[i], async_op=True)
-            self._note_peak()
 
     def _backward_done(self) -> None:
         self.reducer.drain()
