@@ -21,6 +21,7 @@ the ones saved. Writes <out>.json and <out>.png.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import statistics
@@ -125,9 +126,9 @@ def measure(model: str, repeats: int, rows: int, seed: int, lr: float, root: str
         for name in (SIDES if k % 2 == 0 else SIDES[::-1]):
             side, directory = sides[name], os.path.join(root, f"{name.split()[0]}_{k}")
             before = side.snapshot()
-            out[name]["save_s"].append(_timed(lambda: side.save(directory)))
+            out[name]["save_s"].append(_timed(functools.partial(side.save, directory)))
             side.scramble()
-            out[name]["load_s"].append(_timed(lambda: side.load(directory)))
+            out[name]["load_s"].append(_timed(functools.partial(side.load, directory)))
             out[name]["loaded_equal"] &= all(torch.equal(a, b) for a, b in zip(before, side.snapshot()))
             if r == 0:
                 out[name]["bytes"] = sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())

@@ -104,18 +104,19 @@ def _from_model_parallel(ranks: list[dict]) -> dict:
     params, optimizer = {}, {}
     for name, by_rank in blocks.items():
         value, first_state, lay = by_rank[0]
-        whole = lay["dim"] is None
-        pieces = [by_rank[0]] if whole else [by_rank[k] for k in range(lay["tp_size"])]
-
-        def join(tensors: list[torch.Tensor]) -> torch.Tensor:
-            return (tensors[0] if whole else torch.cat(tensors, lay["dim"])).clone()
-
-        params[name] = join([v for v, _, _ in pieces])
-        optimizer[name] = {key: (join([st[key] for _, st, _ in pieces])
+        dim = lay["dim"]                                  # None: every tp rank held it whole
+        pieces = [by_rank[0]] if dim is None else [by_rank[k] for k in range(lay["tp_size"])]
+        params[name] = _join([v for v, _, _ in pieces], dim)
+        optimizer[name] = {key: (_join([st[key] for _, st, _ in pieces], dim)
                                  if torch.is_tensor(val) and val.dim() > 0 and val.shape == value.shape
                                  else val.clone() if torch.is_tensor(val) else val)   # a scalar ("step")
                            for key, val in first_state.items()}
     return {"params": params, "buffers": {}, "optimizer": optimizer, "masters": {}}
+
+
+def _join(blocks: list[torch.Tensor], dim: int | None) -> torch.Tensor:
+    """Tensor-parallel blocks concatenated along ``dim`` (None: one whole tensor), as a new tensor."""
+    return (blocks[0] if dim is None else torch.cat(blocks, dim)).clone()
 
 
 def _local_parameters(ranks: list[dict]):
@@ -211,13 +212,9 @@ def restore_model_parallel(layout: list[dict], held, opt, logical: dict) -> None
     local = {"params": {}, "optimizer": {}, "masters": {}}      # this rank's blocks, by key in `held`
     for lay in layout:
         full = logical["params"][lay["name"]]
-
-        def block(t: torch.Tensor) -> torch.Tensor:
-            return t if lay["dim"] is None else t.chunk(lay["tp_size"], lay["dim"])[lay["tp_rank"]]
-
-        local["params"][lay["key"]] = block(full)
+        local["params"][lay["key"]] = _block(full, lay)
         local["optimizer"][lay["key"]] = {
-            key: (block(v).clone() if torch.is_tensor(v) and v.dim() > 0 and v.shape == full.shape
+            key: (_block(v, lay).clone() if torch.is_tensor(v) and v.dim() > 0 and v.shape == full.shape
                   else v.clone() if torch.is_tensor(v) else v)          # per element, or a scalar ("step")
             for key, v in logical["optimizer"].get(lay["name"], {}).items()}
     keys = {id(p): k for k, p in held.named_parameters()}
@@ -273,33 +270,42 @@ def _restore_local(model, opt, logical: dict, names_by_id: dict) -> None:
             m.copy_(logical["masters"].get(n, logical["params"][n]))
 
 
+def _block(t: torch.Tensor, lay: dict) -> torch.Tensor:
+    """This rank's tensor-parallel block of the full tensor ``t`` (``lay`` from `describe`)."""
+    return t if lay["dim"] is None else t.chunk(lay["tp_size"], lay["dim"])[lay["tp_rank"]]
+
+
+def _bucket_shard(bucket, names: list[str], per_name: dict, dtype: torch.dtype, r: int) -> torch.Tensor:
+    """Rank ``r``'s shard of a flat ``bucket`` assembled from per-parameter tensors (by name)."""
+    flat = torch.zeros(bucket.padded, dtype=dtype, device=bucket.full.device)
+    for view, n in zip(bucket.views(flat), names):
+        view.copy_(per_name[n])
+    return bucket.chunk(flat, r)
+
+
 def _restore_sharded(opt, logical: dict, names_by_id: dict) -> None:
     r = opt.comm.rank
     state = {}
     for b, bucket in enumerate(opt.buckets):
         names = [names_by_id[id(p)] for p in bucket.params]
-
-        def mine(per_name: dict, dtype: torch.dtype) -> torch.Tensor:
-            """This rank's shard of the bucket assembled from per-parameter tensors."""
-            flat = torch.zeros(bucket.padded, dtype=dtype, device=bucket.full.device)
-            for view, n in zip(bucket.views(flat), names):
-                view.copy_(per_name[n])
-            return bucket.chunk(flat, r)
-
         if opt.sharded_params:                                  # ZeRO-3: parameters live as shards
-            opt.shards[b].copy_(mine(logical["params"], opt.shards[b].dtype))
+            opt.shards[b].copy_(_bucket_shard(bucket, names, logical["params"], opt.shards[b].dtype, r))
         else:                                                   # ZeRO-1/2: the bucket holds the parameters
             for view, n in zip(bucket.views(bucket.full), names):
                 view.copy_(logical["params"][n])
         if opt.masters[b] is not opt.shards[b]:
-            opt.masters[b].copy_(mine(logical["masters"] or logical["params"], torch.float32))
+            masters = logical["masters"] or logical["params"]
+            opt.masters[b].copy_(_bucket_shard(bucket, names, masters, torch.float32, r))
         first = logical["optimizer"].get(names[0])
         if first is None:
             continue
         shape = logical["params"][names[0]].shape
-        state[b] = {key: (mine({n: logical["optimizer"][n][key] for n in names}, value.dtype)
-                          if torch.is_tensor(value) and value.dim() > 0 and value.shape == shape
-                          else value.clone() if torch.is_tensor(value) else value)   # a scalar ("step")
-                    for key, value in first.items()}
+        state[b] = {}
+        for key, value in first.items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape == shape:     # per element
+                per_name = {n: logical["optimizer"][n][key] for n in names}
+                state[b][key] = _bucket_shard(bucket, names, per_name, value.dtype, r)
+            else:                                                                       # a scalar ("step")
+                state[b][key] = value.clone() if torch.is_tensor(value) else value
     groups = opt.optimizer.state_dict()["param_groups"]
     opt.optimizer.load_state_dict({"state": state, "param_groups": groups})
