@@ -21,6 +21,7 @@ the ones saved. Writes <out>.json and <out>.png.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import statistics
@@ -36,9 +37,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import distlab as dl  # noqa: E402
 from _results import default_out, machine_facts, write  # noqa: E402
-from distlab.checkpoint import store, training  # noqa: E402
+from distlab.checkpoint import state, store  # noqa: E402
 from distlab.models import PRESETS, build, dataset_for  # noqa: E402
-from distlab.strategies.base import TrainSpec  # noqa: E402
 
 SIDES = ("distlab", "torch DCP")
 
@@ -51,16 +51,17 @@ def _train_one_step(model, optimizer, x, y) -> None:
 
 class DistlabSide:
     def __init__(self, model_name: str, seed: int, lr: float):
-        self.spec = TrainSpec("zero3", model=model_name, seed=seed, lr=lr)
         self.gpt = build(model_name, seed).to(dl.device())
         self.zero = dl.ZeRO(self.gpt, stage=3, optim=torch.optim.AdamW, lr=lr)
         self.model, self.optimizer = self.zero, self.zero.optimizer
+        # what dl.train saves for ZeRO: the flat shards and their layout
+        self.state = state.flat_shard_state(self.gpt, self.optimizer, keeps_history=True)
 
     def snapshot(self) -> list[torch.Tensor]:
         return [s.detach().clone() for s in self.optimizer.shards]
 
     def save(self, directory: str) -> None:
-        own, replicated = training.capture(self.spec, self.gpt, self.zero, self.optimizer, [])
+        own, replicated = self.state.capture()
         store.save(directory, 1, own, replicated=replicated)
 
     def scramble(self) -> None:
@@ -69,7 +70,7 @@ class DistlabSide:
                 s.zero_()
 
     def load(self, directory: str) -> None:
-        training.restore(self.spec, self.gpt, self.zero, self.optimizer, store.load(directory, 1))
+        self.state.restore(store.load(directory, 1))
 
 
 class TorchSide:
@@ -101,7 +102,8 @@ class TorchSide:
         model_state, optim_state = get_state_dict(self.gpt, self.optimizer)
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=directory)
-        set_state_dict(self.gpt, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.gpt, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
 
 
 def _timed(fn) -> float:
@@ -124,9 +126,9 @@ def measure(model: str, repeats: int, rows: int, seed: int, lr: float, root: str
         for name in (SIDES if k % 2 == 0 else SIDES[::-1]):
             side, directory = sides[name], os.path.join(root, f"{name.split()[0]}_{k}")
             before = side.snapshot()
-            out[name]["save_s"].append(_timed(lambda: side.save(directory)))
+            out[name]["save_s"].append(_timed(functools.partial(side.save, directory)))
             side.scramble()
-            out[name]["load_s"].append(_timed(lambda: side.load(directory)))
+            out[name]["load_s"].append(_timed(functools.partial(side.load, directory)))
             out[name]["loaded_equal"] &= all(torch.equal(a, b) for a, b in zip(before, side.snapshot()))
             if r == 0:
                 out[name]["bytes"] = sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())
@@ -195,7 +197,8 @@ def main(argv=None):
             if not all(row[name]["loaded_equal"] for name in SIDES):
                 raise SystemExit("a load did not restore what was saved: the timings would mean nothing")
     meta = {**machine_facts(started, backend), "model": a.model, "repeats": a.repeats, "dtype": "float32",
-            "optimizer": "AdamW", "statistic": "median over repeats of the slowest rank's time, barrier to barrier",
+            "optimizer": "AdamW",
+            "statistic": "median over repeats of the slowest rank's time, barrier to barrier",
             "bytes": "all files of one checkpoint on disk"}
     write(a.out, {"meta": meta, "results": rows}, lambda png: plot(rows, png, a.model))
 

@@ -2,7 +2,8 @@
 
     distlab train --strategy zero2 --world-size 4 --model gpt-tiny --steps 20
     distlab train --strategy ddp --world-size 2 --comm ring --bucket-mb 0.1 --json out.json
-    distlab train --strategy zero2 --world-size 4 --steps 100 --checkpoint-dir ck --checkpoint-every 10 --resume
+    distlab train --strategy zero2 --world-size 4 --steps 100 --checkpoint-dir ck --checkpoint-every 10 \
+                  --resume
     distlab strategies
 
 Under torchrun the same command runs on every rank (``--world-size`` must equal torchrun's) and
@@ -39,8 +40,10 @@ def _train_parser(sub) -> None:
     p.add_argument("--no-overlap", action="store_true", help="communicate after backward, not during it")
     p.add_argument("--prefetch", action="store_true", help="ZeRO-3: gather the next unit early")
     p.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints here")
-    p.add_argument("--checkpoint-every", type=int, default=None, metavar="K", help="save every K steps and at the end")
-    p.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep only the newest N checkpoints")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
+                   help="save every K steps and at the end")
+    p.add_argument("--keep-last", type=int, default=None, metavar="N",
+                   help="keep only the newest N checkpoints")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest complete checkpoint (from scratch when there is none)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -76,8 +79,8 @@ def _options(args) -> dict:
 
 def _run_train(args) -> int:
     from .train import train
-    report = train(args.strategy, world_size=args.world_size, model=args.model, steps=args.steps, seed=args.seed,
-                   global_batch=args.global_batch, lr=args.lr, optimizer=args.optimizer,
+    report = train(args.strategy, world_size=args.world_size, model=args.model, steps=args.steps,
+                   seed=args.seed, global_batch=args.global_batch, lr=args.lr, optimizer=args.optimizer,
                    weight_decay=args.weight_decay, grad_accum=args.grad_accum, precision=args.precision,
                    clip=args.clip, options=_options(args))
     if os.environ.get("RANK", "0") != "0":       # under torchrun every rank has the report: one prints it

@@ -1,4 +1,4 @@
-"""`dl.train`: the one training loop that the CLI, the benchmarks and the lessons share.
+"""`dl.train`: the one entry point to training that the CLI, the benchmarks and the lessons share.
 
     report = dl.train("zero2", world_size=4, model="gpt-tiny", steps=20, seed=0)
     report.losses          # per step, from the rank that holds the loss
@@ -13,7 +13,8 @@ the latest complete checkpoint, bit-exact; ``fail_at_step=s`` kills a rank on pu
 
 A strategy is a ``train_rank(spec)`` function (`distlab.strategies`), run on every rank by
 `dl.launch`; ``single`` runs right here on one process and is the reference every strategy must match
-on the same global batch.
+on the same global batch. Every strategy builds its model and hands the steps to the one training
+loop, `distlab.strategies.loop`.
 """
 from __future__ import annotations
 

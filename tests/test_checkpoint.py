@@ -117,7 +117,8 @@ def test_loading_never_runs_pickled_code(tmp_path):
 def test_resume_reproduces_the_uninterrupted_run_exactly(strategy, world, precision, tmp_path):
     """Run 5 steps saving at 2, 4 and 5; a fresh run resumed from step 2 takes steps 2-4 only and ends
     with the same losses and the same parameters, bit for bit."""
-    kw = dict(world_size=world, steps=5, precision=precision, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    kw = dict(world_size=world, steps=5, precision=precision, checkpoint_dir=str(tmp_path),
+              checkpoint_every=2)
     full = dl.train(strategy, **kw)
     assert dl.checkpoint.steps(tmp_path) == [2, 4, 5]
     resumed = dl.train(strategy, **kw, resume=2)
@@ -144,7 +145,8 @@ def test_killed_rank_leaves_the_last_checkpoint_intact_and_resume_finishes(tmp_p
     kw = dict(world_size=3, steps=6, global_batch=12)
     plain = dl.train("zero2", **kw)
     with pytest.raises(dl.LaunchError) as err:
-        dl.train("zero2", **kw, checkpoint_dir=str(tmp_path), checkpoint_every=2, fail_at_step=4, fail_in="save")
+        dl.train("zero2", **kw, checkpoint_dir=str(tmp_path), checkpoint_every=2, fail_at_step=4,
+                 fail_in="save")
     assert err.value.rank == 2 and "SIGKILL" in str(err.value)
     assert child_pids() == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_4.tmp"]

@@ -60,7 +60,8 @@ def test_killed_mesh_rank_resumes_to_the_uninterrupted_result(tmp_path, no_leaks
     assert err.value.rank == 3 and "SIGKILL" in str(err.value)
     assert child_pids() == []
     assert dl.checkpoint.steps(tmp_path) == [2]
-    resumed = dl.train("3d:dp=2,tp=1,pp=2", **kw, checkpoint_dir=str(tmp_path), checkpoint_every=2, resume=True)
+    resumed = dl.train("3d:dp=2,tp=1,pp=2", **kw, checkpoint_dir=str(tmp_path), checkpoint_every=2,
+                       resume=True)
     assert resumed.results[-1].info["checkpoint"] == {"resumed_from": 2, "saved": [4]}
     assert_same_run(plain, resumed)
 

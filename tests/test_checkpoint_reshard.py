@@ -5,7 +5,7 @@ import torch
 
 import distlab as dl
 from distlab.checkpoint import reshard
-from distlab.checkpoint.training import Checkpointer, capture
+from distlab.checkpoint.training import Checkpointer
 from distlab.strategies.base import TrainSpec, build_model
 
 # (saved strategy, its world size) -> (resuming strategy, its world size), precision
@@ -22,23 +22,25 @@ PAIRS = [
 def _restore_and_capture(strategy: str, precision: str, directory: str) -> dict:
     """On each rank: build `strategy`'s model and optimizer, resume from ``directory``, and return
     what a checkpoint would save right now."""
-    from distlab.strategies.data_parallel import _wrap
+    from distlab.strategies.data_parallel import _wrap, rank_state
     spec = TrainSpec(strategy, global_batch=12, precision=precision,
                      options={"checkpoint_dir": directory, "resume": True, "bucket_mb": 0.1})
     model = build_model(spec)
     if precision == "bf16-mixed":
         model = model.to(torch.bfloat16)
     wrapped, opt, _ = _wrap(spec, model)
-    _, losses = Checkpointer(spec).resume(model, wrapped, opt)
-    own, replicated = capture(spec, model, wrapped, opt, losses)
+    state = rank_state(model, opt, keeps_history=dl.rank() == 0)
+    _, losses = Checkpointer(spec, state).resume()
+    own, replicated = state.capture()
     if hasattr(wrapped, "comm"):
         wrapped.comm.close()
-    return {"own": own, "replicated": replicated}
+    own = {**own, "losses": torch.tensor(losses, dtype=torch.float64)}
+    return {"own": own, "replicated": replicated, "format": state.format}
 
 
-def _logical_of_run(results: list[dict], strategy: str) -> dict:
-    shared = results[0]["replicated"]              # replicated state: identical, saved by rank 0
-    return reshard.logical_state([{**r["own"], **shared} for r in results], strategy)
+def _logical_of_run(results: list[dict]) -> dict:
+    shared = results[0]["replicated"] or {}        # replicated state: identical, saved by rank 0
+    return reshard.logical_state([{**r["own"], **shared} for r in results], results[0]["format"])
 
 
 def _assert_same_logical(a: dict, b: dict):
@@ -67,7 +69,7 @@ def test_reshard_restores_the_exact_logical_state(saved, resumed, precision, tmp
     assert bool(before["masters"]) == (precision == "bf16-mixed")
     results = dl.launch(_restore_and_capture, world_size=r_world, args=(r_name, precision, str(tmp_path)),
                         output="quiet").results
-    after = _logical_of_run(results, r_name)
+    after = _logical_of_run(results)
     _assert_same_logical(before, after)
     if r_name.startswith("zero"):                   # and the new shards really are 1/M of each bucket
         elements = [sum(t.numel() for t in r["own"]["optimizer"]["optimizer"]["state"][0].values()
@@ -102,7 +104,8 @@ MP = dict(model="gpt-small", global_batch=8)
 def test_model_parallel_checkpoint_consolidates_to_the_full_model(strategy, world, tmp_path):
     """Every rank's blocks and stages, joined by the layout each rank saved, are the full model that
     the run itself gathers at the end, bit for bit; the loss history counts each step once."""
-    report = dl.train(strategy, world_size=world, steps=2, checkpoint_dir=str(tmp_path), checkpoint_every=2, **MP)
+    report = dl.train(strategy, world_size=world, steps=2, checkpoint_dir=str(tmp_path), checkpoint_every=2,
+                      **MP)
     full = reshard.consolidate(tmp_path)
     assert full["params"].keys() == report.params.keys()
     assert all(torch.equal(full["params"][k], v) for k, v in report.params.items())
@@ -122,9 +125,10 @@ def test_resume_across_parallel_layouts(saved, resumed, tmp_path):
     reference = dl.train("single", steps=4, **MP)
     dl.train(saved[0], world_size=saved[1], steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2, **MP)
     at_two = reshard.consolidate(tmp_path, 2)["params"]
-    restored = dl.train(resumed[0], world_size=resumed[1], steps=2, checkpoint_dir=str(tmp_path), resume=2, **MP)
+    again = dict(world_size=resumed[1], checkpoint_dir=str(tmp_path), resume=2, **MP)
+    restored = dl.train(resumed[0], steps=2, **again)
     assert all(torch.equal(v, at_two[k]) for k, v in restored.params.items())
-    report = dl.train(resumed[0], world_size=resumed[1], steps=4, checkpoint_dir=str(tmp_path), resume=2, **MP)
+    report = dl.train(resumed[0], steps=4, **again)
     assert report.losses == pytest.approx(reference.losses, rel=1e-5)
     flat = lambda params: torch.cat([params[k].flatten() for k in sorted(params)])   # noqa: E731
     a, b = flat(report.params), flat(reference.params)

@@ -53,7 +53,7 @@ def test_bad_meshes_say_what_to_do():
         parse("3d:dp=2,schedule=fast")
     assert parse("3d:dp=2,pp=2,zero=1,sp=1") == dict(parse("3d:dp=2,pp=2"), zero=1, sequence_parallel=True)
     assert parse("3d:tp=2", {"microbatches": 4})["microbatches"] == 4
-    with pytest.raises(ValueError, match="dp=2 x tp=2 x pp=2 = 8 ranks"):    # dl.train checks before launching
+    with pytest.raises(ValueError, match="dp=2 x tp=2 x pp=2 = 8 ranks"):    # checked before launching
         dl.train("3d:dp=2,tp=2,pp=2", world_size=4, steps=1)
 
 
@@ -82,7 +82,8 @@ def test_every_rank_gets_its_three_groups():
 
 # -- training equals single --------------------------------------------------------------------
 TP_SHARDED = ("tok.weight", "head.weight", "attn.q.weight", "attn.q.bias", "attn.k.weight", "attn.k.bias",
-              "attn.v.weight", "attn.v.bias", "attn.proj.weight", "mlp.fc.weight", "mlp.fc.bias", "mlp.proj.weight")
+              "attn.v.weight", "attn.v.bias", "attn.proj.weight", "mlp.fc.weight", "mlp.fc.bias",
+              "mlp.proj.weight")
 SGD = dict(model="gpt-tiny", steps=2, seed=0, optimizer="sgd", lr=0.1)
 
 
@@ -108,7 +109,7 @@ def _assert_invariants(report, dp, tp, pp):
             assert n == (n_full // tp if name.endswith(TP_SHARDED) else n_full), (name, shape)
         replicas = [infos[q] for q in mesh.ranks("dp", r)]   # DP: replicas bitwise identical
         assert all(x["digests"] == info["digests"] for x in replicas)
-        if dp == 2:                                          # DDP moves exactly the ring all-reduce: S per step
+        if dp == 2:                                          # DDP moves exactly the ring all-reduce: S a step
             assert info["comm"]["sent_by_axis"]["dp"] == report.spec.steps * info["param_bytes"]
     for d in range(dp):                                      # PP: stages own disjoint layers, covering all
         for t in range(tp):
@@ -164,7 +165,8 @@ def test_dp_all_reduce_starts_during_the_last_backward(schedule, overlapped):
     assert report.losses == pytest.approx(dl.train("single", **SGD).losses, rel=1e-5)
     trace = report.run.trace
     for r in range(4):
-        spans = [s for s in trace.spans(rank=r, cat="compute") if s.name in ("B", "W") and s.args["step"] == 1]
+        spans = [s for s in trace.spans(rank=r, cat="compute")
+                 if s.name in ("B", "W") and s.args["step"] == 1]
         last = max(spans, key=lambda s: s.end)
         dp = [e for e in trace.comms(rank=r) if axis_of(e) == "dp" and e.start >= min(s.start for s in spans)]
         assert len(dp) > 1

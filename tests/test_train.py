@@ -49,7 +49,8 @@ def test_mlp_uneven_split_and_cli(capsys, tmp_path):
         assert torch.allclose(ddp.params[k], v, rtol=1e-5, atol=1e-7), k
     from distlab.cli import main
     out = tmp_path / "r.json"
-    assert main(["train", "--strategy", "zero2", "--world-size", "2", "--steps", "2", "--json", str(out)]) == 0
+    argv = ["train", "--strategy", "zero2", "--world-size", "2", "--steps", "2", "--json", str(out)]
+    assert main(argv) == 0
     text = capsys.readouterr().out
     assert "step    0  loss" in text and "step    1  loss" in text and "sent" in text
     assert out.exists()
@@ -68,3 +69,68 @@ def test_cli_checkpoints_and_resumes(tmp_path, capsys):
     resumed = json.loads((tmp_path / "r.json").read_text())["losses"]
     assert resumed == dl.train("zero2", world_size=2, steps=4).losses
     capsys.readouterr()
+
+
+# -- one loop, one clipper: every strategy equals single on the same global batch ----------------------
+SGD = dict(model="gpt-tiny", steps=2, seed=0, optimizer="sgd", lr=0.1, global_batch=8)
+EVERY = [("ddp", 2), ("zero1", 2), ("zero2", 2), ("zero3", 2), ("tp", 2), ("tp-sp", 2), ("pp-gpipe", 2),
+         ("pp-1f1b", 2), ("pp-interleaved", 2), ("pp-zb-h1", 2), ("3d:dp=2,tp=1,pp=2", 4)]
+
+
+def _assert_close_to(report, ref):
+    assert report.losses == pytest.approx(ref.losses, rel=1e-5)
+    assert sorted(report.params) == sorted(ref.params)
+    for name, want in ref.params.items():
+        err = (report.params[name] - want).norm().item()
+        assert err <= 1e-5 * want.norm().item() + 1e-7, (name, err / want.norm().item())
+
+
+@pytest.mark.parametrize("strategy, world", EVERY, ids=[s for s, _ in EVERY])
+def test_every_strategy_runs_the_one_loop_and_matches_single(strategy, world):
+    """Two accumulated micro-steps through `strategies.loop`: losses and final parameters equal single's;
+    every rank marks each step once and the step's optimizer span follows the step mark."""
+    kw = dict(SGD, grad_accum=2)
+    report = dl.train(strategy, world_size=world, **kw)
+    _assert_close_to(report, dl.train("single", **kw))
+    for r in range(world):
+        marks = report.trace.select("mark", rank=r, name="step")
+        spans = report.trace.spans(rank=r, name="optimizer")
+        assert [m.args["step"] for m in marks] == [s.args["step"] for s in spans] == [0, 1]
+        assert all(m.start <= s.start for m, s in zip(marks, spans))
+
+
+CLIPPED = [("tp", 2), ("pp-1f1b", 2), ("3d:dp=2,tp=2,pp=2", 8)]
+
+
+@pytest.mark.parametrize("strategy, world", CLIPPED, ids=[s for s, _ in CLIPPED])
+def test_clipping_by_the_whole_model_norm_matches_single(strategy, world):
+    """`parallel.clip.clip_grad_norm_` over tp shards (replicated parameters once) and pipeline stages
+    clips exactly as torch.nn.utils.clip_grad_norm_ does on the whole model; max_norm is small enough
+    that clipping changes the run."""
+    kw = dict(SGD, steps=3, clip=0.05)
+    ref = dl.train("single", **kw)
+    assert ref.losses[-1] != pytest.approx(dl.train("single", **dict(kw, clip=None)).losses[-1], rel=1e-4)
+    _assert_close_to(dl.train(strategy, world_size=world, **kw), ref)
+
+
+def _clip_tp_and_compare(max_norm):
+    """On 2 TP ranks: the clipper's norm and clipped gradients against torch's on the full model."""
+    from distlab.parallel.clip import clip_grad_norm_
+    from distlab.strategies.tensor import sharded_params
+    ids, targets = dl.models.dataset_for("gpt-tiny", 0).batch(0, 4)
+    ref = dl.models.build("gpt-tiny", 0)
+    ref.loss(ids, targets).backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+    model = dl.tp.parallelize(dl.models.build("gpt-tiny", 0))
+    model.loss(ids, targets).backward()
+    norm = clip_grad_norm_(model.parameters(), max_norm, sharded=sharded_params([model]), groups=[None])
+    grads = dl.tp.full_grads(model)
+    # attn.k.bias has a true gradient of exactly 0 (softmax ignores a per-query constant): noise on both sides
+    err = max(((grads[n] - p.grad).norm() / p.grad.norm()).item() for n, p in ref.named_parameters()
+              if not n.endswith("attn.k.bias"))
+    return float(norm), float(want), err
+
+
+def test_clipper_returns_the_full_norm_and_clips_like_torch():
+    for norm, want, err in dl.launch(_clip_tp_and_compare, world_size=2, args=(0.1,), output="quiet").results:
+        assert norm == pytest.approx(want, rel=1e-5) and err < 1e-5

@@ -9,9 +9,11 @@
     dl.train("zero2", world_size=4, steps=20, checkpoint_dir="ck", resume=True)   # bit-exact continuation
     dl.train("zero1", world_size=3, steps=20, checkpoint_dir="ck", resume=True)   # resharded: 4 -> 3 ranks
 
-Files: `store` (the on-disk format and the atomic commit), `training` (what each strategy of
-`dl.train` saves and restores; fault injection with ``fail_at_step``), `reshard` (a checkpoint
-rebuilt into one tensor per name and cut again for another world size, strategy or layout).
+Files: `store` (the on-disk format and the atomic commit), `state` (what a training rank hands over:
+its own and its replicated state in one of three formats, and how to restore them), `training` (the
+checkpoint side of the training loop: save, resume, fault injection with ``fail_at_step``), `reshard`
+(a checkpoint rebuilt into one tensor per name and cut again for another world size or layout). The
+checkpoint layer knows formats, never strategy names: each strategy builds its `state.RankState`.
 """
 from .reshard import consolidate
 from .store import CheckpointError, latest, load, load_all, manifest, save, steps

@@ -34,15 +34,9 @@ import torch
 
 from . import store
 
-PER_RANK = ("zero1", "zero2", "zero3")         # optimizer state in per-rank shards, cut by a layout
-REPLICATED = ("single", "ddp")                 # optimizer state whole, on rank 0
-DATA_PARALLEL = REPLICATED + PER_RANK
-
-
-def reshardable(strategy: str) -> bool:
-    """Whether a run of ``strategy`` can be consolidated and cut again (every built-in one can)."""
-    return (strategy in DATA_PARALLEL or strategy in ("tp", "tp-sp") or strategy.startswith("pp-")
-            or strategy.startswith("3d"))
+# how a checkpoint's ranks saved their state (see `distlab.checkpoint.state`): one whole copy, flat
+# ZeRO shards with their bucket layout, or model-parallel tensors with where they sit in the model
+FORMATS = ("replicated", "flat-shards", "model-parallel")
 
 
 def describe(full_model, params: list, held) -> list[dict]:
@@ -62,7 +56,8 @@ def describe(full_model, params: list, held) -> list[dict]:
     out = []
     for p in params:
         dim, tp_rank, tp_size = cuts.get(id(p), (None, 0, 1))
-        out.append({"name": names[id(p)], "key": keys[id(p)], "dim": dim, "tp_rank": tp_rank, "tp_size": tp_size})
+        out.append({"name": names[id(p)], "key": keys[id(p)], "dim": dim, "tp_rank": tp_rank,
+                    "tp_size": tp_size})
     return out
 
 
@@ -75,21 +70,26 @@ def bucket_layout(bucket, names_by_id: dict[int, str]) -> dict:
 def consolidate(directory, step: int | str = "latest") -> dict:
     """The logical (layout-free) state of a checkpoint; reads every rank's file."""
     info = store.manifest(directory, step)
-    strategy = info["meta"].get("strategy")
-    if not reshardable(strategy):
-        raise store.CheckpointError(f"checkpoint step {info['step']} in {directory} was saved by {strategy!r}, "
-                                    f"which cannot be resharded: resume it with the same strategy and world_size")
-    return {"step": info["step"], **logical_state(store.load_all(directory, info["step"]), strategy)}
+    fmt = info["meta"].get("format")
+    if fmt not in FORMATS:
+        raise store.CheckpointError(f"checkpoint step {info['step']} in {directory} records no known format "
+                                    f"({fmt!r}; saved by {info['meta'].get('strategy')!r}), so it cannot be "
+                                    f"resharded: resume it with the same strategy and world_size")
+    logical = logical_state(store.load_all(directory, info["step"]), fmt)
+    return {"step": info["step"], "strategy": info["meta"].get("strategy"), **logical}
 
 
-def logical_state(ranks: list[dict], strategy: str) -> dict:
-    """The logical state from every rank's saved state (its own merged with its replicated state)."""
-    if strategy not in DATA_PARALLEL:
-        return {"strategy": strategy, "world_size": len(ranks), **_from_model_parallel(ranks)}
-    out = {"strategy": strategy, "world_size": len(ranks),
-           "losses": sum(r["losses"] for r in ranks)}           # each rank saved its weighted share
-    out.update(_from_replicated(ranks[0]) if strategy in REPLICATED else _from_shards(ranks, strategy))
-    return out
+def logical_state(ranks: list[dict], fmt: str) -> dict:
+    """The logical state from every rank's saved state (its own merged with its replicated state),
+    saved in format ``fmt`` (one of `FORMATS`)."""
+    if fmt == "model-parallel":
+        out = _from_model_parallel(ranks)
+    elif fmt == "replicated":
+        out = _from_replicated(ranks[0])
+    else:
+        out = _from_shards(ranks)
+    losses = sum(r["losses"] * r.get("loss_weight", 1) for r in ranks)   # the ranks whose history counts
+    return {"world_size": len(ranks), **out, "losses": losses}
 
 
 def _from_model_parallel(ranks: list[dict]) -> dict:
@@ -104,19 +104,19 @@ def _from_model_parallel(ranks: list[dict]) -> dict:
     params, optimizer = {}, {}
     for name, by_rank in blocks.items():
         value, first_state, lay = by_rank[0]
-        whole = lay["dim"] is None
-        pieces = [by_rank[0]] if whole else [by_rank[k] for k in range(lay["tp_size"])]
-
-        def join(tensors: list[torch.Tensor]) -> torch.Tensor:
-            return (tensors[0] if whole else torch.cat(tensors, lay["dim"])).clone()
-
-        params[name] = join([v for v, _, _ in pieces])
-        optimizer[name] = {key: (join([st[key] for _, st, _ in pieces])
+        dim = lay["dim"]                                  # None: every tp rank held it whole
+        pieces = [by_rank[0]] if dim is None else [by_rank[k] for k in range(lay["tp_size"])]
+        params[name] = _join([v for v, _, _ in pieces], dim)
+        optimizer[name] = {key: (_join([st[key] for _, st, _ in pieces], dim)
                                  if torch.is_tensor(val) and val.dim() > 0 and val.shape == value.shape
                                  else val.clone() if torch.is_tensor(val) else val)   # a scalar ("step")
                            for key, val in first_state.items()}
-    losses = sum(r["losses"] * r["loss_weight"] for r in ranks)   # the ranks whose history counts once
-    return {"params": params, "buffers": {}, "optimizer": optimizer, "masters": {}, "losses": losses}
+    return {"params": params, "buffers": {}, "optimizer": optimizer, "masters": {}}
+
+
+def _join(blocks: list[torch.Tensor], dim: int | None) -> torch.Tensor:
+    """Tensor-parallel blocks concatenated along ``dim`` (None: one whole tensor), as a new tensor."""
+    return (blocks[0] if dim is None else torch.cat(blocks, dim)).clone()
 
 
 def _local_parameters(ranks: list[dict]):
@@ -133,7 +133,8 @@ def _local_parameters(ranks: list[dict]):
         signature = tuple((lay["name"], lay["tp_rank"]) for lay in state["param_layout"])
         replicas.setdefault(signature, []).append(state)
     for group in replicas.values():
-        by_key = _optimizer_from_shards([s["optimizer"]["optimizer"]["state"] for s in group], group[0]["layout"])
+        inner = [s["optimizer"]["optimizer"]["state"] for s in group]
+        by_key = _optimizer_from_shards(inner, group[0]["layout"])
         for lay in group[0]["param_layout"]:
             yield lay, group[0]["model"][lay["key"]], by_key.get(lay["key"], {})
 
@@ -147,19 +148,20 @@ def _from_replicated(state: dict) -> dict:
             "masters": dict(zip(names, state.get("masters", [])))}
 
 
-def _from_shards(ranks: list[dict], strategy: str) -> dict:
+def _from_shards(ranks: list[dict]) -> dict:
     if "layout" not in ranks[0]:
-        raise store.CheckpointError("this ZeRO checkpoint records no bucket layout (saved by an older distlab): "
-                                    "resume it with the same world_size")
+        raise store.CheckpointError("this ZeRO checkpoint records no bucket layout (saved by an older "
+                                    "distlab): resume it with the same world_size")
     layout = ranks[0]["layout"]
+    sharded_params = "params" in ranks[0]                  # ZeRO-3: the parameters were saved as shards too
     params, masters = {}, {}
     optimizer = _optimizer_from_shards([r["optimizer"]["optimizer"]["state"] for r in ranks], layout)
     for b, lay in enumerate(layout):
-        if strategy == "zero3":
+        if sharded_params:
             params.update(_cut(torch.cat([r["params"][b] for r in ranks]), lay))
         if ranks[0]["masters"]:
             masters.update(_cut(torch.cat([r["masters"][b] for r in ranks]), lay))
-    if strategy != "zero3":
+    if not sharded_params:
         model = ranks[0]["model"]
         names = [n for lay in layout for n in lay["names"]]
         params = {n: model[n] for n in names}
@@ -210,13 +212,9 @@ def restore_model_parallel(layout: list[dict], held, opt, logical: dict) -> None
     local = {"params": {}, "optimizer": {}, "masters": {}}      # this rank's blocks, by key in `held`
     for lay in layout:
         full = logical["params"][lay["name"]]
-
-        def block(t: torch.Tensor) -> torch.Tensor:
-            return t if lay["dim"] is None else t.chunk(lay["tp_size"], lay["dim"])[lay["tp_rank"]]
-
-        local["params"][lay["key"]] = block(full)
+        local["params"][lay["key"]] = _block(full, lay)
         local["optimizer"][lay["key"]] = {
-            key: (block(v).clone() if torch.is_tensor(v) and v.dim() > 0 and v.shape == full.shape
+            key: (_block(v, lay).clone() if torch.is_tensor(v) and v.dim() > 0 and v.shape == full.shape
                   else v.clone() if torch.is_tensor(v) else v)          # per element, or a scalar ("step")
             for key, v in logical["optimizer"].get(lay["name"], {}).items()}
     keys = {id(p): k for k, p in held.named_parameters()}
@@ -232,20 +230,31 @@ def restore_model_parallel(layout: list[dict], held, opt, logical: dict) -> None
 
 
 @torch.no_grad()
-def restore(spec, model, opt, logical: dict) -> None:
-    """Put a `consolidate`d state into this rank's model and optimizer, cut for this run's layout."""
+def restore_replicated(model, opt, logical: dict) -> None:
+    """Put a `consolidate`d state into a model and a whole optimizer (``opt.optimizer``, ``opt.params``,
+    fp32 ``opt.masters`` when ``opt.mixed``), the same on every rank."""
+    names_by_id = _check_names(model, logical)
+    _restore_local(model, opt, logical, names_by_id)
+
+
+@torch.no_grad()
+def restore_flat_shards(model, opt, logical: dict) -> None:
+    """Put a `consolidate`d state into this rank's shards of a `ShardedOptimizer`'s flat buckets."""
+    names_by_id = _check_names(model, logical)
+    _restore_sharded(opt, logical, names_by_id)
+
+
+def _check_names(model, logical: dict) -> dict[int, str]:
+    """Parameter names by id; copies the buffers; refuses a checkpoint of another model."""
     names_by_id = {id(p): n for n, p in model.named_parameters()}
     missing = set(names_by_id.values()) - set(logical["params"])
     if missing:
-        raise store.CheckpointError(f"the checkpoint has no parameters {sorted(missing)[:3]}...: it was saved "
-                                    f"for another model")
+        raise store.CheckpointError(f"the checkpoint has no parameters {sorted(missing)[:3]}...: it was "
+                                    f"saved for another model")
     for name, buf in model.named_buffers():
         if name in logical["buffers"]:                          # (non-persistent buffers are not saved)
             buf.copy_(logical["buffers"][name])
-    if spec.strategy in REPLICATED:
-        _restore_local(model, opt, logical, names_by_id)
-    else:
-        _restore_sharded(opt, logical, names_by_id)
+    return names_by_id
 
 
 def _restore_local(model, opt, logical: dict, names_by_id: dict) -> None:
@@ -254,10 +263,24 @@ def _restore_local(model, opt, logical: dict, names_by_id: dict) -> None:
     names = [names_by_id[id(p)] for p in opt.params]
     state = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in logical["optimizer"][n].items()}
              for i, n in enumerate(names) if n in logical["optimizer"]}
-    opt.optimizer.load_state_dict({"state": state, "param_groups": opt.optimizer.state_dict()["param_groups"]})
+    groups = opt.optimizer.state_dict()["param_groups"]
+    opt.optimizer.load_state_dict({"state": state, "param_groups": groups})
     if opt.mixed:                          # (a model-parallel checkpoint has fp32 parameters, no masters)
         for m, n in zip(opt.masters, names):
             m.copy_(logical["masters"].get(n, logical["params"][n]))
+
+
+def _block(t: torch.Tensor, lay: dict) -> torch.Tensor:
+    """This rank's tensor-parallel block of the full tensor ``t`` (``lay`` from `describe`)."""
+    return t if lay["dim"] is None else t.chunk(lay["tp_size"], lay["dim"])[lay["tp_rank"]]
+
+
+def _bucket_shard(bucket, names: list[str], per_name: dict, dtype: torch.dtype, r: int) -> torch.Tensor:
+    """Rank ``r``'s shard of a flat ``bucket`` assembled from per-parameter tensors (by name)."""
+    flat = torch.zeros(bucket.padded, dtype=dtype, device=bucket.full.device)
+    for view, n in zip(bucket.views(flat), names):
+        view.copy_(per_name[n])
+    return bucket.chunk(flat, r)
 
 
 def _restore_sharded(opt, logical: dict, names_by_id: dict) -> None:
@@ -265,27 +288,24 @@ def _restore_sharded(opt, logical: dict, names_by_id: dict) -> None:
     state = {}
     for b, bucket in enumerate(opt.buckets):
         names = [names_by_id[id(p)] for p in bucket.params]
-
-        def mine(per_name: dict, dtype: torch.dtype) -> torch.Tensor:
-            """This rank's shard of the bucket assembled from per-parameter tensors."""
-            flat = torch.zeros(bucket.padded, dtype=dtype, device=bucket.full.device)
-            for view, n in zip(bucket.views(flat), names):
-                view.copy_(per_name[n])
-            return bucket.chunk(flat, r)
-
         if opt.sharded_params:                                  # ZeRO-3: parameters live as shards
-            opt.shards[b].copy_(mine(logical["params"], opt.shards[b].dtype))
+            opt.shards[b].copy_(_bucket_shard(bucket, names, logical["params"], opt.shards[b].dtype, r))
         else:                                                   # ZeRO-1/2: the bucket holds the parameters
             for view, n in zip(bucket.views(bucket.full), names):
                 view.copy_(logical["params"][n])
         if opt.masters[b] is not opt.shards[b]:
-            opt.masters[b].copy_(mine(logical["masters"] or logical["params"], torch.float32))
+            masters = logical["masters"] or logical["params"]
+            opt.masters[b].copy_(_bucket_shard(bucket, names, masters, torch.float32, r))
         first = logical["optimizer"].get(names[0])
         if first is None:
             continue
         shape = logical["params"][names[0]].shape
-        state[b] = {key: (mine({n: logical["optimizer"][n][key] for n in names}, value.dtype)
-                          if torch.is_tensor(value) and value.dim() > 0 and value.shape == shape
-                          else value.clone() if torch.is_tensor(value) else value)   # a scalar ("step")
-                    for key, value in first.items()}
-    opt.optimizer.load_state_dict({"state": state, "param_groups": opt.optimizer.state_dict()["param_groups"]})
+        state[b] = {}
+        for key, value in first.items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape == shape:     # per element
+                per_name = {n: logical["optimizer"][n][key] for n in names}
+                state[b][key] = _bucket_shard(bucket, names, per_name, value.dtype, r)
+            else:                                                                       # a scalar ("step")
+                state[b][key] = value.clone() if torch.is_tensor(value) else value
+    groups = opt.optimizer.state_dict()["param_groups"]
+    opt.optimizer.load_state_dict({"state": state, "param_groups": groups})

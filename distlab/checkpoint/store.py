@@ -259,9 +259,9 @@ def load(directory, step: int | str = "latest", *, map_location="cpu", verify: b
     if info["world_size"] != n:
         raise CheckpointError(
             f"checkpoint {path} was saved by {info['world_size']} ranks, this run has {n}: each rank's file "
-            f"belongs to the rank that wrote it. Load it with world_size={info['world_size']}, or read all of "
-            f"them with dl.checkpoint.consolidate (dl.train's resume does that when the world size or the "
-            f"layout changes)")
+            f"belongs to the rank that wrote it. Load it with world_size={info['world_size']}, or read all "
+            f"of them with dl.checkpoint.consolidate (dl.train's resume does that when the world size or "
+            f"the layout changes)")
     return _rank_state(path, info, r, verify, map_location)
 
 
@@ -274,7 +274,8 @@ def load_all(directory, step: int | str = "latest", *, map_location="cpu", verif
     return [_rank_state(path, info, r, verify, map_location, files) for r in range(info["world_size"])]
 
 
-def _rank_state(path: Path, info: dict, r: int, verify: bool, map_location, files: dict | None = None) -> dict:
+def _rank_state(path: Path, info: dict, r: int, verify: bool, map_location,
+                files: dict | None = None) -> dict:
     """Rank ``r``'s own state merged with the replicated state of its replica group."""
     files = {} if files is None else files
 

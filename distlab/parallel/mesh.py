@@ -24,7 +24,8 @@ Language Model Training on GPU Clusters Using Megatron-LM", Sec. 3):
     DP   one all-reduce of this rank's gradient shard per step (Psi / (tp pp) parameters)
 
 ``Mesh(dp, tp, pp)`` inside a launched rank creates every group on every rank in the same order
-(``torch.distributed.new_group`` is collective over the world); outside one (or with
+(``torch.distributed.new_group`` is collective over the world) and names each by its axis, so every
+traced collective on it says which link it used (``event.args["group"]``); outside one (or with
 ``groups=False``) it is the pure layout, for drawing and checking.
 """
 from __future__ import annotations
@@ -33,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from . import collectives
 
 AXES = ("dp", "pp", "tp")          # the grid's dimensions, slowest to fastest
 
@@ -148,12 +151,14 @@ class Mesh:
         return self.coords().tp
 
     def _create_groups(self) -> None:
-        """Every rank creates every group, axis by axis in `AXES` order, and keeps the ones it is in."""
+        """Every rank creates every group, axis by axis in `AXES` order, and keeps the ones it is in,
+        named by its axis (`collectives.name_group`): every comm event on it is tagged ``group="tp"``..."""
         for axis in AXES:
             for members in self.all_groups(axis):
                 group = dist.new_group(members)
                 if self.rank in members:
                     self._groups[axis] = group
+                    collectives.name_group(group, axis)
 
     # -- helpers -------------------------------------------------------------------------------
     def _me(self, rank: int | None) -> int:

@@ -3,6 +3,10 @@
 Modules load lazily, on first use (a rank imports only the strategy it runs). Mesh strategies are
 named by their degrees, ``"3d:dp=2,tp=2,pp=2"``, and all share the ``"3d"`` entry. `load` returns the
 ``train_rank`` callable.
+
+Reading order: `base` (the spec, the data, the result), `loop` (THE step loop every strategy runs), then
+one file per family, each only building the model, the criterion and the loop's `loop.Plan`:
+`data_parallel` (single, DDP, ZeRO), `tensor`, `pipeline`, `mesh` (3D).
 """
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -117,7 +118,7 @@ def loss_fn(spec: TrainSpec):
 
 
 def autocast(spec: TrainSpec):
-    """bf16 autocast on this rank's device for ``precision="bf16-mixed"`` (weights stay fp32), else nothing."""
+    """bf16 autocast on this rank's device for ``precision="bf16-mixed"`` (weights stay fp32), else none."""
     if spec.precision == "bf16-mixed":
         return torch.autocast(device().type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -128,7 +129,8 @@ def microbatch_count(requested: int | None, rows: int, p: int, schedule: str, wh
     (a smaller bubble, (p-1)/(m+p-1)), else p. ``where`` names the rows in the error message."""
     m = requested if requested is not None else (2 * p if rows >= 2 * p else p)
     if m > rows:
-        raise ValueError(f"{m} microbatches need at least {m} rows per {where}, got {rows}: raise global_batch "
+        raise ValueError(f"{m} microbatches need at least {m} rows per {where}, got {rows}: raise "
+                         f"global_batch "
                          "or set options={'microbatches': ...}")
     if schedule == "interleaved" and m % p:
         raise ValueError(f"the interleaved schedule needs microbatches to be a multiple of the {p} pipeline "
@@ -136,15 +138,16 @@ def microbatch_count(requested: int | None, rows: int, p: int, schedule: str, wh
     return m
 
 
-def clip_to_norm(params, squared_norm: torch.Tensor, max_norm: float) -> float:
-    """Scale every gradient by min(1, max_norm / ||g||) given the global ``squared_norm``; returns ||g||.
-
-    ``torch.nn.utils.clip_grad_norm_``'s rule; each strategy sums ``squared_norm`` over its own shards
-    and groups first, since no rank sees the whole gradient.
-    """
-    norm = squared_norm.sqrt()
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(coef)
-    return float(norm)
+def gather_params(mine: dict[str, torch.Tensor], order: list[str]) -> dict[str, torch.Tensor] | None:
+    """The full model's parameters on rank 0 (None elsewhere), in ``order``: every rank sends ``mine``
+    (the full-size tensors it holds, name -> tensor; ``{}`` from ranks whose copies another rank sends)."""
+    mine = {n: t.detach().cpu().clone() for n, t in mine.items()}
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+    else:
+        gathered = [mine]
+    if gathered is None:
+        return None
+    merged = {k: v for part in gathered for k, v in part.items()}
+    return {n: merged[n] for n in order if n in merged}

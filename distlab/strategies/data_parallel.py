@@ -4,7 +4,8 @@ Every rank draws the same global batch and keeps its rows (``torch.tensor_split`
 Exactness on uneven splits: rank r's mean loss is weighted by its share n_r / B of the batch, and
 the strategies *average* over N ranks, so the loss backpropagated is
 
-    L_r = (N n_r / B) * mean_r(loss)   =>   (1/N) sum_r grad L_r = sum_r (n_r / B) grad mean_r = grad mean(loss)
+    L_r = (N n_r / B) * mean_r(loss)
+      =>   (1/N) sum_r grad L_r = sum_r (n_r / B) grad mean_r = grad mean(loss)
 
 i.e. exactly the single-process gradient of the global batch. Gradient accumulation divides by
 ``grad_accum`` the same way, and runs the first ``grad_accum - 1`` micro-steps under the wrapper's
@@ -18,21 +19,27 @@ reduce-scatters and holds full gradients meanwhile, undoing ZeRO-3's gradient sh
 buckets alive at once), ``no_sync`` (accumulate locally;
 True except for ZeRO-3). Checkpoints: ``checkpoint_dir``, ``checkpoint_every``, ``keep_last``,
 ``resume`` (True: the latest; or a step), and fault injection ``fail_at_step``/``fail_rank``/``fail_in``
-(see `distlab.checkpoint.training`).
+(see `distlab.checkpoint.training`). The steps themselves run in `distlab.strategies.loop`.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import torch.distributed as dist
 
-from ..checkpoint import training as checkpointing
-from ..memory import Ledger, replica_memory, zero_memory
+from ..checkpoint.state import flat_shard_state, replicated_state
+from ..memory import replica_memory, zero_memory
 from ..models import shard
-from ..runtime import device, rank, tracer, world_size
-from .base import (RankResult, TrainSpec, build_model, global_batch, loss_fn, make_optimizer,
-                   optimizer_class, optimizer_kwargs)
+from ..runtime import rank, world_size
+from .base import (
+    RankResult,
+    TrainSpec,
+    build_model,
+    global_batch,
+    loss_fn,
+    make_optimizer,
+    optimizer_class,
+    optimizer_kwargs,
+)
+from .loop import Plan, run, sum_losses
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
 OPTIONS = ("bucket_mb", "overlap", "comm", "naive", "prefetch", "no_sync", "max_inflight")
@@ -100,80 +107,58 @@ def _wrap(spec: TrainSpec, model: torch.nn.Module):
 
 
 def train_rank(spec: TrainSpec) -> RankResult:
+    n, r = _check(spec)
+    model = build_model(spec)
+    if spec.precision == "bf16-mixed":
+        model = model.to(torch.bfloat16)
+    wrapped, opt, memory_bytes = _wrap(spec, model)
+    no_sync = getattr(wrapped, "no_sync", None)
+    if not spec.options.get("no_sync", spec.strategy != "zero3"):
+        no_sync = None                                    # communicate on every micro-step
+    plan = Plan(_forward(spec, wrapped, model, n, r), opt, rank_state(model, opt, keeps_history=r == 0),
+                loss_share=1 / n, no_sync=no_sync, clip=opt.clip_grad_norm_, memory=memory_bytes)
+    trained = run(spec, plan)
+    losses = sum_losses(trained.losses)                   # each rank's weighted share, summed
+    state = wrapped.full_state_dict() if hasattr(wrapped, "full_state_dict") else model.state_dict()
+    params = {k: v.detach().float().cpu().clone() for k, v in state.items()} if r == 0 else None
+    if hasattr(wrapped, "comm"):
+        wrapped.comm.close()
+    return RankResult(losses=losses if r == 0 else None, params=params, info=trained.info)
+
+
+def _check(spec: TrainSpec) -> tuple[int, int]:
+    """(world size, rank), after refusing what this family cannot run."""
     if spec.strategy not in STRATEGIES:
         raise ValueError(f"data_parallel trains {STRATEGIES}, not {spec.strategy!r}")
-    n, r, tr = world_size(), rank(), tracer()
+    n = world_size()
     if spec.strategy == "single" and n != 1:
         raise ValueError("strategy 'single' runs on one process: use world_size=1")
     if spec.micro_batch < n:
         raise ValueError(f"each micro-batch of {spec.micro_batch} rows must give every one of the {n} "
                          f"ranks a row: raise global_batch or lower grad_accum")
-    model = build_model(spec)
-    if spec.precision == "bf16-mixed":
-        model = model.to(torch.bfloat16)
-    wrapped, opt, memory_bytes = _wrap(spec, model)
+    return n, rank()
+
+
+def _forward(spec: TrainSpec, wrapped, model, n: int, r: int):
+    """The micro-step: this rank's rows of the micro-batch through the model, the loss weighted by its
+    share of the rows (n n_r / B, divided by grad_accum; see the module docstring)."""
+    criterion = loss_fn(spec)
     compute_dtype = next(model.parameters()).dtype
-    criterion, ledger = loss_fn(spec), Ledger()
-    no_sync = getattr(wrapped, "no_sync", None)
-    if not spec.options.get("no_sync", spec.strategy != "zero3"):
-        no_sync = None                                    # communicate on every micro-step
-    ckpt = checkpointing.for_spec(spec)
-    start, losses = ckpt.resume(model, wrapped, opt)
-    t_start = tr.now()
-    for step in range(start, spec.steps):
-        ckpt.before_step(step)                            # fault injection (fail_at_step)
-        tr.mark("step", step=step)
-        step_loss = 0.0
-        for micro in range(spec.grad_accum):
-            x, y = global_batch(spec, step, micro)
-            xs, ys = shard(x, r, n), shard(y, r, n)
-            if xs.is_floating_point():
-                xs = xs.to(compute_dtype)
-            weight = n * xs.shape[0] / x.shape[0] / spec.grad_accum
-            last = micro == spec.grad_accum - 1
-            sync = contextlib.nullcontext() if (last or no_sync is None) else no_sync()
-            with sync:
-                with tr.span("forward", step=step, micro=micro), ledger.activations():
-                    out = wrapped(xs)
-                    loss = criterion(out.float() if spec.model == "mlp" else out, ys)
-                ledger.sample("forward", **memory_bytes())
-                with tr.span("backward", step=step, micro=micro):
-                    (loss * weight).backward()
-            step_loss += loss.item() * weight / n
-        ledger.sample("backward", **memory_bytes())
-        with tr.span("step", step=step):
-            if spec.clip is not None:
-                opt.clip_grad_norm_(spec.clip)
-            opt.step()
-        ledger.sample("step", **memory_bytes())
-        opt.zero_grad()
-        losses.append(step_loss)
-        ckpt.after_step(step + 1, model, wrapped, opt, losses)
-    t_end = tr.now()
-    comm = _comm_totals(tr, t_start, t_end, max(1, spec.steps - start))
-    losses = _global_losses(losses, n)
-    state = wrapped.full_state_dict() if hasattr(wrapped, "full_state_dict") else model.state_dict()
-    params = {k: v.detach().float().cpu().clone() for k, v in state.items()} if r == 0 else None
-    if hasattr(wrapped, "comm"):
-        wrapped.comm.close()
-    info = {"memory": ledger.as_dict(), "comm": comm, **ckpt.summary(start)}
-    return RankResult(losses=losses if r == 0 else None, params=params, info=info)
+
+    def forward(step: int, micro: int) -> torch.Tensor:
+        x, y = global_batch(spec, step, micro)
+        xs, ys = shard(x, r, n), shard(y, r, n)          # (B/n, ...): this rank's rows, uneven allowed
+        if xs.is_floating_point():
+            xs = xs.to(compute_dtype)
+        weight = n * xs.shape[0] / x.shape[0] / spec.grad_accum
+        out = wrapped(xs)
+        return criterion(out.float() if spec.model == "mlp" else out, ys) * weight
+
+    return forward
 
 
-def _comm_totals(tr, t_start: float, t_end: float, steps: int) -> dict:
-    """Bytes this rank sent and received during the training steps, in all and by op."""
-    events = [e for e in tr.events() if e.kind == "comm" and t_start <= e.start <= t_end]
-    by_op: dict[str, int] = {}
-    for e in events:
-        by_op[e.name] = by_op.get(e.name, 0) + e.sent
-    sent, received = sum(e.sent for e in events), sum(e.received for e in events)
-    return {"sent": sent, "received": received, "sent_per_step": sent / steps, "sent_by_op": by_op}
-
-
-def _global_losses(local: list[float], n: int) -> list[float]:
-    """Each rank's weighted share of the loss, summed over ranks (metrics only: not traced)."""
-    if n == 1:
-        return local
-    t = torch.tensor(local, dtype=torch.float64, device=device())
-    dist.all_reduce(t)
-    return t.tolist()
+def rank_state(model, opt, keeps_history: bool):
+    """What a checkpoint of this rank holds: one whole copy (single, ddp) or ZeRO's flat shards."""
+    if hasattr(opt, "buckets"):
+        return flat_shard_state(model, opt, keeps_history)
+    return replicated_state(model, opt, keeps_history)

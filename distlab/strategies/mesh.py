@@ -31,6 +31,9 @@ Options (in the name, ``"3d:dp=2,tp=2,pp=2,zero=1,schedule=gpipe"``, or in ``opt
 ``schedule`` ("1f1b", "gpipe", "interleaved", "zb-h1"), ``microbatches``, ``virtual`` (interleaved,
 default 2), ``balance`` ("layers" or "params"), ``zero`` (0: DDP, 1: ZeRO-1 over dp),
 ``sequence_parallel`` / ``sp`` (Megatron SP inside each stage), ``bucket_mb``.
+
+The steps run in `distlab.strategies.loop`; clipping is `distlab.parallel.clip` over the tp group
+(replicated parameters counted once), then the pp group.
 """
 from __future__ import annotations
 
@@ -38,27 +41,40 @@ import contextlib
 import hashlib
 
 import torch
-import torch.distributed as dist
 
-from ..checkpoint import training as checkpointing
+from ..checkpoint.state import model_parallel_state
+from ..memory import PipelineStash
 from ..parallel import tensor as tp_lib
-from ..parallel import collectives as C
+from ..parallel.clip import clip_grad_norm_, sum_over
 from ..parallel.mesh import AXES, Mesh
 from ..parallel.pipeline.executor import Pipeline
-from ..parallel.pipeline.split import GPTStage, stage_module
-from ..memory import PipelineStash
 from ..parallel.pipeline.measure import ActionTrace
-from ..runtime import device, rank, tracer
-from .base import (RankResult, TrainSpec, autocast, build_model, clip_to_norm, global_batch, loss_fn,
-                   make_optimizer, microbatch_count, optimizer_class, optimizer_kwargs)
+from ..parallel.pipeline.split import stage_module
+from .base import (
+    RankResult,
+    TrainSpec,
+    autocast,
+    build_model,
+    gather_params,
+    global_batch,
+    loss_fn,
+    make_optimizer,
+    microbatch_count,
+    optimizer_class,
+    optimizer_kwargs,
+)
+from .loop import Plan, run, sum_losses
+from .tensor import sharded_params
 
 INT_OPTIONS = ("dp", "tp", "pp", "microbatches", "virtual", "zero")
 OPTIONS = INT_OPTIONS + ("schedule", "balance", "sequence_parallel", "sp", "bucket_mb")
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
+LAYOUT = ("dp", "tp", "pp", "zero", "virtual", "balance", "sequence_parallel")   # what a rank holds
 
 
 def parse(strategy: str, options: dict | None = None) -> dict:
-    """``"3d:dp=2,tp=2,pp=2,zero=1"`` (plus ``options``, which win) -> {"dp": 2, "tp": 2, "pp": 2, "zero": 1, ...}."""
+    """``"3d:dp=2,tp=2,pp=2,zero=1"`` (plus ``options``, which win) -> {"dp": 2, "tp": 2, "pp": 2,
+    "zero": 1, ...}."""
     if not strategy.startswith("3d:"):
         raise ValueError(f"{strategy!r} is not a mesh strategy: write it like '3d:dp=2,tp=2,pp=2'")
     found: dict = {}
@@ -91,70 +107,12 @@ def parse(strategy: str, options: dict | None = None) -> dict:
     return out
 
 
-class SequenceParallelStage(GPTStage):
-    """A `GPTStage` of a sequence-parallel GPT: the first stage adds the position embeddings of this
-    rank's sequence shard (the token embedding already reduce-scattered along the sequence), so the
-    activations crossing stage boundaries are (b, s/T, h) -- T times fewer bytes on every PP link."""
-
-    tp_group = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.has_embed:
-            positions = torch.arange(x.shape[1], device=x.device).chunk(C.group_size(self.tp_group))
-            x = self.tok(x) + self.pos(positions[C.group_rank(self.tp_group)])
-        for block in self.blocks.values():
-            x = block(x)
-        if self.has_head:
-            x = self.head(self.ln_f(x))
-        return x
-
-
-def _sharded(modules) -> set[int]:
-    return {id(p) for m in modules for sub in m.modules() for name, p in sub.named_parameters(recurse=False)
-            if name in getattr(sub, "shard_dims", {})}
-
-
-def clip_grad_norm(params, sharded: set[int], max_norm: float, mesh: Mesh) -> float:
-    """Scale gradients so the whole model's gradient norm is at most ``max_norm``; returns the norm.
-
-    ||g||^2 = sum over stages of (sum over TP ranks of ||TP shards||^2 + ||replicated||^2): TP-sharded
-    squares are summed over the tp group, replicated ones counted once, then stages summed over pp.
-    Call after the dp all-reduce (replicas then hold equal gradients)."""
-    sq_shards = torch.zeros(1, device=device())
-    sq_replicated = torch.zeros(1, device=device())
-    for p in params:
-        if p.grad is not None:
-            (sq_shards if id(p) in sharded else sq_replicated).add_(p.grad.float().pow(2).sum())
-    sq = C.all_reduce(sq_shards, mesh.tp_group, phase="step", operator="grad_norm", axis="tp") + sq_replicated
-    sq = C.all_reduce(sq, mesh.pp_group, phase="step", operator="grad_norm", axis="pp")
-    return clip_to_norm(params, sq, max_norm)
-
-
-def clip_sharded_grad_norm(optimizer, sharded: set[int], max_norm: float, mesh: Mesh) -> float:
-    """`clip_grad_norm` under ZeRO-1 over dp: each rank holds 1/D of its stage's averaged gradient.
-
-    The same sum, taken over the dp shards first (`ShardedOptimizer.clip_grad_norm_`), a replicated
-    parameter's square weighted 1/T so that summing over the tp group counts it once."""
-    T = mesh.tp
-
-    def outer(sq):
-        sq = C.all_reduce(sq, mesh.tp_group, phase="step", operator="grad_norm", axis="tp")
-        return C.all_reduce(sq, mesh.pp_group, phase="step", operator="grad_norm", axis="pp")
-
-    return optimizer.clip_grad_norm_(max_norm, weight=lambda p: 1.0 if id(p) in sharded else 1.0 / T,
-                                     outer=outer)
-
-
 def axis_of(event) -> str:
-    """Which mesh axis a comm event travelled on: pipeline send/recv -> "pp", tensor-parallel
-    collectives (tagged with an ``operator``) -> "tp", data-parallel collectives -> "dp"."""
-    if "axis" in event.args:
-        return event.args["axis"]
-    if event.name in ("send", "recv"):
-        return "pp"
-    if "operator" in event.args:
-        return "tp"
-    return "dp"
+    """Which mesh axis a comm event travelled on: the name the mesh gave its group (``group`` tag,
+    see `collectives.name_group`); the pipeline's send/recv -> "pp"; anything else -> "dp"."""
+    if event.args.get("group") in AXES:
+        return event.args["group"]
+    return "pp" if event.name in ("send", "recv") else "dp"
 
 
 def bytes_by_axis(events) -> dict[str, int]:
@@ -176,30 +134,57 @@ def train_rank(spec: TrainSpec) -> RankResult:
         raise ValueError("the 3d mesh shards a GPT (heads, MLP, vocabulary) and pipelines its blocks: "
                          "choose a GPT preset such as model='gpt-tiny'")
     mesh = Mesh(opts["dp"], opts["tp"], opts["pp"])
-    D, T, P = mesh.dp, mesh.tp, mesh.pp
-    me = mesh.coords()
-    rows = torch.tensor_split(torch.arange(spec.micro_batch), D)
-    if len(rows[-1]) == 0:
-        raise ValueError(f"a micro-batch of {spec.micro_batch} rows cannot feed dp={D} replicas: raise global_batch")
-    m = microbatch_count(opts.get("microbatches"), len(rows[-1]), P, opts["schedule"],
+    rows = _replica_rows(spec, mesh)
+    m = microbatch_count(opts.get("microbatches"), len(rows[-1]), mesh.pp, opts["schedule"],
                          "data-parallel replica and micro-step (global_batch / grad_accum / dp)")
-
-    # 1. tensor parallelism over this rank's TP group, 2. keep this pipeline rank's stage(s)
     model = build_model(spec)
     names = list(dict(model.named_parameters()))
-    sp = bool(opts.get("sequence_parallel")) and T > 1
-    if T > 1:
+    model, modules, stage_ids = _tensor_then_pipeline(model, opts, mesh)
+    v = len(modules)
+    pipe = Pipeline(modules if v > 1 else modules[0], stage_ids if v > 1 else stage_ids[0],
+                    mesh.pp * v, schedule=opts["schedule"], microbatches=m,
+                    loss_fn=_criterion(spec, model, mesh, rows), group=mesh.pp_group)
+    pipe.observers += [ActionTrace(), PipelineStash()]    # measured from outside: spans, stash bytes
+    params = list(pipe.parameters())
+    ddp, optimizer = _data_parallel(spec, opts, mesh, modules, params)
+    plan = _plan(spec, opts, mesh, rows, model, modules, pipe, ddp, optimizer)
+    trained = run(spec, plan)
+    losses = sum_losses(trained.losses, mesh.dp_group) if pipe.last else None   # replicas' shares summed
+    full = gather_params(_full_tensors(modules, mesh), names)
+    info = _info(opts, mesh, modules, stage_ids, m, params, trained)
+    if ddp is not None:
+        ddp.comm.close()
+    return RankResult(losses=losses, params=full, info=info)
+
+
+def _replica_rows(spec: TrainSpec, mesh: Mesh) -> tuple[torch.Tensor, ...]:
+    """Which rows of each micro-batch every dp replica takes (``tensor_split``: uneven allowed)."""
+    rows = torch.tensor_split(torch.arange(spec.micro_batch), mesh.dp)
+    if len(rows[-1]) == 0:
+        raise ValueError(f"a micro-batch of {spec.micro_batch} rows cannot feed dp={mesh.dp} replicas: "
+                         "raise global_batch")
+    return rows
+
+
+def _tensor_then_pipeline(model, opts: dict, mesh: Mesh):
+    """1. tensor parallelism over this rank's TP group (sequence parallel if asked), then 2. keep this
+    pipeline rank's stage(s): stages pp_rank, pp_rank + P, ... (``virtual`` of them, interleaved).
+    Returns (the model, this rank's stage modules, their stage ids)."""
+    if mesh.tp > 1:
+        sp = bool(opts.get("sequence_parallel"))
         model = tp_lib.parallelize(model, group=mesh.tp_group, sequence_parallel=sp)
     v = opts.get("virtual", 2) if opts["schedule"] == "interleaved" else 1
-    stage_ids = [me.pp + k * P for k in range(v)]
-    modules = [stage_module(model, s, P * v, opts["balance"]) for s in stage_ids]
-    for module in modules:
-        if sp:
-            module.__class__, module.tp_group = SequenceParallelStage, mesh.tp_group
+    stage_ids = [mesh.pp_rank + k * mesh.pp for k in range(v)]
+    modules = [stage_module(model, s, mesh.pp * v, opts["balance"]) for s in stage_ids]
+    return model, modules, stage_ids
 
-    # the loss: vocabulary-parallel on logits split over T, scaled for this replica's share
-    scale = D * len(rows[me.dp]) / spec.micro_batch / spec.grad_accum
-    vocab_start = me.tp * model.cfg.vocab // T
+
+def _criterion(spec: TrainSpec, model, mesh: Mesh, rows):
+    """The loss on the last stage: vocabulary-parallel cross-entropy on logits split over T, scaled by
+    this replica's share D n_d / (B k) of the global batch (see the module docstring)."""
+    T = mesh.tp
+    scale = mesh.dp * len(rows[mesh.dp_rank]) / spec.micro_batch / spec.grad_accum
+    vocab_start = mesh.tp_rank * model.cfg.vocab // T
     plain = loss_fn(spec)
 
     def criterion(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -209,87 +194,80 @@ def train_rank(spec: TrainSpec) -> RankResult:
                                                         vocab_start, mesh.tp_group)
         return per_token.mean() * scale
 
-    pipe = Pipeline(modules if v > 1 else modules[0], stage_ids if v > 1 else stage_ids[0], P * v,
-                    schedule=opts["schedule"], microbatches=m, loss_fn=criterion, group=mesh.pp_group)
-    params = list(pipe.parameters())
-    pipe.observers += [ActionTrace(), PipelineStash()]    # measured from outside: spans, stash bytes
+    return criterion
 
-    # 3. data parallelism over this rank's DP group
-    ddp = None
+
+def _data_parallel(spec: TrainSpec, opts: dict, mesh: Mesh, modules, params):
+    """3. data parallelism over this rank's DP group: (DDP or None, the optimizer). With ``zero=1`` the
+    optimizer is ZeRO-1 over dp (it reduce-scatters the gradients itself); else DDP when dp > 1."""
     if opts["zero"]:
         from ..parallel.zero import ShardedOptimizer
-        optimizer = ShardedOptimizer(params, optimizer_class(spec), group=mesh.dp_group,
-                                     bucket_mb=opts["bucket_mb"], **optimizer_kwargs(spec))
-    else:
-        if D > 1:
-            from ..parallel.data.ddp import DDP
-            ddp = DDP(torch.nn.ModuleList(modules), bucket_mb=opts["bucket_mb"], group=mesh.dp_group)
-        optimizer = make_optimizer(params, spec)
-    sharded = _sharded(modules)
-    # DP all-reduces start during the last microbatch's backward when one B pass finishes every
-    # gradient of this rank (one module, no split I/W); otherwise all of them run after the flush
+        return None, ShardedOptimizer(params, optimizer_class(spec), group=mesh.dp_group,
+                                      bucket_mb=opts["bucket_mb"], **optimizer_kwargs(spec))
+    ddp = None
+    if mesh.dp > 1:
+        from ..parallel.data.ddp import DDP
+        ddp = DDP(torch.nn.ModuleList(modules), bucket_mb=opts["bucket_mb"], group=mesh.dp_group)
+    return ddp, make_optimizer(params, spec)
+
+
+def _plan(spec: TrainSpec, opts: dict, mesh: Mesh, rows, model, modules, pipe, ddp, optimizer) -> Plan:
+    """The loop's plan: each micro-step one pipeline step on this replica's rows, every backward under
+    ``DDP.no_sync()`` but the last B of the last micro-step, which starts the dp all-reduces
+    (``start_grad_sync``) when one B pass finishes every gradient of this rank (one module, no split
+    I/W); otherwise they all run after the flush, in ``finish_grad_sync``."""
     kinds = {a.kind for a in pipe.actions}
-    overlap_dp = ddp is not None and v == 1 and "B" in kinds and "W" not in kinds
+    overlap = ddp is not None and len(modules) == 1 and "B" in kinds and "W" not in kinds
+    mine = rows[mesh.dp_rank]
 
-    held = torch.nn.ModuleList(modules)         # this rank's stage(s): what a checkpoint holds
-    layout = checkpointing.model_parallel_layout(model, params, held, loss_weight=pipe.last and me.tp == 0,
-                                                 keeps_history=pipe.last and me.dp == 0)
-    ckpt = checkpointing.for_spec(spec, replica_group=mesh.dp_group, layout=layout)
-    start, losses = ckpt.resume(held, ddp, optimizer)
-    tr = tracer()
-    t_start = tr.now()
-    for step in range(start, spec.steps):
-        ckpt.before_step(step)
-        tr.mark("step", step=step)
-        optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        with ddp.no_sync() if ddp is not None else contextlib.nullcontext():
-            for micro in range(spec.grad_accum):
-                x, y = global_batch(spec, step, micro)
-                xs, ys = x[rows[me.dp]], y[rows[me.dp]]
-                overlap = overlap_dp and micro == spec.grad_accum - 1
-                with autocast(spec):
-                    loss = pipe.step(xs if pipe.first else None, ys if pipe.last else None,
-                                     last_backward=ddp.start_grad_sync() if overlap else None)
-                if loss is not None:
-                    total += loss.item() / D
-        with tr.span("optimizer", step=step):
-            if ddp is not None:
-                with tr.span("dp grad sync", step=step):
-                    ddp.finish_grad_sync()
-            if spec.clip is not None and opts["zero"]:
-                clip_sharded_grad_norm(optimizer, sharded, spec.clip, mesh)
-            elif spec.clip is not None:
-                clip_grad_norm(params, sharded, spec.clip, mesh)
-            optimizer.step()
-        losses.append(total)
-        ckpt.after_step(step + 1, held, ddp, optimizer, losses)
-    t_end = tr.now()
+    def forward(step: int, micro: int) -> torch.Tensor | None:
+        x, y = global_batch(spec, step, micro)
+        xs, ys = x[mine], y[mine]                        # (B/D, s): this replica's rows
+        last = ddp.start_grad_sync() if overlap and micro == spec.grad_accum - 1 else None
+        with ddp.no_sync() if ddp is not None else contextlib.nullcontext(), autocast(spec):
+            return pipe.step(xs if pipe.first else None, ys if pipe.last else None, last_backward=last)
 
-    if pipe.last and D > 1:                     # each replica saw its rows: sum their weighted shares
-        t = torch.tensor(losses, dtype=torch.float64, device=device())
-        dist.all_reduce(t, group=mesh.dp_group)
-        losses = t.tolist()
+    params = list(pipe.parameters())
+    sharded = sharded_params(modules)
+    groups = [mesh.tp_group, mesh.pp_group]
+    if opts["zero"]:                                     # ZeRO-1: dp shards first, replicated weighted 1/T
+        ids = {id(p) for p in sharded}
+
+        def weight(p) -> float:
+            return 1.0 if id(p) in ids else 1.0 / mesh.tp
+
+        def clip(max_norm):
+            return optimizer.clip_grad_norm_(max_norm, weight=weight, outer=lambda sq: sum_over(sq, groups))
+    else:
+        def clip(max_norm):
+            return clip_grad_norm_(params, max_norm, sharded=sharded, groups=groups)
+    held = torch.nn.ModuleList(modules)                  # this rank's stage(s): what a checkpoint holds
+    layout = {k: opts.get(k) for k in LAYOUT} | {"virtual": len(modules)}
+    state = model_parallel_state(model, params, held, optimizer, loss_weight=pipe.last and mesh.tp_rank == 0,
+                                 keeps_history=pipe.last and mesh.dp_rank == 0, replica_group=mesh.dp_group,
+                                 layout=layout)
+    return Plan(forward, optimizer, state, backward=False, loss_share=1 / mesh.dp, clip=clip,
+                sync_grads=ddp.finish_grad_sync if ddp is not None else None)
+
+
+def _full_tensors(modules, mesh: Mesh) -> dict[str, torch.Tensor]:
+    """This rank's stage(s) at full size (the TP shards all-gathered: collective over the tp group),
+    sent by the first rank of each (dp, tp) block only."""
     full = {}
-    for module in modules:                      # collective over the TP group
-        full.update(tp_lib.full_state_dict(module) if T > 1 else
+    for module in modules:
+        full.update(tp_lib.full_state_dict(module) if mesh.tp > 1 else
                     {n: q.detach() for n, q in module.named_parameters()})
-    mine = {n: q.cpu().clone() for n, q in full.items()} if (me.dp == 0 and me.tp == 0) else {}
-    gathered = [None] * mesh.world_size if rank() == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    params_full = None
-    if rank() == 0:
-        merged = {k: val for part in gathered for k, val in part.items()}
-        params_full = {n: merged[n] for n in names if n in merged}
+    return full if (mesh.dp_rank == 0 and mesh.tp_rank == 0) else {}
+
+
+def _info(opts: dict, mesh: Mesh, modules, stage_ids, m: int, params, trained) -> dict:
+    """What the tests and lessons read: coordinates, shapes and digests of this rank's tensors (replicas
+    must agree), and the bytes sent per mesh axis during the training steps."""
     local = {n: q for module in modules for n, q in module.named_parameters()}
-    events = [e for e in tr.events() if e.kind == "comm" and t_start <= e.start <= t_end]
-    info = {"coords": me, "stages": stage_ids, "microbatches": m, "schedule": opts["schedule"],
-            "zero": opts["zero"], "sequence_parallel": sp,
+    comm = {**trained.info["comm"], "sent_by_axis": bytes_by_axis(trained.events)}
+    return {**trained.info, "coords": mesh.coords(), "stages": stage_ids, "microbatches": m,
+            "schedule": opts["schedule"], "zero": opts["zero"],
+            "sequence_parallel": bool(opts.get("sequence_parallel")) and mesh.tp > 1,
             "shapes": {n: tuple(q.shape) for n, q in local.items()},
             "digests": {n: _digest(q) for n, q in local.items()},
-            "param_bytes": sum(q.numel() * q.element_size() for q in params),
-            "comm": {"sent_by_axis": bytes_by_axis(events), "sent": sum(e.sent for e in events)},
-            **ckpt.summary(start)}
-    if ddp is not None:
-        ddp.comm.close()
-    return RankResult(losses=losses if pipe.last else None, params=params_full, info=info)
+            "param_bytes": sum(q.numel() * q.element_size() for q in params), "comm": comm}

@@ -6,39 +6,27 @@ f/g communication), then an ordinary optimizer step on this rank's shards -- the
 talks, since every parameter is either a shard only this rank updates or replicated with equal
 gradients on all ranks. ``options={"sequence_parallel": True}`` is what ``tp-sp`` sets.
 
-Gradient clipping uses the norm of the *full* gradient: squared norms of the shards summed over the
-group, replicated parameters counted once.
+Gradient clipping uses the norm of the *full* gradient (`distlab.parallel.clip`): squared norms of
+the shards summed over the group, replicated parameters counted once. The steps run in
+`distlab.strategies.loop`.
 """
 from __future__ import annotations
 
-
 import torch
 
-from ..checkpoint import training as checkpointing
-from ..parallel import tensor as tp_lib
+from ..checkpoint.state import model_parallel_state
 from ..parallel import collectives as C
-from ..runtime import device, rank, tracer
-from .base import RankResult, TrainSpec, autocast, build_model, clip_to_norm, global_batch, make_optimizer
+from ..parallel import tensor as tp_lib
+from ..parallel.clip import clip_grad_norm_
+from ..runtime import rank
+from .base import RankResult, TrainSpec, autocast, build_model, global_batch, make_optimizer
+from .loop import Plan, run
 
 
-def _sharded_params(model) -> set[int]:
-    return {id(p) for m in model.modules() for name, p in m.named_parameters(recurse=False)
-            if name in getattr(m, "shard_dims", {})}
-
-
-def clip_grad_norm(model, max_norm: float, group=None) -> float:
-    """Scale gradients so the full model's gradient norm is at most ``max_norm``; returns the norm."""
-    sharded = _sharded_params(model)
-    params = [p for p in model.parameters() if p.grad is not None]
-    sq_shards = torch.zeros((), device=device())
-    sq_replicated = torch.zeros((), device=device())
-    for p in params:
-        if id(p) in sharded:
-            sq_shards += p.grad.float().pow(2).sum()
-        else:
-            sq_replicated += p.grad.float().pow(2).sum()
-    sq_shards = C.all_reduce(sq_shards.reshape(1), group, phase="step", operator="grad_norm").reshape(())
-    return clip_to_norm(params, sq_shards + sq_replicated, max_norm)
+def sharded_params(modules) -> list[torch.Tensor]:
+    """The parameters of ``modules`` that tensor parallelism cut (listed in their module's ``shard_dims``)."""
+    return [p for m in modules for sub in m.modules() for name, p in sub.named_parameters(recurse=False)
+            if name in getattr(sub, "shard_dims", {})]
 
 
 def train_rank(spec: TrainSpec) -> RankResult:
@@ -48,31 +36,21 @@ def train_rank(spec: TrainSpec) -> RankResult:
     sp = spec.strategy == "tp-sp" or bool(spec.options.get("sequence_parallel", False))
     model = tp_lib.parallelize(build_model(spec), sequence_parallel=sp)
     optimizer = make_optimizer(model.parameters(), spec)
-    layout = checkpointing.model_parallel_layout(model, optimizer.param_groups[0]["params"], model,
-                                                 loss_weight=rank() == 0, keeps_history=True)
-    ckpt = checkpointing.for_spec(spec, layout=layout)
-    start, losses = ckpt.resume(model, None, optimizer)
-    tr = tracer()
-    for step in range(start, spec.steps):
-        ckpt.before_step(step)
-        tr.mark("step", step=step)
-        optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for micro in range(spec.grad_accum):
-            ids, targets = global_batch(spec, step, micro)
-            with tr.span("forward", step=step, microbatch=micro), autocast(spec):
-                loss = model.loss(ids, targets) / spec.grad_accum
-            with tr.span("backward", step=step, microbatch=micro):
-                loss.backward()
-            total += loss.item()
-        with tr.span("optimizer", step=step):
-            if spec.clip is not None:
-                clip_grad_norm(model, spec.clip)
-            optimizer.step()
-        losses.append(total)
-        ckpt.after_step(step + 1, model, None, optimizer, losses)
+    params = optimizer.param_groups[0]["params"]
+    sharded = sharded_params([model])
+
+    def forward(step: int, micro: int) -> torch.Tensor:
+        ids, targets = global_batch(spec, step, micro)      # (B, s): every TP rank the whole batch
+        with autocast(spec):
+            return model.loss(ids, targets) / spec.grad_accum
+
+    state = model_parallel_state(model, params, model, optimizer, loss_weight=rank() == 0, keeps_history=True,
+                                 layout={"sequence_parallel": sp})
+    plan = Plan(forward, optimizer, state,
+                clip=lambda max_norm: clip_grad_norm_(params, max_norm, sharded=sharded, groups=[None]))
+    trained = run(spec, plan)
     full = tp_lib.full_state_dict(model)
     shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return RankResult(losses=losses, params=full if rank() == 0 else None,
+    return RankResult(losses=trained.losses, params=full if rank() == 0 else None,
                       info={"tp": C.group_size(), "sequence_parallel": sp, "param_bytes": shard_bytes,
-                            **ckpt.summary(start)})
+                            **trained.info})

@@ -32,6 +32,12 @@ In this lesson you will
    exactly the single-process result;
 4. run the full `3d:dp=2,tp=2,pp=2` on 8 ranks and account for every byte each group type carries, predicted by
    `dl.theory` and measured from the trace.
+
+The code this lesson explains: the mesh, [distlab/parallel/mesh.py](../distlab/parallel/mesh.py); the 3D strategy
+that composes tensor, pipeline and data parallelism on it, [distlab/strategies/mesh.py](../distlab/strategies/mesh.py)
+(its short functions in the order they run: `_tensor_then_pipeline`, `_criterion`, `_data_parallel`, `_plan`); the
+one training loop every strategy runs, [distlab/strategies/loop.py](../distlab/strategies/loop.py); and the
+gradient-norm clipper that sums over the tp and pp groups, [distlab/parallel/clip.py](../distlab/parallel/clip.py).
 """)
 code("""
 import matplotlib.pyplot as plt
@@ -162,9 +168,9 @@ keep it at rounding noise.)
 
 ## 4. Eight ranks: every byte accounted for
 
-Now all three axes at once, on 8 ranks. Each rank records every transfer in its trace; `bytes_by_axis` files
-each one under the group it travelled on (pipeline send/recv: pp; tensor-parallel collectives: tp; gradient
-all-reduce: dp). We count step 1, from its start to the start of step 2 (step 0 also sends the pipeline's one-time shape
+Now all three axes at once, on 8 ranks. Each rank records every transfer in its trace. The mesh names each group
+it creates after its axis (`collectives.name_group`), so every collective on it is tagged with that name, and
+`bytes_by_axis` files each transfer under the group it travelled on (the pipeline's send/recv: pp). We count step 1, from its start to the start of step 2 (step 0 also sends the pipeline's one-time shape
 headers).
 
 **Predictions** (per rank, per step; b = rows per microbatch, s sequence, h hidden, m microbatches, 4 bytes

@@ -34,6 +34,14 @@ somewhere invisible, make it durable, then publish it with one atomic operation.
 A reader looks only at `step_N` directories with a manifest; `step_N.tmp` is an interrupted save, ignored and
 cleaned up by the next save. Loading uses `torch.load(..., weights_only=True)` (tensors and plain containers only:
 a checkpoint file can't run code on your machine) and checks every file against its sha256.
+
+The code this lesson explains:
+[distlab/checkpoint/store.py](../distlab/checkpoint/store.py) (the files and the atomic commit),
+[distlab/checkpoint/state.py](../distlab/checkpoint/state.py) (what a rank hands over to be saved, in one of three
+formats), [distlab/checkpoint/training.py](../distlab/checkpoint/training.py) (save, resume, fault injection),
+[distlab/checkpoint/reshard.py](../distlab/checkpoint/reshard.py) (one tensor per name, cut again for another
+layout), called once per step by the training loop of every strategy,
+[distlab/strategies/loop.py](../distlab/strategies/loop.py).
 """)
 code("""
 import os
@@ -129,9 +137,12 @@ print(f"all {STEPS} losses equal and all {len(reference.params)} parameter tenso
 md("""
 ## 4. Inside a rank: `save` and `load`
 
-`dl.train` does nothing magic: inside each rank it calls `dl.checkpoint.save(directory, step, state,
-replicated=...)`, a collective, with `state` what this rank alone owns and `replicated` what its replica group
-shares (written by the group's first rank only). Here is the same by hand for ZeRO-3, where a rank owns 1/N of the
+`dl.train` does nothing magic. Each strategy hands the checkpoint layer a `RankState`
+([distlab/checkpoint/state.py](../distlab/checkpoint/state.py)): how to capture this rank's state and how to put
+it back. The checkpoint layer never asks which strategy it serves, only which of three formats the state has (one
+replicated copy, ZeRO's flat shards, or model-parallel pieces). After a step, inside each rank, the training loop
+calls `dl.checkpoint.save(directory, step, state, replicated=...)`, a collective, with `state` what this rank
+alone owns and `replicated` what its replica group shares (written by the group's first rank only). Here is the same by hand for ZeRO-3, where a rank owns 1/N of the
 parameters and 1/N of Adam's moments, and nothing is replicated but the module's buffers:
 """)
 code("""

@@ -64,7 +64,9 @@ class GPTStage(nn.Module):
     """Units ``[first, last)`` of a GPT's chain ``embed, block 0 .. block L-1, head``.
 
     The first stage takes token ids (b, s) and the last returns logits (b, s, vocab); every stage in
-    between maps hidden states (b, s, h) to hidden states.
+    between maps hidden states (b, s, h) to hidden states. The first stage embeds through the model it
+    was cut from (``gpt.embed``), so a tensor-parallel GPT's own embedding applies (under sequence
+    parallelism: this rank's positions, activations (b, s/T, h) on every pipeline link).
     """
 
     def __init__(self, gpt: GPT, first: int, last: int):
@@ -76,6 +78,7 @@ class GPTStage(nn.Module):
         self.has_embed, self.has_head = first == 0, last == layers + 2
         if self.has_embed:
             self.tok, self.pos = gpt.tok, gpt.pos
+            self._embed = gpt.embed      # a bound method, not a child module: gpt is not registered
         self.block_ids = list(range(max(first, 1) - 1, min(last, layers + 1) - 1))
         self.blocks = nn.ModuleDict({str(i): gpt.blocks[i] for i in self.block_ids})
         if self.has_head:
@@ -83,8 +86,7 @@ class GPTStage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.has_embed:
-            positions = torch.arange(x.shape[1], device=x.device)
-            x = self.tok(x) + self.pos(positions)
+            x = self._embed(x)                       # (b, s) ids -> (b, s, h)
         for block in self.blocks.values():
             x = block(x)
         if self.has_head:

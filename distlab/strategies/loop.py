@@ -1,0 +1,155 @@
+"""THE training loop: every strategy of `dl.train` runs its steps here.
+
+A strategy builds the model, the criterion and a `Plan` (what one micro-step computes, which
+optimizer steps, how gradients are clipped, what a checkpoint holds); `run` drives it::
+
+    resume from a checkpoint (or start at step 0)
+    for step in range(start, steps):
+        for micro in range(grad_accum):                  all but the last under plan.no_sync()
+            loss = plan.forward(step, micro)             "forward" span
+            loss.backward()                              "backward" span (a pipeline does both inside)
+        plan.sync_grads()                                finish the gradient all-reduces, if any
+        plan.clip(max_norm)                              the whole model's gradient norm (`parallel.clip`)
+        optimizer.step(); optimizer.zero_grad()          "optimizer" span
+        checkpoint after the step (and fault injection before it)
+
+Losses: ``plan.forward`` returns the loss this rank backpropagates, already scaled so that the
+gradients summed over micro-steps (and averaged over data-parallel replicas) are those of the global
+batch's mean loss; ``plan.loss_share`` turns it into this rank's share of the step's reported loss.
+Instrumentation lives here, not in the strategies: the "step" mark, spans, memory-ledger samples
+(when ``plan.memory`` is given), the bytes sent during the steps, and ``dl.progress``.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint import training as checkpointing
+from ..checkpoint.state import RankState
+from ..memory import Ledger
+from ..parallel import collectives as C
+from ..progress import progress
+from ..runtime import device, tracer
+from .base import TrainSpec
+
+
+@dataclass
+class Plan:
+    """What a strategy hands the loop.
+
+    ``forward(step, micro)``: the loss of micro-step ``micro`` of step ``step`` to backpropagate (None
+    on a rank that holds no loss); with ``backward=False`` it has already run the backward passes
+    itself (a pipeline schedule) and returns the loss only to report it.
+    ``optimizer``: ``.step()`` and ``.zero_grad()``. ``state``: what a checkpoint saves and restores.
+    ``loss_share``: this rank's reported loss per unit of backpropagated loss (1/N for N replicas
+    whose shares are summed at the end). ``no_sync()``: a context in which a backward accumulates
+    locally (all micro-steps but the last run in it). ``sync_grads()``: finishes gradient communication
+    after the micro-steps. ``clip(max_norm)``: scales gradients to the whole model's norm.
+    ``memory()``: bytes held by category, sampled into the memory ledger.
+    """
+
+    forward: Callable[[int, int], torch.Tensor | None]
+    optimizer: object
+    state: RankState
+    backward: bool = True
+    loss_share: float = 1.0
+    no_sync: Callable | None = None
+    sync_grads: Callable[[], None] | None = None
+    clip: Callable[[float], object] | None = None
+    memory: Callable[[], dict] | None = None
+
+
+@dataclass
+class Trained:
+    """What `run` returns: this rank's loss history (its shares), the first step it ran, the comm
+    events of the training steps, and ``info`` (comm totals, memory ledger, checkpoints)."""
+
+    losses: list[float]
+    start: int
+    events: list
+    info: dict
+
+
+def run(spec: TrainSpec, plan: Plan) -> Trained:
+    """Resume (or start), then train steps ``start .. spec.steps - 1`` as ``plan`` says."""
+    ckpt = checkpointing.for_spec(spec, plan.state)
+    start, losses = ckpt.resume()
+    tr, ledger = tracer(), Ledger() if plan.memory is not None else None
+    t_start = tr.now()
+    for step in range(start, spec.steps):
+        ckpt.before_step(step)                            # fault injection (fail_at_step)
+        tr.mark("step", step=step)
+        losses.append(_micro_steps(spec, plan, step, ledger))
+        _sample(ledger, "backward", plan)
+        _optimizer_step(spec, plan, step, ledger)
+        ckpt.after_step(step + 1, losses)
+        progress(step + 1, spec.steps)
+    t_end = tr.now()
+    events = [e for e in tr.events() if e.kind == "comm" and t_start <= e.start <= t_end]
+    info = {"comm": comm_totals(events, max(1, spec.steps - start)), **ckpt.summary(start)}
+    if ledger is not None:
+        info["memory"] = ledger.as_dict()
+    return Trained(losses, start, events, info)
+
+
+def _micro_steps(spec: TrainSpec, plan: Plan, step: int, ledger: Ledger | None) -> float:
+    """Forward and backward of every micro-step of ``step``; returns this rank's share of its loss."""
+    tr, total, nothing = tracer(), 0.0, contextlib.nullcontext
+    for micro in range(spec.grad_accum):
+        last = micro == spec.grad_accum - 1
+        local = plan.no_sync() if (plan.no_sync is not None and not last) else nothing()
+        span = tr.span("forward", step=step, micro=micro) if plan.backward else nothing()
+        activations = ledger.activations() if ledger is not None else nothing()
+        with local:                                       # all but the last: accumulate without talking
+            with span, activations:
+                loss = plan.forward(step, micro)
+            _sample(ledger, "forward", plan)
+            if loss is not None and plan.backward:
+                with tr.span("backward", step=step, micro=micro):
+                    loss.backward()
+        if loss is not None:
+            total += loss.item() * plan.loss_share
+    return total
+
+
+def _optimizer_step(spec: TrainSpec, plan: Plan, step: int, ledger: Ledger | None) -> None:
+    """Finish the gradients, clip them, step, sample memory, and zero them for the next step."""
+    tr = tracer()
+    with tr.span("optimizer", step=step):
+        if plan.sync_grads is not None:
+            with tr.span("grad sync", step=step):
+                plan.sync_grads()
+        if spec.clip is not None:
+            with C.scope(phase="step", operator="grad_norm"):
+                plan.clip(spec.clip)
+        plan.optimizer.step()
+    _sample(ledger, "step", plan)
+    plan.optimizer.zero_grad()
+
+
+def _sample(ledger: Ledger | None, label: str, plan: Plan) -> None:
+    if ledger is not None:
+        ledger.sample(label, **plan.memory())
+
+
+def comm_totals(events, steps: int) -> dict:
+    """Bytes this rank sent and received in ``events`` (its comm events of the training steps), in
+    all, per step and by op."""
+    by_op: dict[str, int] = {}
+    for e in events:
+        by_op[e.name] = by_op.get(e.name, 0) + e.sent
+    sent, received = sum(e.sent for e in events), sum(e.received for e in events)
+    return {"sent": sent, "received": received, "sent_per_step": sent / steps, "sent_by_op": by_op}
+
+
+def sum_losses(losses: list[float], group=None) -> list[float]:
+    """Every rank's share of each step's loss summed over ``group`` (metrics only: not traced)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return losses
+    t = torch.tensor(losses, dtype=torch.float64, device=device())
+    dist.all_reduce(t, group=group)
+    return t.tolist()
