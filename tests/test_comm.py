@@ -19,7 +19,8 @@ from distlab.comm import OPS, p2p, ring_bytes, ring_pipelined
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64]
 SIZES = [1, 3, 7, 64, 1001]          # below, at and above the world size, not divisible by it
-WORLDS = [1, 2, 3, 4, 5, 6, 7, 8]
+WORLDS = [1, 2, 3, 4, 8] + [pytest.param(n, marks=pytest.mark.slow) for n in (5, 6, 7)]   # 8 ranks: ~15 s
+MULTI = WORLDS[1:]                   # the world sizes with a ring to trace
 IMPLS = {"textbook": (dl.comm.ring_all_reduce, dl.comm.ring_reduce_scatter, dl.comm.ring_all_gather),
          "pipelined": (dl.comm.pipelined_all_reduce, dl.comm.pipelined_reduce_scatter, dl.comm.pipelined_all_gather)}
 # The messages the trace tests read, each size used by no other call: (float64 numel for the exact byte
@@ -75,8 +76,9 @@ def _battery() -> list[str]:
         if not ok:
             bad.append(f"rank {r}: {label}")
 
-    for dtype in DTYPES:
-        for numel in SIZES:
+    many = n <= 4                        # beyond 4 ranks (slow on 2 cores) a sample of the cases
+    for dtype in DTYPES if many else [torch.float32, torch.int64]:
+        for numel in SIZES if many else [3, 1001]:
             x = _data(r, numel, dtype)
             for op in OPS:
                 if op == "avg" and dtype == torch.int64:
@@ -90,7 +92,7 @@ def _battery() -> list[str]:
                       _close(dl.comm.naive_all_reduce(x.clone(), op, root=n // 2), want))
                 rs = dl.comm.ring_reduce_scatter(x, op)
                 check(f"ring_reduce_scatter {dtype} {numel} {op}", _close(rs, torch.tensor_split(want, n)[r]))
-            for src in range(n):
+            for src in range(n) if many else sorted({0, n // 2, n - 1}):
                 want = x.clone()
                 dist.broadcast(want, src)
                 check(f"broadcast {dtype} {numel} src={src}", torch.equal(dl.comm.broadcast(x.clone(), src), want))
@@ -192,22 +194,23 @@ def _equal_battery() -> list[str]:
             bad.append(f"rank {r}: {label}")
 
     textbook, pipelined = IMPLS["textbook"], IMPLS["pipelined"]
-    numels = sorted({0, 1, max(n - 1, 0), n, n + 1, 3 * n + 2, 257})   # empty, fewer than N, uneven
-    for segment_bytes, dtypes in ((None, DTYPES), (64, [torch.float32])):   # 64: many segments per step
+    edges = sorted({0, 1, max(n - 1, 0), n + 1, 3 * n + 2, 257})   # empty, fewer than N, uneven, larger
+    cases = [(None, torch.float32, edges)] + [(None, dtype, [3 * n + 2]) for dtype in DTYPES[1:]]
+    cases += [(64, torch.float32, [257]), (64, torch.float64, [12 * n + 5])]   # 64-byte segments: K = 9, K = 2
+    for segment_bytes, dtype, numels in cases:
         with _segment_bytes(segment_bytes):
-            for dtype in dtypes:
-                for numel in numels:
-                    x = rand(numel, dtype)
-                    for op in OPS:
-                        if op == "avg" and not dtype.is_floating_point:
-                            continue
-                        label = f"{dtype} numel={numel} op={op} segment={segment_bytes}"
-                        same(f"all_reduce {label}", textbook[0](x.clone(), op), pipelined[0](x.clone(), op))
-                        same(f"reduce_scatter {label}", textbook[1](x, op), pipelined[1](x, op))
-                sizes = torch.randint(0, 6, (n,), generator=shared).tolist()
-                shard = rand(sizes[r], dtype)
-                same(f"all_gather {dtype} sizes={sizes}", textbook[2](shard), pipelined[2](shard))
-                same(f"all_gather sizes= {dtype}", textbook[2](shard, sizes=sizes), pipelined[2](shard, sizes=sizes))
+            for numel in numels:
+                x = rand(numel, dtype)
+                for op in OPS:
+                    if op == "avg" and not dtype.is_floating_point:
+                        continue
+                    label = f"{dtype} numel={numel} op={op} segment={segment_bytes}"
+                    same(f"all_reduce {label}", textbook[0](x.clone(), op), pipelined[0](x.clone(), op))
+                    same(f"reduce_scatter {label}", textbook[1](x, op), pipelined[1](x, op))
+            sizes = torch.randint(0, 6, (n,), generator=shared).tolist()
+            shard = rand(sizes[r], dtype)
+            same(f"all_gather {dtype} sizes={sizes}", textbook[2](shard), pipelined[2](shard))
+            same(f"all_gather sizes= {dtype}", textbook[2](shard, sizes=sizes), pipelined[2](shard, sizes=sizes))
 
     x = rand(6 * (2 * n + 1), torch.float64).view(6, 2 * n + 1).t()   # non-contiguous
     a, b = x.clone(), x.clone()
@@ -259,7 +262,7 @@ def test_textbook_ring_equals_pipelined_ring(n):
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))
-@pytest.mark.parametrize("n", WORLDS[1:])
+@pytest.mark.parametrize("n", MULTI)
 def test_ring_bytes_are_exact(n, impl):
     trace = _run(n).trace
     numel, even = TRACED[impl]
@@ -277,7 +280,7 @@ def test_ring_bytes_are_exact(n, impl):
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))
-@pytest.mark.parametrize("n", WORLDS[1:])
+@pytest.mark.parametrize("n", MULTI)
 def test_ring_steps_move_the_right_chunks(n, impl):
     trace, size = _run(n).trace, TRACED[impl][1] * 4
     for r in range(n):
@@ -295,7 +298,7 @@ def test_ring_steps_move_the_right_chunks(n, impl):
         assert {e.args["step"]: e.args["recv_chunk"] for e in steps} == left
 
 
-@pytest.mark.parametrize("n", WORLDS[1:])
+@pytest.mark.parametrize("n", MULTI)
 def test_naive_root_carries_everything(n):
     trace, S = _run(n).trace, BYTES_NUMEL * 8
     for r in range(n):
@@ -307,7 +310,7 @@ def test_naive_root_carries_everything(n):
     assert trace.bytes_sent(rank=0, op="naive_all_reduce", size=S) == pytest.approx(ring * n / 2, rel=0.01)
 
 
-@pytest.mark.parametrize("n", WORLDS[1:])
+@pytest.mark.parametrize("n", MULTI)
 def test_broadcast_is_a_binomial_tree(n):
     trace, S = _run(n).trace, BYTES_NUMEL * 8
     events = trace.comms(op="broadcast", size=S)

@@ -33,7 +33,9 @@ once item i - WINDOW is finished):
   * an out-of-place reduce-scatter's partial sums travel through R rotating buffers: the buffer
     received into at step s is sent on at step s+1 and received into again at step s+R. No
     causality helps here (the data arriving at step s+R never passed through this rank), so
-    R = 1 + ceil(WINDOW / K) buffers make sure item (s+1, j) is finished before (s+R, j) is posted.
+    R = 1 + ceil((WINDOW + 1) / K) buffers make sure item (s+1, j+1) is finished before (s+R, j) is
+    posted (j+1: chunks differ by up to one element, so segment j of one step may reach one element
+    into segment j+1 of another).
 
 Each step still records one comm event (its first post to its last completion), with the
 bytes of its whole chunk, so the trace reads exactly as the textbook steps do.
@@ -60,7 +62,7 @@ def pipelined_reduce_scatter(t: torch.Tensor, op: str = "sum", group=None, out: 
                              ) -> torch.Tensor:
     """``ring_reduce_scatter``, pipelined: chunk ``rank`` of ``tensor_split(t.flatten(), N)`` reduced with ``op``.
 
-    ``t`` is left unchanged. The partial results travel through 1 + ceil(WINDOW / K) rotating reusable
+    ``t`` is left unchanged. The partial results travel through 1 + ceil((WINDOW+1) / K) rotating reusable
     chunk-sized buffers (so that a receive posted early never lands in one still being sent); the
     last step lands in ``out`` (contiguous, the chunk's size; allocated when None).
     """
@@ -75,7 +77,7 @@ def pipelined_reduce_scatter(t: torch.Tensor, op: str = "sum", group=None, out: 
         out_flat.copy_(flat)
         return out
     width = chunks[0].numel()                           # the largest chunk of tensor_split
-    rotating = 1 + -(-WINDOW // _segments(width, flat))
+    rotating = 1 + -(-(WINDOW + 1) // _segments(width, flat))   # R: see the module docstring
     first = WINDOW                                      # slots 0..WINDOW-1 are the stream's own
     buffers = [scratch(width, t.dtype, t.device, first + i) for i in range(min(rotating, n - 2))]
     steps, sending = [], chunks[(r - 1) % n]            # step 0 sends my own data of chunk r-1
