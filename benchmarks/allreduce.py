@@ -106,7 +106,8 @@ def measure(sizes, impls, budget_s, min_reps, max_reps):
         out[nbytes] = times
         if dl.rank() == 0:
             print(f"n={dl.world_size()} {human(nbytes):>7}: "
-                  + "  ".join(f"{k} {statistics.median(v) * 1e3:8.3f} ms" for k, v in times.items()), flush=True)
+                  + "  ".join(f"{k} {statistics.median(v) * 1e3:8.3f} ms" for k, v in times.items()),
+                  flush=True)
     return out
 
 
@@ -182,7 +183,8 @@ def main(argv=None):
     ratios = {impl: ratios_from_4mb(rows, impl, backend) for impl in ("ring", "textbook")}
     meta = {**machine_facts(started, backend), "dtype": "float32", "ring": "dl.comm.pipelined_all_reduce",
             "textbook": "dl.comm.ring_all_reduce",
-            "statistic": "median over repeats of the slowest rank's time", "busbw": "algbw * 2(N-1)/N (nccl-tests)"}
+            "statistic": "median over repeats of the slowest rank's time",
+            "busbw": "algbw * 2(N-1)/N (nccl-tests)"}
     write(a.out, {"meta": meta, "ratio_ring_over_torch": ratios["ring"],
                   "ratio_textbook_over_torch": ratios["textbook"], "results": rows},
           lambda png: plot(rows, png, backend))

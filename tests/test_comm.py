@@ -22,7 +22,8 @@ SIZES = [1, 3, 7, 64, 1001]          # below, at and above the world size, not d
 WORLDS = [1, 2, 3, 4, 8] + [pytest.param(n, marks=pytest.mark.slow) for n in (5, 6, 7)]   # 8 ranks: ~15 s
 MULTI = WORLDS[1:]                   # the world sizes with a ring to trace
 IMPLS = {"textbook": (dl.comm.ring_all_reduce, dl.comm.ring_reduce_scatter, dl.comm.ring_all_gather),
-         "pipelined": (dl.comm.pipelined_all_reduce, dl.comm.pipelined_reduce_scatter, dl.comm.pipelined_all_gather)}
+         "pipelined": (dl.comm.pipelined_all_reduce, dl.comm.pipelined_reduce_scatter,
+                       dl.comm.pipelined_all_gather)}
 # The messages the trace tests read, each size used by no other call: (float64 numel for the exact byte
 # counts, float32 numel that every N up to 8 divides, so the closed form 2(N-1)/N * S holds exactly).
 TRACED = {"textbook": (1003, 840), "pipelined": (1005, 1680)}
@@ -95,7 +96,8 @@ def _battery() -> list[str]:
             for src in range(n) if many else sorted({0, n // 2, n - 1}):
                 want = x.clone()
                 dist.broadcast(want, src)
-                check(f"broadcast {dtype} {numel} src={src}", torch.equal(dl.comm.broadcast(x.clone(), src), want))
+                check(f"broadcast {dtype} {numel} src={src}",
+                      torch.equal(dl.comm.broadcast(x.clone(), src), want))
         # all-gather: equal shards vs torch's all_gather, uneven shards vs a local reference
         shard = _data(r, 5, dtype, salt=1)
         parts = [torch.empty_like(shard) for _ in range(n)]
@@ -114,7 +116,8 @@ def _battery() -> list[str]:
         for op in ("sum", "avg", "max"):
             want = _torch_all_reduce(x, op)
             check(f"{impl} large all_reduce {op}", _close(all_reduce(x.clone(), op), want))
-            check(f"{impl} large reduce_scatter {op}", _close(reduce_scatter(x, op), torch.tensor_split(want, n)[r]))
+            check(f"{impl} large reduce_scatter {op}",
+                  _close(reduce_scatter(x, op), torch.tensor_split(want, n)[r]))
         parts = [torch.empty_like(x) for _ in range(n)]
         dist.all_gather(parts, x)
         check(f"{impl} large all_gather", torch.equal(all_gather(x, sizes=[x.numel()] * n), torch.cat(parts)))
@@ -139,17 +142,21 @@ def _battery() -> list[str]:
                 m = len(members)
                 x = _data(r, 11, torch.float32)
                 want = _torch_all_reduce(x, "sum", group=g)
-                check(f"group {members} ring_all_reduce", _close(dl.comm.ring_all_reduce(x.clone(), group=g), want))
-                check(f"group {members} reduce_scatter", _close(dl.comm.ring_reduce_scatter(x, group=g),
-                                                                torch.tensor_split(want, m)[dist.get_rank(g)]))
+                check(f"group {members} ring_all_reduce",
+                      _close(dl.comm.ring_all_reduce(x.clone(), group=g), want))
+                want_chunk = torch.tensor_split(want, m)[dist.get_rank(g)]
+                check(f"group {members} reduce_scatter",
+                      _close(dl.comm.ring_reduce_scatter(x, group=g), want_chunk))
                 check(f"group {members} naive", _close(dl.comm.naive_all_reduce(x.clone(), group=g,
                                                                                 root=members[-1]), want))
                 shards = [_data(k, k + 1, torch.float32, salt=3) for k in members]
+                mine = shards[dist.get_rank(g)]
                 check(f"group {members} all_gather",
-                      torch.equal(dl.comm.ring_all_gather(shards[dist.get_rank(g)], group=g), torch.cat(shards)))
+                      torch.equal(dl.comm.ring_all_gather(mine, group=g), torch.cat(shards)))
                 y = x.clone()
                 dist.broadcast(want := x.clone(), src=members[-1], group=g)
-                check(f"group {members} broadcast", torch.equal(dl.comm.broadcast(y, src=members[-1], group=g), want))
+                check(f"group {members} broadcast",
+                      torch.equal(dl.comm.broadcast(y, src=members[-1], group=g), want))
             else:
                 for all_reduce, _, _ in IMPLS.values():
                     try:
@@ -196,7 +203,7 @@ def _equal_battery() -> list[str]:
     textbook, pipelined = IMPLS["textbook"], IMPLS["pipelined"]
     edges = sorted({0, 1, max(n - 1, 0), n + 1, 3 * n + 2, 257})   # empty, fewer than N, uneven, larger
     cases = [(None, torch.float32, edges)] + [(None, dtype, [3 * n + 2]) for dtype in DTYPES[1:]]
-    cases += [(64, torch.float32, [257]), (64, torch.float64, [12 * n + 5])]   # 64-byte segments: K = 9, K = 2
+    cases += [(64, torch.float32, [257]), (64, torch.float64, [12 * n + 5])]   # 64-byte segments: K=9, K=2
     for segment_bytes, dtype, numels in cases:
         with _segment_bytes(segment_bytes):
             for numel in numels:
@@ -210,7 +217,8 @@ def _equal_battery() -> list[str]:
             sizes = torch.randint(0, 6, (n,), generator=shared).tolist()
             shard = rand(sizes[r], dtype)
             same(f"all_gather {dtype} sizes={sizes}", textbook[2](shard), pipelined[2](shard))
-            same(f"all_gather sizes= {dtype}", textbook[2](shard, sizes=sizes), pipelined[2](shard, sizes=sizes))
+            same(f"all_gather sizes= {dtype}", textbook[2](shard, sizes=sizes),
+                 pipelined[2](shard, sizes=sizes))
 
     x = rand(6 * (2 * n + 1), torch.float64).view(6, 2 * n + 1).t()   # non-contiguous
     a, b = x.clone(), x.clone()
@@ -229,7 +237,8 @@ def _equal_battery() -> list[str]:
         if r in members:
             x = rand(4 * n + 1, torch.float32)
             for op in ("sum", "max"):
-                same(f"group all_reduce {op}", textbook[0](x.clone(), op, group=g), pipelined[0](x.clone(), op, group=g))
+                same(f"group all_reduce {op}", textbook[0](x.clone(), op, group=g),
+                     pipelined[0](x.clone(), op, group=g))
                 same(f"group reduce_scatter {op}", textbook[1](x, op, group=g), pipelined[1](x, op, group=g))
             shard = rand(r % 3, torch.float32)
             same("group all_gather", textbook[2](shard, group=g), pipelined[2](shard, group=g))
@@ -357,7 +366,8 @@ def test_plots_read_the_trace():
     assert isinstance(fig, matplotlib.figure.Figure)
     from distlab.viz.comm import calls as comm_calls
     calls = comm_calls(trace, "ring_all_reduce")
-    assert {c["size"] for c in calls} >= {BYTES_NUMEL * 8, TRACED["textbook"][1] * 4} and all(c["seconds"] > 0 for c in calls)
+    assert {c["size"] for c in calls} >= {BYTES_NUMEL * 8, TRACED["textbook"][1] * 4}
+    assert all(c["seconds"] > 0 for c in calls)
     fig2 = dl.viz.ring_steps(4, trace=trace)
     assert len(fig2.axes) == 2 * (4 - 1) + 1
     with pytest.raises(ValueError, match="no 'ring_all_reduce' events over 3 ranks"):

@@ -7,7 +7,7 @@
     dl.comm.naive_all_reduce(t, op="sum", group=None, root=0)   # through one root, to compare
 
     dl.comm.pipelined_all_reduce / pipelined_reduce_scatter / pipelined_all_gather
-                                                           # the same ring, fast (same arguments, same results)
+                                                           # the same ring, fast: same arguments, same bits
 
     dl.comm.ring_bytes(numel, element_size, n, rank, "all_reduce")   # exact (sent, received) bytes
     dl.comm.free_scratch()                                 # drop the receive buffers kept between calls

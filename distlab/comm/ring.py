@@ -92,7 +92,7 @@ def ring_all_reduce(t: torch.Tensor, op: str = "sum", group=None) -> torch.Tenso
 
 
 def reduce_scatter_steps(ring: Ring, name: str, chunks, op: str, *, call: int, size: int) -> None:
-    """N-1 steps in place: send chunk r-s-1, receive chunk r-s-2 and reduce it into mine (avg: / N at the end)."""
+    """N-1 steps, in place: send chunk r-s-1; receive chunk r-s-2 and reduce it into mine."""
     n, r = ring.size, ring.rank
     incoming = torch.empty_like(chunks[0])               # chunk 0 is the largest of tensor_split
     for s in range(n - 1):
@@ -101,11 +101,11 @@ def reduce_scatter_steps(ring: Ring, name: str, chunks, op: str, *, call: int, s
         exchange(ring, name, send=chunks[c_send], dst=ring.next, recv=buf, src=ring.prev,
                  reduce=(chunks[c_recv], buf, op), step=s, call=call, size=size,
                  phase="reduce_scatter", send_chunk=c_send, recv_chunk=c_recv)
-    finish_avg(chunks[r], op, n)
+    finish_avg(chunks[r], op, n)                         # avg: chunk r, now the sum, divided by N
 
 
 def all_gather_steps(ring: Ring, name: str, slots, *, call: int, size: int, first_step: int = 0) -> None:
-    """N-1 steps in place, ``slots[r]`` holding my piece: send slot r-s, receive slot r-s-1 where it belongs."""
+    """N-1 steps in place, ``slots[r]`` holding mine: send slot r-s, receive slot r-s-1 where it belongs."""
     n, r = ring.size, ring.rank
     for s in range(n - 1):
         c_send, c_recv = (r - s) % n, (r - s - 1) % n
@@ -123,8 +123,8 @@ def gather_sizes(ring: Ring, flat: torch.Tensor, sizes: list[int] | None) -> lis
         sizes = counts.tolist()
     sizes = [int(x) for x in sizes]
     if len(sizes) != ring.size or sizes[ring.rank] != flat.numel():
-        raise ValueError(f"sizes must list {ring.size} element counts with sizes[{ring.rank}] == {flat.numel()} "
-                         f"(this rank's shard), got {sizes}")
+        raise ValueError(f"sizes must list {ring.size} element counts with sizes[{ring.rank}] == "
+                         f"{flat.numel()} (this rank's shard), got {sizes}")
     return sizes
 
 

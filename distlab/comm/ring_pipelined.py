@@ -60,7 +60,7 @@ WINDOW = 4
 
 def pipelined_reduce_scatter(t: torch.Tensor, op: str = "sum", group=None, out: torch.Tensor | None = None
                              ) -> torch.Tensor:
-    """``ring_reduce_scatter``, pipelined: chunk ``rank`` of ``tensor_split(t.flatten(), N)`` reduced with ``op``.
+    """``ring_reduce_scatter``, pipelined: chunk ``rank`` of ``tensor_split(t.flatten(), N)``, reduced.
 
     ``t`` is left unchanged. The partial results travel through 1 + ceil((WINDOW+1) / K) rotating reusable
     chunk-sized buffers (so that a receive posted early never lands in one still being sent); the
@@ -125,7 +125,8 @@ def pipelined_all_reduce(t: torch.Tensor, op: str = "sum", group=None) -> torch.
     steps = []
     for s in range(n - 1):                              # reduce-scatter, in place
         c_out, c_in = (r - s - 1) % n, (r - s - 2) % n
-        steps.append(Step(send=chunks[c_out], into=chunks[c_in], divide=n if op == "avg" and s == n - 2 else 0,
+        steps.append(Step(send=chunks[c_out], into=chunks[c_in],
+                          divide=n if op == "avg" and s == n - 2 else 0,
                           info=dict(phase="reduce_scatter", send_chunk=c_out, recv_chunk=c_in)))
     steps += _gather_steps(chunks, r, n)                # then pass the reduced chunks around
     run_ring(ring, "ring_all_reduce", steps, op, call=new_call(), size=nbytes(flat))
@@ -225,7 +226,7 @@ class _Stream:
         self.sends[i] = self._post(dist.isend, send, self.dst) if send.numel() else None
 
     def finish(self, i: int) -> None:
-        """Wait for item i's receive, reduce it where it belongs, wait for its send; record a finished step."""
+        """Wait for item i's receive, reduce it where it belongs, wait for its send; record a done step."""
         s, j = divmod(i, self.k)
         recv, work = self.recvs.pop(i)
         if work is not None:                            # each gloo Work is waited on exactly once
