@@ -151,11 +151,12 @@ md("""
 Time one (textbook) ring all-reduce over message sizes from 4 KB to 16 MB on N = 2 and N = 4 ranks. The collective
 cannot start before its last rank enters it and is done when its last rank leaves, so its duration is
 (latest exit) - (latest entry) on the machine's one monotonic clock; this leaves out how unevenly the ranks
-came out of the barrier before it. For each size we keep the best of 30 repeats, the sizes interleaved so
-that a burst of background load hits every size alike. Why the best and not the median: with N processes sharing 2 cores, a rank that waits for a
-message sometimes waits a few milliseconds more for its turn on a core, and for small messages those stalls
-come and go in bursts that can swallow a median; the minimum measures the algorithm, not the scheduler
-(Python's `timeit` documentation recommends the minimum for the same reason). Then fit the
+came out of the barrier before it. For each size we keep the best of 60 repeats, the sizes interleaved so
+that a burst of background load hits every size alike. Why the best and not the median: with N processes
+sharing 2 cores, a rank that waits for a message sometimes waits a few milliseconds more for its turn on a
+core, and for small messages those stalls come and go in bursts that can swallow a median; the minimum
+measures the algorithm, not the scheduler (Python's `timeit` documentation recommends the minimum for the
+same reason), and the more repeats, the likelier each size gets one quiet moment. Then fit the
 model's two unknowns per N by least squares on relative error,
 
 **T(S) = 2(N-1) · α + 2(N-1)/N · S / B**,
@@ -166,7 +167,7 @@ memory-copy speed and α the cost of waking a process and a few system calls; wi
 """)
 code("""
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
-REPEATS = 30
+REPEATS = 60
 
 def time_ring(sizes, repeats):
     dl.tracer().enabled = False                    # time the collective alone
