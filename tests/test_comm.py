@@ -21,6 +21,7 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64]
 SIZES = [1, 3, 7, 64, 1001]          # below, at and above the world size, not divisible by it
 WORLDS = [1, 2, 3, 4, 8] + [pytest.param(n, marks=pytest.mark.slow) for n in (5, 6, 7)]   # 8 ranks: ~15 s
 MULTI = WORLDS[1:]                   # the world sizes with a ring to trace
+TORCH_WORLDS = [1, 2, 3, 4, 8]       # where dl.comm is also checked against torch.distributed
 IMPLS = {"textbook": (dl.comm.ring_all_reduce, dl.comm.ring_reduce_scatter, dl.comm.ring_all_gather),
          "pipelined": (dl.comm.pipelined_all_reduce, dl.comm.pipelined_reduce_scatter,
                        dl.comm.pipelined_all_gather)}
@@ -77,7 +78,7 @@ def _battery() -> list[str]:
         if not ok:
             bad.append(f"rank {r}: {label}")
 
-    many = n <= 4                        # beyond 4 ranks (slow on 2 cores) a sample of the cases
+    many = n <= 4                        # on 8 ranks (slow on 2 cores) a sample of the cases
     for dtype in DTYPES if many else [torch.float32, torch.int64]:
         for numel in SIZES if many else [3, 1001]:
             x = _data(r, numel, dtype)
@@ -110,7 +111,7 @@ def _battery() -> list[str]:
         got = dl.comm.ring_all_gather(uneven[r], sizes=[u.numel() for u in uneven], out=out)
         check(f"ring_all_gather sizes/out {dtype}", got is out and torch.equal(out, want))
 
-    # large messages (several segments per step in p2p.exchange), both rings against torch
+    # a large message (2.4 MB, steps of up to 1.2 MB), both rings against torch
     x = _data(r, 600_001, torch.float32)
     for impl, (all_reduce, reduce_scatter, all_gather) in IMPLS.items():
         for op in ("sum", "avg", "max"):
@@ -201,19 +202,22 @@ def _equal_battery() -> list[str]:
             bad.append(f"rank {r}: {label}")
 
     textbook, pipelined = IMPLS["textbook"], IMPLS["pipelined"]
-    edges = sorted({0, 1, max(n - 1, 0), n + 1, 3 * n + 2, 257})   # empty, fewer than N, uneven, larger
-    cases = [(None, torch.float32, edges)] + [(None, dtype, [3 * n + 2]) for dtype in DTYPES[1:]]
-    cases += [(64, torch.float32, [257]), (64, torch.float64, [12 * n + 5])]   # 64-byte segments: K=9, K=2
-    for segment_bytes, dtype, numels in cases:
+    uneven = 3 * n + 2
+    cases = [(None, torch.float32, numel, ("sum",)) for numel in sorted({0, 1, max(n - 1, 0), n + 1})]
+    cases += [(None, torch.float32, uneven, OPS), (None, torch.float32, 257, ("sum",))]   # empty, < N, uneven
+    cases += [(None, dtype, uneven, ("sum", "max")) for dtype in DTYPES[1:]]
+    cases += [(64, torch.float32, 257, ("sum", "avg")), (64, torch.float64, 12 * n + 5, OPS)]   # 64-byte
+    for segment_bytes, dtype, numel, ops in cases:             # segments: K = 9 and K = 2 a step
         with _segment_bytes(segment_bytes):
-            for numel in numels:
-                x = rand(numel, dtype)
-                for op in OPS:
-                    if op == "avg" and not dtype.is_floating_point:
-                        continue
-                    label = f"{dtype} numel={numel} op={op} segment={segment_bytes}"
-                    same(f"all_reduce {label}", textbook[0](x.clone(), op), pipelined[0](x.clone(), op))
-                    same(f"reduce_scatter {label}", textbook[1](x, op), pipelined[1](x, op))
+            x = rand(numel, dtype)
+            for op in ops:
+                if op == "avg" and not dtype.is_floating_point:
+                    continue
+                label = f"{dtype} numel={numel} op={op} segment={segment_bytes}"
+                same(f"all_reduce {label}", textbook[0](x.clone(), op), pipelined[0](x.clone(), op))
+                same(f"reduce_scatter {label}", textbook[1](x, op), pipelined[1](x, op))
+    for segment_bytes, dtype in dict.fromkeys((c[0], c[1]) for c in cases):
+        with _segment_bytes(segment_bytes):
             sizes = torch.randint(0, 6, (n,), generator=shared).tolist()
             shard = rand(sizes[r], dtype)
             same(f"all_gather {dtype} sizes={sizes}", textbook[2](shard), pipelined[2](shard))
@@ -247,7 +251,7 @@ def _equal_battery() -> list[str]:
 
 def _everything() -> dict:
     _traced_messages()
-    problems = {"torch": _battery()}
+    problems = {"torch": _battery() if dl.world_size() in TORCH_WORLDS else []}
     dl.tracer().enabled = False                          # the equality checks are many: keep the trace small
     problems["equal"] = _equal_battery()
     return problems
@@ -258,7 +262,7 @@ def _run(n: int):
     return dl.launch(_everything, world_size=n, timeout=300)
 
 
-@pytest.mark.parametrize("n", WORLDS)
+@pytest.mark.parametrize("n", TORCH_WORLDS)
 def test_matches_torch_collectives(n):
     problems = [p for rank_problems in _run(n).results for p in rank_problems["torch"]]
     assert problems == []
