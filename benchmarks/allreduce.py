@@ -2,6 +2,12 @@
 
     python benchmarks/allreduce.py                       # 1 KB .. 64 MB, 2 and 4 ranks, gloo on CPU
     python benchmarks/allreduce.py --ranks 2 --sizes 1M,16M --impls ring,torch,naive
+    python benchmarks/allreduce.py --impls ring,textbook,torch   # the default
+
+Implementations: ``ring`` is the pipelined ring (``dl.comm.pipelined_all_reduce``, comm/ring_pipelined.py),
+the one measured against the target of 0.9x gloo; ``textbook`` is the plain ring the lessons draw
+(``dl.comm.ring_all_reduce``, comm/ring.py: one blocking exchange per step), shown for comparison;
+``naive`` goes through one root; ``torch`` is ``torch.distributed.all_reduce``.
     python benchmarks/allreduce.py --backend nccl        # one GPU per rank
 
 Reported as bus bandwidth, the nccl-tests definition (github.com/NVIDIA/nccl-tests, PERFORMANCE.md):
@@ -50,8 +56,13 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+IMPLS = ("ring", "textbook", "naive", "torch")
+
+
 def _call(impl: str, x: torch.Tensor):
     if impl == "ring":
+        dl.comm.pipelined_all_reduce(x)
+    elif impl == "textbook":
         dl.comm.ring_all_reduce(x)
     elif impl == "naive":
         dl.comm.naive_all_reduce(x)
@@ -95,7 +106,8 @@ def measure(sizes, impls, budget_s, min_reps, max_reps):
         out[nbytes] = times
         if dl.rank() == 0:
             print(f"n={dl.world_size()} {human(nbytes):>7}: "
-                  + "  ".join(f"{k} {statistics.median(v) * 1e3:8.3f} ms" for k, v in times.items()), flush=True)
+                  + "  ".join(f"{k} {statistics.median(v) * 1e3:8.3f} ms" for k, v in times.items()),
+                  flush=True)
     return out
 
 
@@ -111,6 +123,9 @@ def summarise(per_rank, n):
     return rows
 
 
+NAMES = {"ring": "dl pipelined ring", "textbook": "dl textbook ring", "naive": "dl naive"}
+
+
 def plot(rows, path, backend):
     import matplotlib
     matplotlib.use("Agg")
@@ -118,16 +133,18 @@ def plot(rows, path, backend):
 
     fig, (ax, ax_ratio) = plt.subplots(1, 2, figsize=(11, 4))
     for n in sorted({r["world_size"] for r in rows}):
-        for impl, style in (("ring", "-o"), ("torch", "--s"), ("naive", ":^")):
+        for impl, style in (("ring", "-o"), ("textbook", "-.v"), ("torch", "--s"), ("naive", ":^")):
             pts = [r for r in rows if r["world_size"] == n and r["impl"] == impl]
             if pts:
                 ax.plot([p["bytes"] for p in pts], [p["busbw_GBps"] for p in pts], style, ms=3,
-                        label=f"{'dl ' + impl if impl != 'torch' else backend} (N={n})")
-        ring = {r["bytes"]: r["median_s"] for r in rows if r["world_size"] == n and r["impl"] == "ring"}
+                        label=f"{NAMES.get(impl, backend)} (N={n})")
         ref = {r["bytes"]: r["median_s"] for r in rows if r["world_size"] == n and r["impl"] == "torch"}
-        common = sorted(set(ring) & set(ref))
-        if common:
-            ax_ratio.plot(common, [ref[s] / ring[s] for s in common], "-o", ms=3, label=f"N={n}")
+        for impl, style in (("ring", "-o"), ("textbook", "-.v")):
+            mine = {r["bytes"]: r["median_s"] for r in rows if r["world_size"] == n and r["impl"] == impl}
+            common = sorted(set(mine) & set(ref))
+            if common:
+                ax_ratio.plot(common, [ref[s] / mine[s] for s in common], style, ms=3,
+                              label=f"{NAMES[impl]}, N={n}")
     ax.set(xscale="log", yscale="log", xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)",
            title="all-reduce bus bandwidth")
     ax.legend(fontsize=8)
@@ -135,7 +152,7 @@ def plot(rows, path, backend):
     ax_ratio.axhline(1.0, color="black", lw=0.5)
     ax_ratio.axvline(4 * 2**20, color="grey", lw=0.5)
     ax_ratio.set(xscale="log", xlabel="message size (bytes)", ylabel=f"busbw ring / busbw {backend}",
-                 title=f"dl ring vs {backend} all_reduce")
+                 title=f"dl rings vs {backend} all_reduce")
     ax_ratio.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -146,7 +163,8 @@ def main(argv=None):
     p.add_argument("--sizes", default=None, help="comma list like 1K,1M,64M (default: powers of 2, 1K..64M)")
     p.add_argument("--ranks", default="2,4", help="world sizes, comma list (default 2,4)")
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    p.add_argument("--impls", default="ring,torch", help="any of ring,torch,naive (default ring,torch)")
+    p.add_argument("--impls", default="ring,textbook,torch",
+                   help="any of ring (pipelined), textbook, torch, naive (default ring,textbook,torch)")
     p.add_argument("--budget", type=float, default=1.5, help="seconds of repeats per size (default 1.5)")
     p.add_argument("--min-reps", type=int, default=7)
     p.add_argument("--max-reps", type=int, default=40)
@@ -154,25 +172,36 @@ def main(argv=None):
     a = p.parse_args(argv)
     sizes = [parse_size(s) for s in a.sizes.split(",")] if a.sizes else DEFAULT_SIZES
     impls = [s.strip() for s in a.impls.split(",")]
-    if any(i not in ("ring", "torch", "naive") for i in impls):
-        p.error(f"--impls takes ring, torch, naive; got {a.impls}")
+    if any(i not in IMPLS for i in impls):
+        p.error(f"--impls takes {', '.join(IMPLS)}; got {a.impls}")
     rows, backend, started = [], None, time.time()
     for n in [int(x) for x in a.ranks.split(",")]:
         run = dl.launch(measure, world_size=n, args=(sizes, impls, a.budget, a.min_reps, a.max_reps),
                         backend=a.backend, output="live", timeout=1800)
         backend = run.backend
         rows += summarise(run.results, n)
+    ratios = {impl: ratios_from_4mb(rows, impl, backend) for impl in ("ring", "textbook")}
+    meta = {**machine_facts(started, backend), "dtype": "float32", "ring": "dl.comm.pipelined_all_reduce",
+            "textbook": "dl.comm.ring_all_reduce",
+            "statistic": "median over repeats of the slowest rank's time",
+            "busbw": "algbw * 2(N-1)/N (nccl-tests)"}
+    write(a.out, {"meta": meta, "ratio_ring_over_torch": ratios["ring"],
+                  "ratio_textbook_over_torch": ratios["textbook"], "results": rows},
+          lambda png: plot(rows, png, backend))
+
+
+def ratios_from_4mb(rows, impl, backend):
+    """Per world size: min and median of busbw(impl) / busbw(torch) over the sizes from 4 MB up."""
     ratios = {}
     for n in sorted({r["world_size"] for r in rows}):
-        ring = {r["bytes"]: r["busbw_GBps"] for r in rows if r["world_size"] == n and r["impl"] == "ring"}
+        mine = {r["bytes"]: r["busbw_GBps"] for r in rows if r["world_size"] == n and r["impl"] == impl}
         ref = {r["bytes"]: r["busbw_GBps"] for r in rows if r["world_size"] == n and r["impl"] == "torch"}
-        big = [ring[s] / ref[s] for s in ring if s in ref and s >= 4 * 2**20]
+        big = [mine[s] / ref[s] for s in mine if s in ref and s >= 4 * 2**20]
         if big:
             ratios[n] = {"min_ratio_from_4MB": min(big), "median_ratio_from_4MB": statistics.median(big)}
-            print(f"N={n}: ring/{backend} busbw from 4 MB up: min {min(big):.2f}, median {statistics.median(big):.2f}")
-    meta = {**machine_facts(started, backend), "dtype": "float32",
-            "statistic": "median over repeats of the slowest rank's time", "busbw": "algbw * 2(N-1)/N (nccl-tests)"}
-    write(a.out, {"meta": meta, "ratio_ring_over_torch": ratios, "results": rows}, lambda png: plot(rows, png, backend))
+            print(f"N={n}: {NAMES[impl]} / {backend} busbw from 4 MB up: min {min(big):.2f}, "
+                  f"median {statistics.median(big):.2f}")
+    return ratios
 
 
 if __name__ == "__main__":

@@ -6,17 +6,25 @@
     dl.comm.broadcast(t, src=0, group=None)                # binomial tree
     dl.comm.naive_all_reduce(t, op="sum", group=None, root=0)   # through one root, to compare
 
-    dl.comm.ring_bytes(numel, element_size, n, rank, "all_reduce")   # exact (sent, received) bytes
+    dl.comm.pipelined_all_reduce / pipelined_reduce_scatter / pipelined_all_gather
+                                                           # the same ring, fast: same arguments, same bits
 
+    dl.comm.ring_bytes(numel, element_size, n, rank, "all_reduce")   # exact (sent, received) bytes
     dl.comm.free_scratch()                                 # drop the receive buffers kept between calls
 
-Files: `p2p` (group bookkeeping and the traced send+recv exchange), `ring_pipelined` (the ring's
-segmented, pipelined step loop), `ring`, `tree` (broadcast), `naive`.
+Reading order:
+  1. ``p2p.py``            the one primitive: post a send and a receive together, wait, record the step
+  2. ``ring.py``           the textbook ring: N-1 plain exchange steps per phase (what lesson 01 draws)
+  3. ``tree.py``, ``naive.py``   broadcast down a binomial tree; the all-reduce through one root, to compare
+  4. ``ring_pipelined.py`` the same ring made fast: chunks streamed in segments, receives posted ahead;
+                           tested bit-identical to ``ring.py``
 """
 from .p2p import OPS, free_scratch
 from .naive import naive_all_reduce
 from .ring import ring_all_gather, ring_all_reduce, ring_bytes, ring_reduce_scatter
+from .ring_pipelined import pipelined_all_gather, pipelined_all_reduce, pipelined_reduce_scatter
 from .tree import broadcast
 
-__all__ = ["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "broadcast", "naive_all_reduce",
+__all__ = ["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "pipelined_all_reduce",
+           "pipelined_reduce_scatter", "pipelined_all_gather", "broadcast", "naive_all_reduce",
            "ring_bytes", "free_scratch", "OPS"]

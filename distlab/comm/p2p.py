@@ -65,7 +65,8 @@ class Ring:
     def local(self, global_rank: int, what: str) -> int:
         """Group rank of the member whose global rank is ``global_rank`` (``what`` names it in errors)."""
         if global_rank not in self.members:
-            raise ValueError(f"{what}={global_rank} is not in the group (its global ranks are {list(self.members)}); "
+            raise ValueError(f"{what}={global_rank} is not in the group (its global ranks are "
+                             f"{list(self.members)}); "
                              f"{what} is a global rank, as in torch.distributed.broadcast")
         return self.members.index(global_rank)
 

@@ -1,4 +1,4 @@
-"""Ring reduce-scatter, ring all-gather, and ring all-reduce = the first followed by the second.
+"""The textbook ring: reduce-scatter, all-gather, and all-reduce = the first followed by the second.
 
 The bandwidth-optimal all-reduce of Patarasuk & Yuan (2009), popularised for deep learning by
 Baidu (Gibiansky 2017) and used by NCCL and gloo. The message of S bytes is cut into N chunks
@@ -10,7 +10,7 @@ neighbour and receiving only from its left one, so every link carries the same l
                                       chunk r reduced over all ranks.
     all-gather,     step s = 0..N-2:  rank r sends chunk (r-s) mod N, receives chunk (r-s-1) mod N.
 
-    N = 3, reduce-scatter (chunk index moving on each arrow; [c] = partial sums so far)
+    N = 3, reduce-scatter (chunk index moving on each arrow)
 
         step 0:  r0 --c2--> r1 --c0--> r2 --c1--> r0
         step 1:  r0 --c1--> r1 --c2--> r2 --c0--> r0      r0 ends with c0, r1 with c1, r2 with c2
@@ -26,57 +26,33 @@ Cost (alpha-beta model, latency alpha per step, bandwidth B per link):
     T_ring_all_reduce = 2 (N-1) alpha + 2 (N-1)/N * S / B
 
 which, unlike the naive reduce-then-broadcast, stops growing with N for large S.
+
+Every step below is one ``p2p.exchange``: post the send to the right and the receive from the left,
+then wait for both (so the ring cannot deadlock), and record one comm event. ``ring_pipelined.py``
+is the same ring made fast (chunks streamed in segments, receives posted ahead); the tests check
+that both give bit-identical results.
 """
 from __future__ import annotations
 
 import torch
 
-from .p2p import Ring, check_op, flat_view, new_call, scratch
-from .ring_pipelined import WINDOW, Step, run_ring
-
-
-def _chunk_sizes(numel: int, n: int) -> list[int]:
-    """Element counts of ``torch.tensor_split(x, n)`` for ``x.numel() == numel``."""
-    q, rem = divmod(numel, n)
-    return [q + 1 if i < rem else q for i in range(n)]
+from .p2p import Ring, check_op, exchange, finish_avg, flat_view, new_call
 
 
 def ring_reduce_scatter(t: torch.Tensor, op: str = "sum", group=None, out: torch.Tensor | None = None
                         ) -> torch.Tensor:
-    """Reduce ``t`` over the ranks of ``group`` and return this rank's chunk of the result.
+    """Return chunk ``rank`` of ``torch.tensor_split(t.flatten(), N)``, reduced with ``op`` over ``group``.
 
-    Returns chunk ``rank`` of ``torch.tensor_split(t.flatten(), N)`` reduced with ``op``
-    (sum, avg, max, min, prod). ``t`` is left unchanged; every rank must pass the same numel and dtype.
-    ``out`` (contiguous, the chunk's size) receives the result without allocating. N-1 steps; the
-    partial results travel through three rotating reusable chunk-sized buffers (so that a receive
-    posted early never lands in one still being sent); the last step lands in ``out``.
+    ``op``: sum, avg, max, min, prod. ``t`` is left unchanged (the ring works on a copy); every rank
+    passes the same numel and dtype. ``out`` (contiguous, the chunk's size) receives the result.
     """
     check_op(op, t)
     ring = Ring.of(group)
-    flat = flat_view(t)
-    n, r = ring.size, ring.rank
-    chunks = torch.tensor_split(flat, n)
-    if out is None:
-        out = torch.empty_like(chunks[r])
-    elif out.numel() != chunks[r].numel() or out.dtype != t.dtype or not out.is_contiguous():
-        raise ValueError(f"out must hold {chunks[r].numel()} elements of {t.dtype} (contiguous), "
-                         f"got {out.numel()} of {out.dtype}")
-    out_flat = out.view(-1)
-    if n == 1:
-        out_flat.copy_(flat)
-        return out
-    width = max(c.numel() for c in chunks)
-    first = WINDOW                                    # slots 0..WINDOW-1 are run_ring's own
-    buffers = [scratch(width, t.dtype, t.device, first + i) for i in range(min(3, n - 2))]
-    steps, sending = [], chunks[(r - 1) % n]          # step 0 sends my own data of chunk r-1
-    for s in range(n - 1):
-        c_in = (r - s - 2) % n
-        incoming = out_flat if s == n - 2 else buffers[s % 3][: chunks[c_in].numel()]
-        steps.append(Step(send=sending, recv=incoming, local=chunks[c_in],   # arriving partial (op)= mine
-                          divide=n if op == "avg" and s == n - 2 else 0,
-                          info=dict(phase="reduce_scatter", send_chunk=(r - s - 1) % n, recv_chunk=c_in)))
-        sending = incoming                              # ...and pass it on at the next step
-    run_ring(ring, "ring_reduce_scatter", steps, op, call=new_call(), size=_nbytes(flat))
+    work = flat_view(t).clone()                          # (S,) reduced in place, chunk by chunk
+    chunks = torch.tensor_split(work, ring.size)         # N views, |c_i| = S//N or S//N + 1
+    out = check_out(out, chunks[ring.rank].numel(), t.dtype, t.device)
+    reduce_scatter_steps(ring, "ring_reduce_scatter", chunks, op, call=new_call(), size=nbytes(work))
+    out.view(-1).copy_(chunks[ring.rank])
     return out
 
 
@@ -84,79 +60,85 @@ def ring_all_gather(shard: torch.Tensor, group=None, sizes: list[int] | None = N
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Concatenate every rank's flattened ``shard`` in rank order; every rank gets the whole.
 
-    Shards may differ in size. Pass ``sizes`` (element counts per group rank) when every rank
-    knows them; otherwise they are exchanged first by a ring all-gather of one int64 per rank,
-    recorded as op ``"exchange_sizes"`` (N-1 extra small steps). ``out`` (contiguous, sum of sizes)
-    receives the result without allocating. N-1 steps, each rank receiving straight into ``out``.
+    Shards may differ in size: ``sizes`` (element counts per group rank) when every rank knows them,
+    else they are all-gathered first (recorded as op ``"exchange_sizes"``). ``out``: contiguous, sum(sizes).
     """
-    if not isinstance(shard, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(shard).__name__}")
     ring = Ring.of(group)
-    flat = flat_view(shard)
-    n, r = ring.size, ring.rank
-    if sizes is None:
-        sizes = _exchange_sizes(ring, flat.numel(), shard.device) if n > 1 else [flat.numel()]
-    sizes = [int(x) for x in sizes]
-    if len(sizes) != n or sizes[r] != flat.numel():
-        raise ValueError(f"sizes must list {n} element counts with sizes[{r}] == {flat.numel()} "
-                         f"(this rank's shard), got {sizes}")
-    total = sum(sizes)
-    if out is None:
-        out = torch.empty(total, dtype=shard.dtype, device=shard.device)
-    elif out.numel() != total or out.dtype != shard.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous with {total} elements of {shard.dtype}, "
-                         f"got {out.numel()} of {out.dtype}")
-    slots = torch.split(out.view(-1), sizes)
-    slots[r].copy_(flat)
-    if n > 1:
-        run_ring(ring, "ring_all_gather", _gather_steps(slots, r, n), "sum", call=new_call(),
-                 size=total * out.element_size())
+    flat = flat_view(shard)                              # (|shard|,)
+    sizes = gather_sizes(ring, flat, sizes)
+    out = check_out(out, sum(sizes), shard.dtype, shard.device)
+    slots = torch.split(out.view(-1), sizes)             # slot i will hold rank i's shard
+    slots[ring.rank].copy_(flat)
+    all_gather_steps(ring, "ring_all_gather", slots, call=new_call(), size=nbytes(out))
     return out
 
 
 def ring_all_reduce(t: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
-    """All-reduce ``t`` in place over ``group`` with the ring (reduce-scatter then all-gather); returns t.
+    """All-reduce ``t`` in place over ``group``: ring reduce-scatter, then ring all-gather; returns t.
 
-    ``op``: sum, avg, max, min, prod (avg on integer tensors raises: say how to round).
-    2(N-1) steps; each rank sends ``2S - |c_r| - |c_(r+1)|`` bytes (= 2(N-1)/N * S when N divides S).
-    The reduction happens inside ``t``'s own storage (arriving segments land in a small reusable
-    buffer), then the all-gather receives each reduced chunk straight into place.
+    ``op``: sum, avg, max, min, prod (avg of integers raises). 2(N-1) steps, numbered on from the
+    reduce-scatter into the all-gather; each rank sends 2S - |c_r| - |c_(r+1)| bytes.
     """
     check_op(op, t)
     ring = Ring.of(group)
-    n, r = ring.size, ring.rank
-    if n == 1:
-        return t
-    flat = flat_view(t)
-    chunks = torch.tensor_split(flat, n)
-    steps = []
-    for s in range(n - 1):                                       # reduce-scatter, in place
-        c_out, c_in = (r - s - 1) % n, (r - s - 2) % n
-        steps.append(Step(send=chunks[c_out], into=chunks[c_in], divide=n if op == "avg" and s == n - 2 else 0,
-                          info=dict(phase="reduce_scatter", send_chunk=c_out, recv_chunk=c_in)))
-    steps += _gather_steps(chunks, r, n)                         # then pass the reduced chunks around
-    run_ring(ring, "ring_all_reduce", steps, op, call=new_call(), size=_nbytes(flat))
-    if not t.is_contiguous():                                    # we worked on a contiguous copy
+    flat = flat_view(t)                                  # (S,) t's own storage when t is contiguous
+    chunks = torch.tensor_split(flat, ring.size)
+    call, size = new_call(), nbytes(flat)
+    reduce_scatter_steps(ring, "ring_all_reduce", chunks, op, call=call, size=size)   # chunks[r] is done
+    all_gather_steps(ring, "ring_all_reduce", chunks, call=call, size=size, first_step=ring.size - 1)
+    if not t.is_contiguous():                            # we worked on a contiguous copy
         t.copy_(flat.view(t.shape))
     return t
 
 
-def _gather_steps(slots, r: int, n: int) -> list[Step]:
-    """All-gather: ``slots[r]`` holds my piece; at step s send slot r-s, receive slot r-s-1 in place."""
-    return [Step(send=slots[(r - s) % n], recv=slots[(r - s - 1) % n],
-                 info=dict(phase="all_gather", send_chunk=(r - s) % n, recv_chunk=(r - s - 1) % n))
-            for s in range(n - 1)]
+def reduce_scatter_steps(ring: Ring, name: str, chunks, op: str, *, call: int, size: int) -> None:
+    """N-1 steps, in place: send chunk r-s-1; receive chunk r-s-2 and reduce it into mine."""
+    n, r = ring.size, ring.rank
+    incoming = torch.empty_like(chunks[0])               # chunk 0 is the largest of tensor_split
+    for s in range(n - 1):
+        c_send, c_recv = (r - s - 1) % n, (r - s - 2) % n   # c_send is what I reduced at step s-1
+        buf = incoming[: chunks[c_recv].numel()]
+        exchange(ring, name, send=chunks[c_send], dst=ring.next, recv=buf, src=ring.prev,
+                 reduce=(chunks[c_recv], buf, op), step=s, call=call, size=size,
+                 phase="reduce_scatter", send_chunk=c_send, recv_chunk=c_recv)
+    finish_avg(chunks[r], op, n)                         # avg: chunk r, now the sum, divided by N
 
 
-def _exchange_sizes(ring: Ring, numel: int, device) -> list[int]:
-    counts = torch.zeros(ring.size, dtype=torch.int64, device=device)
-    counts[ring.rank] = numel
-    run_ring(ring, "exchange_sizes", _gather_steps(torch.split(counts, 1), ring.rank, ring.size), "sum",
-             call=new_call(), size=counts.numel() * 8)
-    return counts.tolist()
+def all_gather_steps(ring: Ring, name: str, slots, *, call: int, size: int, first_step: int = 0) -> None:
+    """N-1 steps in place, ``slots[r]`` holding mine: send slot r-s, receive slot r-s-1 where it belongs."""
+    n, r = ring.size, ring.rank
+    for s in range(n - 1):
+        c_send, c_recv = (r - s) % n, (r - s - 1) % n
+        exchange(ring, name, send=slots[c_send], dst=ring.next, recv=slots[c_recv], src=ring.prev,
+                 step=first_step + s, call=call, size=size,
+                 phase="all_gather", send_chunk=c_send, recv_chunk=c_recv)
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def gather_sizes(ring: Ring, flat: torch.Tensor, sizes: list[int] | None) -> list[int]:
+    """Every rank's shard length: ``sizes`` checked, or all-gathered (one int64 per rank) when None."""
+    if sizes is None:
+        counts = torch.zeros(ring.size, dtype=torch.int64, device=flat.device)
+        counts[ring.rank] = flat.numel()
+        all_gather_steps(ring, "exchange_sizes", torch.split(counts, 1), call=new_call(), size=nbytes(counts))
+        sizes = counts.tolist()
+    sizes = [int(x) for x in sizes]
+    if len(sizes) != ring.size or sizes[ring.rank] != flat.numel():
+        raise ValueError(f"sizes must list {ring.size} element counts with sizes[{ring.rank}] == "
+                         f"{flat.numel()} (this rank's shard), got {sizes}")
+    return sizes
+
+
+def check_out(out: torch.Tensor | None, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``out`` if it is a contiguous tensor of ``numel`` elements of ``dtype``; a new one if None."""
+    if out is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    if out.numel() != numel or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must hold {numel} elements of {dtype} (contiguous), got {out.numel()} "
+                         f"of {out.dtype}{'' if out.is_contiguous() else ' (not contiguous)'}")
+    return out
+
+
+def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
@@ -168,7 +150,8 @@ def ring_bytes(numel: int, element_size: int, n: int, rank: int, op: str = "all_
     """
     if n == 1:
         return 0, 0
-    c = [x * element_size for x in _chunk_sizes(numel, n)]
+    q, rem = divmod(numel, n)
+    c = [(q + 1 if i < rem else q) * element_size for i in range(n)]     # |c_i| in bytes
     total = sum(c)
     rs = (total - c[rank], total - c[(rank - 1) % n])
     ag = (total - c[(rank + 1) % n], total - c[rank])

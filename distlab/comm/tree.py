@@ -40,15 +40,15 @@ def broadcast(t: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
     mask = 1
     while mask < n:                                 # find my parent: the lowest set bit of vr
         if vr & mask:
-            exchange(ring, "broadcast", recv=flat, src=(vr - mask + root) % n, step=levels - mask.bit_length(),
-                     call=call, size=size, phase="broadcast")
+            exchange(ring, "broadcast", recv=flat, src=(vr - mask + root) % n,
+                     step=levels - mask.bit_length(), call=call, size=size, phase="broadcast")
             break
         mask <<= 1
     mask >>= 1
     while mask > 0:                                 # then serve my children, farthest first
         if vr + mask < n:
-            exchange(ring, "broadcast", send=flat, dst=(vr + mask + root) % n, step=levels - mask.bit_length(),
-                     call=call, size=size, phase="broadcast")
+            exchange(ring, "broadcast", send=flat, dst=(vr + mask + root) % n,
+                     step=levels - mask.bit_length(), call=call, size=size, phase="broadcast")
         mask >>= 1
     if not t.is_contiguous():
         t.copy_(flat.view(t.shape))

@@ -79,7 +79,7 @@ together. Predict the result before running each cell:
 | all-reduce | the element-wise sum (= reduce-scatter + all-gather) | 2(N-1)/N·S |
 
 Below, `torch.distributed` does the work; lesson 01 builds the same collectives from point-to-point
-sends with `dl.comm`, and we check here that both agree.
+sends with `dl.comm` ([distlab/comm/ring.py](../distlab/comm/ring.py)), and we check here that both agree.
 """)
 code("""
 def collectives():

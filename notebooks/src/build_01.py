@@ -21,8 +21,13 @@ Data-parallel training ends every step with an **all-reduce**: each of the N ran
   2(N-1)/N·S, so **T = 2(N-1)·α + 2(N-1)/N · S/B**, which hardly grows with N.
 
 (α: the fixed cost of one message, the latency; B: the bandwidth of one link.)
-Everything below is `dl.comm`, built from nothing but `torch.distributed` point-to-point `isend`/`irecv`; read
-`distlab/comm/ring.py` beside this notebook.
+Everything below is `dl.comm`, built from nothing but `torch.distributed` point-to-point `isend`/`irecv`. Read
+[distlab/comm/ring.py](../distlab/comm/ring.py) beside this notebook: it is the textbook ring, each phase N-1
+plain steps of one send to the right and one receive from the left (one
+[`p2p.exchange`](../distlab/comm/p2p.py) each), and it is the code this lesson runs and draws.
+[distlab/comm/ring_pipelined.py](../distlab/comm/ring_pipelined.py) is the same ring made fast (each step cut
+into segments that stream, receives posted ahead, as gloo does); `dl.comm.pipelined_all_reduce` gives the same
+bits, and the tests check the two equal on random data for 1 to 8 ranks.
 """)
 code("""
 import statistics
@@ -61,6 +66,18 @@ code("""
 column_sums = [sum(100 * r + i for r in range(N)) for i in range(8)]
 assert all(res["full"] == res["all_reduce"] == column_sums for res in run.results)
 assert [res["shard"] for res in run.results] == [column_sums[2 * r: 2 * r + 2] for r in range(N)]
+""")
+md("""
+The fast ring is the same algorithm, so on the same random data it must give the *same bits*, not just close
+numbers: every element is summed in the same order (chunk c's partial sum starts on rank c+1 and picks up one
+rank per step), only the steps are streamed in pieces.
+""")
+code("""
+def textbook_vs_pipelined():
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(dl.rank()))
+    return torch.equal(dl.comm.ring_all_reduce(x.clone()), dl.comm.pipelined_all_reduce(x.clone()))
+
+assert all(dl.launch(textbook_vs_pipelined, world_size=N).results)
 """)
 md("""
 Every step of every rank is an event in the trace: which chunk it sent to whom, which it received. Read the
@@ -131,14 +148,15 @@ for n, S, ring, naive in rows:
 md("""
 ## 3. The cost model, fitted on this machine
 
-Time one ring all-reduce over message sizes from 4 KB to 16 MB on N = 2 and N = 4 ranks. The collective
+Time one (textbook) ring all-reduce over message sizes from 4 KB to 16 MB on N = 2 and N = 4 ranks. The collective
 cannot start before its last rank enters it and is done when its last rank leaves, so its duration is
 (latest exit) - (latest entry) on the machine's one monotonic clock; this leaves out how unevenly the ranks
-came out of the barrier before it. For each size we keep the best of 30 repeats, the sizes interleaved so
-that a burst of background load hits every size alike. Why the best and not the median: with N processes sharing 2 cores, a rank that waits for a
-message sometimes waits a few milliseconds more for its turn on a core, and for small messages those stalls
-come and go in bursts that can swallow a median; the minimum measures the algorithm, not the scheduler
-(Python's `timeit` documentation recommends the minimum for the same reason). Then fit the
+came out of the barrier before it. For each size we keep the best of 60 repeats, the sizes interleaved so
+that a burst of background load hits every size alike. Why the best and not the median: with N processes
+sharing 2 cores, a rank that waits for a message sometimes waits a few milliseconds more for its turn on a
+core, and for small messages those stalls come and go in bursts that can swallow a median; the minimum
+measures the algorithm, not the scheduler (Python's `timeit` documentation recommends the minimum for the
+same reason), and the more repeats, the likelier each size gets one quiet moment. Then fit the
 model's two unknowns per N by least squares on relative error,
 
 **T(S) = 2(N-1) · α + 2(N-1)/N · S / B**,
@@ -149,7 +167,7 @@ memory-copy speed and α the cost of waking a process and a few system calls; wi
 """)
 code("""
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
-REPEATS = 30
+REPEATS = 60
 
 def time_ring(sizes, repeats):
     dl.tracer().enabled = False                    # time the collective alone
