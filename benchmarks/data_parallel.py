@@ -5,10 +5,11 @@
 
 Three pairs, each side built from the same seed (identical weights) and fed the same batches:
 
-    pair    distlab                                   torch
-    ddp     dl.DDP(model) + AdamW                     DistributedDataParallel(model, gradient_as_bucket_view=True) + AdamW
-    zero1   model + dl.ShardedOptimizer(AdamW)        DistributedDataParallel + ZeroRedundancyOptimizer(AdamW)
-    zero3   dl.ZeRO(model, stage=3, AdamW)            fully_shard(each block), fully_shard(model) (FSDP2) + AdamW
+    pair    distlab                               torch
+    ddp     dl.DDP(model) + AdamW                 DistributedDataParallel(model, gradient_as_bucket_view=True)
+                                                  + AdamW
+    zero1   model + dl.ShardedOptimizer(AdamW)    DistributedDataParallel + ZeroRedundancyOptimizer(AdamW)
+    zero3   dl.ZeRO(model, stage=3, AdamW)        fully_shard(each block), fully_shard(model) (FSDP2) + AdamW
 
 Both DDPs use 25 MB buckets and overlap communication with backward; both ZeRO-3s gather per transformer
 block (the root module holds the embeddings, final norm and head) and reshard after forward.
@@ -17,9 +18,10 @@ Step time: zero_grad + forward + backward + optimizer step, behind a barrier; fo
 rank's time; the median over the steps after warm-up. All six implementations live in one launch and take
 their steps in turn (the two sides of a pair alternating which goes first), so they see the same background
 load. Memory per rank: the model states (parameters, gradients, optimizer state) counted by distinct storage
-after backward and after the optimizer step (the larger of the two per category: a ZeRO optimizer may free its
-gradient shards inside ``step``), from each side's own tensors (a DTensor counts its local shard); on CUDA also
-the allocator's peak for each implementation run alone. Losses of the two sides of a pair must agree.
+after backward and after the optimizer step (the larger of the two per category: a ZeRO optimizer may free
+its gradient shards inside ``step``), from each side's own tensors (a DTensor counts its local shard); on
+CUDA also the allocator's peak for each implementation run alone. Losses of the two sides of a pair must
+agree.
 Writes <out>.json and <out>.png.
 """
 from __future__ import annotations
@@ -258,8 +260,8 @@ def main(argv=None):
     meta = {**machine_facts(started, backend), "model": a.model, "rows_per_rank": a.rows, "steps": a.steps,
             "warmup": a.warmup, "zero3_prefetch": a.zero3_prefetch, "dtype": "float32", "optimizer": "AdamW",
             "statistic": "median over steps of the slowest rank's step time (zero_grad+fwd+bwd+step)",
-            "memory": "model states (params, grads, optimizer state) by distinct storage, per category the larger "
-                      "of after-backward and after-step; "
+            "memory": "model states (params, grads, optimizer state) by distinct storage, per category "
+                      "the larger of after-backward and after-step; "
                       "cuda_peak_bytes: allocator peak of each implementation alone (CUDA only)",
             "targets": {"ddp": "time <= 1.05x torch DDP", "zero1": "memory <= torch ZeroRedundancyOptimizer",
                         "zero3": "time <= 1.2x FSDP2, memory <= FSDP2"}}

@@ -8,8 +8,9 @@ For p in (2, 4) and each schedule pair
 
 both train the same GPT (cut into the same stages by `dl.pp.stage_module`) with SGD from the same seed
 on the same batches, ``--steps`` steps after ``--warmup``, alternating one distlab step and one torch
-step inside the same processes so that other load on the machine falls on both alike. Reported: per-step losses (must agree to
-fp32 rounding), the median step time of each and their ratio distlab / torch (target <= 1.1).
+step inside the same processes so that other load on the machine falls on both alike. Reported: per-step
+losses (must agree to fp32 rounding), the median step time of each and their ratio distlab / torch (target
+<= 1.1).
 Writes benchmarks/results/pipeline.json and pipeline.png.
 
     .venv/bin/python benchmarks/pipeline.py [--steps 6] [--warmup 2]
@@ -31,7 +32,8 @@ from distlab.models import GPT, GPTConfig, MarkovTokens
 
 CFG = GPTConfig(vocab=256, seq_len=64, d_model=128, heads=4, layers=6)   # 8 units: embed, 6 blocks, head
 BATCH, M, LR = 32, 8, 0.1
-PAIRS = [("gpipe", "ScheduleGPipe", 1), ("1f1b", "Schedule1F1B", 1), ("interleaved", "ScheduleInterleaved1F1B", 2)]
+PAIRS = [("gpipe", "ScheduleGPipe", 1), ("1f1b", "Schedule1F1B", 1),
+         ("interleaved", "ScheduleInterleaved1F1B", 2)]
 
 
 def _loss(logits, target):
@@ -111,8 +113,9 @@ def main():
             last = (p * v - 1) % p
             out = run.results[last]
             ours, theirs = out["distlab"], out["torch"]
-            t_ours = statistics.median(max(r["distlab"][1][i] for r in run.results) for i in range(args.steps))
-            t_theirs = statistics.median(max(r["torch"][1][i] for r in run.results) for i in range(args.steps))
+            t_ours, t_theirs = (statistics.median(max(r[side][1][i] for r in run.results)
+                                                  for i in range(args.steps))
+                                for side in ("distlab", "torch"))
             loss_diff = max(abs(a - b) for a, b in zip(ours[0], theirs[0]))
             rows.append({"p": p, "schedule": name, "torch_schedule": cls, "virtual": v, "microbatches": M,
                          "distlab_step_s": t_ours, "torch_step_s": t_theirs, "ratio": t_ours / t_theirs,
@@ -133,10 +136,11 @@ def _plot(rows, path):
     xs = range(len(rows))
     fig, ax = plt.subplots(figsize=(9, 3.5))
     ax.bar([x - 0.2 for x in xs], [r["distlab_step_s"] * 1e3 for r in rows], 0.4, label="distlab")
-    ax.bar([x + 0.2 for x in xs], [r["torch_step_s"] * 1e3 for r in rows], 0.4, label="torch.distributed.pipelining")
+    ax.bar([x + 0.2 for x in xs], [r["torch_step_s"] * 1e3 for r in rows], 0.4,
+           label="torch.distributed.pipelining")
     for x, r in zip(xs, rows):
-        ax.text(x, max(r["distlab_step_s"], r["torch_step_s"]) * 1e3, f"{r['ratio']:.2f}x", ha="center", va="bottom",
-                fontsize=8)
+        ax.text(x, max(r["distlab_step_s"], r["torch_step_s"]) * 1e3, f"{r['ratio']:.2f}x", ha="center",
+                va="bottom", fontsize=8)
     ax.set_xticks(list(xs))
     ax.set_xticklabels(labels, fontsize=8)
     ax.set_ylabel("median step time (ms)")

@@ -112,8 +112,8 @@ def plot(rows, path, model):
     fig, (ax_t, ax_l) = plt.subplots(1, 2, figsize=(11, 4))
     ns = [r["world_size"] for r in rows]
     for k, name in enumerate(("dl.tp", "torch DTensor")):
-        ax_t.bar([i + (k - 0.5) * 0.38 for i in range(len(ns))], [r[name]["median_step_s"] * 1e3 for r in rows],
-                 0.38, label=name)
+        ax_t.bar([i + (k - 0.5) * 0.38 for i in range(len(ns))],
+                 [r[name]["median_step_s"] * 1e3 for r in rows], 0.38, label=name)
     for i, r in enumerate(rows):
         ax_t.text(i, max(r["dl.tp"]["median_step_s"], r["torch DTensor"]["median_step_s"]) * 1e3 * 1.02,
                   f"{r['ratio_dl_over_torch']:.2f}x", ha="center", fontsize=9)

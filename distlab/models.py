@@ -74,8 +74,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim
     shard of the heads unchanged.
     """
     b, s, _ = q.shape
-    split = lambda t: t.view(b, s, -1, head_dim).transpose(1, 2)   # (b, heads, s, d_head)
-    q, k, v = split(q), split(k), split(v)
+    q, k, v = (t.view(b, s, -1, head_dim).transpose(1, 2) for t in (q, k, v))   # (b, heads, s, d_head)
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(head_dim)
     mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
     attn = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)

@@ -76,6 +76,35 @@ def tracer() -> Tracer:
     return _state.tracer
 
 
+# -- groups: the one place that asks torch.distributed who is in a group -------------------------
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def group_size(group=None) -> int:
+    """Ranks in ``group`` (default: the world; 1 outside a process group)."""
+    return dist.get_world_size(group) if _distributed() else 1
+
+
+def group_rank(group=None) -> int:
+    """This rank's index inside ``group`` (0 outside a process group); a clear error for a non-member."""
+    if not _distributed():
+        return 0
+    r = dist.get_rank(group)
+    if r < 0:
+        raise ValueError(f"rank {dist.get_rank()} is not a member of this group: call it only on the ranks "
+                         "you passed to dist.new_group(...)")
+    return r
+
+
+def group_members(group=None) -> tuple[int, ...]:
+    """The global rank of every member of ``group``, in group-rank order (send/recv address global ranks)."""
+    n = group_size(group)
+    if not _distributed() or group is None or group is dist.group.WORLD:
+        return tuple(range(n))
+    return tuple(dist.get_global_rank(group, r) for r in range(n))
+
+
 def barrier(group=None) -> None:
     """A barrier that is a no-op in a world of one process."""
     if dist.is_available() and dist.is_initialized():

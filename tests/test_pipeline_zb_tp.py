@@ -158,7 +158,8 @@ def _labelled_backward(sp: bool, schedule: str | None):
     if schedule is None:
         loss_fn(gpt(ids), targets).backward()
     else:
-        pipe = dl.pp.Pipeline(gpt, 0, 1, schedule=schedule, microbatches=1, loss_fn=loss_fn, group=alone)
+        pipe = dl.pp.Pipeline(gpt, 0, 1, schedule=schedule, microbatches=1, loss_fn=loss_fn, group=alone,
+                              observers=[dl.pp.ActionTrace()])          # the I and W spans
         pipe.step(ids, targets)
     spans = {s.name: s for s in dl.tracer().events() if s.kind == "span" and s.name in ("B", "I", "W")}
     out = collections.defaultdict(list)

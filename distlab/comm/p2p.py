@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..runtime import tracer
+from ..runtime import group_members, group_rank, tracer
 
 OPS = ("sum", "avg", "max", "min", "prod")
 _call_ids = itertools.count()
@@ -45,18 +45,8 @@ class Ring:
 
     @classmethod
     def of(cls, group=None) -> "Ring":
-        if not (dist.is_available() and dist.is_initialized()):
-            return cls(group, 0, 1, (0,))
-        rank = dist.get_rank(group)
-        if rank < 0:
-            raise ValueError(f"rank {dist.get_rank()} is not a member of this group; call the collective "
-                             "only on the ranks you passed to dist.new_group(...)")
-        size = dist.get_world_size(group)
-        if group is None or group is dist.group.WORLD:
-            members = tuple(range(size))
-        else:
-            members = tuple(dist.get_global_rank(group, r) for r in range(size))
-        return cls(group, rank, size, members)
+        members = group_members(group)
+        return cls(group, group_rank(group), len(members), members)
 
     def glob(self, group_rank: int) -> int:
         """Global rank of the member ``group_rank`` (taken modulo the size, so rank-1 and rank+1 work)."""

@@ -7,25 +7,20 @@ labels, byte counters or timers themselves.
 Two surfaces:
 
 * ``Collectives(comm, group)``: the flat-buffer collectives data parallelism needs (DDP, ZeRO),
-  asynchronous, through torch.distributed (``comm="torch"``) or distlab's ring (``comm="ring"``).
+  asynchronous, through torch.distributed (``comm="torch"``) or distlab's ring (``comm="ring"``: the
+  pipelined ring of `dl.comm`, built from send/recv, every step traced by dl.comm):
+
+      comm = Collectives("torch"); h = comm.all_reduce(flat, async_op=True); ...; h.wait()
+
 * ``all_reduce(t, group)``, ``all_gather(shard, dim, group)``, ``reduce_scatter(t, dim, group)``,
   ``split``: the shaped collectives of tensor parallelism, synchronous, torch.distributed.
 
-The collectives data parallelism needs, through distlab's ring or torch.distributed (a switch).
-
-    comm = Collectives("ring")          # dl.comm: ring built from send/recv, every step traced by dl.comm
-    comm = Collectives("torch")         # torch.distributed's own all_reduce / reduce_scatter / all_gather
-    h = comm.all_reduce(flat, async_op=True); ...; h.wait()
-
-``comm="torch"`` is faster (one C++ call), but torch does not tell us what its backend actually put on
-the wire, so each call is recorded as one comm event whose ``sent``/``received`` are the bytes the
-*ring algorithm* moves per rank for that message (`dl.comm.ring_bytes`), marked ``bytes="ring-model"``.
-With ``comm="ring"`` the bytes are the real send/recv sizes, recorded by `dl.comm` itself; the two
-agree byte for byte, which the tests check.
-
-Asynchrony: torch collectives run with ``async_op=True``; ring collectives run on one background
-thread, in submission order (every rank submits in the same order, so the rings match up). A
-recorded event spans from launch until `Handle.wait` returned (an upper bound on the transfer).
+Bytes: torch does not say what its backend put on the wire, so a ``comm="torch"`` call is recorded as
+one event with the bytes the *ring algorithm* moves per rank (`dl.comm.ring_bytes`, marked
+``bytes="ring-model"``); ``comm="ring"`` records the real send/recv sizes (in `dl.comm`); the tests
+check that the two agree byte for byte. Asynchrony: torch collectives run with ``async_op=True``, ring
+ones on one background thread in submission order (so every rank's rings match up); an event spans
+from launch until `Handle.wait` returned.
 
 Tensor-parallel collectives (called by `tensor/regions.py`) run the ``torch.distributed`` collective
 and record the bytes a ring moves for it, as `dl.comm.ring_bytes` counts them: for a message of S
@@ -46,7 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..comm import ring_bytes
-from ..runtime import tracer
+from ..runtime import group_rank, group_size, tracer
 
 COMMS = ("torch", "ring")
 
@@ -88,8 +83,8 @@ def group_name(group) -> str | None:
     return _group_names.get(id(group))
 
 
-def record(op: str, *, start: float, end: float, sent: int, received: int, group=None, tags: dict | None = None,
-           **args) -> None:
+def record(op: str, *, start: float, end: float, sent: int, received: int, group=None,
+           tags: dict | None = None, **args) -> None:
     """The one place an event is written into ``dl.tracer()``: the open scopes' tags (or ``tags``,
     captured when an asynchronous collective was launched), then ``args`` (what the collective itself
     knows: size, world, peer...), then the group's name."""
@@ -133,8 +128,7 @@ class Collectives:
             raise RuntimeError("data parallelism needs a process group: "
                                "run inside dl.launch(fn, world_size=N)")
         self.comm, self.group = comm, group
-        self.size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.size, self.rank = group_size(group), group_rank(group)
         self._pool: ThreadPoolExecutor | None = None
         self._launch_hooks: list = []
 
@@ -149,7 +143,7 @@ class Collectives:
         """Reduce ``t`` in place over the group (op "sum" or "avg")."""
         if self.comm == "ring":
             from .. import comm as ring
-            return self._ring(lambda: ring.ring_all_reduce(t, op=op, group=self.group), async_op)
+            return self._ring(partial(ring.pipelined_all_reduce, t, op=op, group=self.group), async_op)
         red = dist.ReduceOp.SUM
         work = dist.all_reduce(t, op=red, group=self.group, async_op=True)
         post = (lambda: t.div_(self.size)) if op == "avg" else None
@@ -164,7 +158,8 @@ class Collectives:
                              f"elements, got {flat.numel()}")
         if self.comm == "ring":
             from .. import comm as ring
-            return self._ring(lambda: ring.ring_reduce_scatter(flat, op=op, group=self.group, out=out), async_op)
+            scatter = partial(ring.pipelined_reduce_scatter, flat, op=op, group=self.group, out=out)
+            return self._ring(scatter, async_op)
         work = dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         post = (lambda: out.div_(self.size)) if op == "avg" else None
         return self._torch(work, "reduce_scatter", flat.numel(), flat.element_size(), async_op, post)
@@ -178,7 +173,8 @@ class Collectives:
         if self.comm == "ring":
             from .. import comm as ring
             sizes = [shard.numel()] * self.size
-            return self._ring(lambda: ring.ring_all_gather(shard, group=self.group, sizes=sizes, out=out), async_op)
+            gather = partial(ring.pipelined_all_gather, shard, group=self.group, sizes=sizes, out=out)
+            return self._ring(gather, async_op)
         if shard.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
             shard = shard.clone()                     # not every backend gathers in place
         work = dist.all_gather_single(out, shard, group=self.group, async_op=True)
@@ -198,6 +194,7 @@ class Collectives:
                received=0 if self.rank == src else nbytes, group=self.group, impl="torch", bytes="logical")
 
     def close(self) -> None:
+        """Stop the ring's worker thread (``comm="ring"``)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -237,9 +234,8 @@ class Collectives:
             handle.wait()
         return handle
 
-
     def _launched(self) -> None:
-        for hook in self._launch_hooks:
+        for hook in self._launch_hooks:                                 # e.g. a memory probe
             hook()
 
 
@@ -251,24 +247,6 @@ def _without_grad(call):
 # -- tensor-parallel collectives ----------------------------------------------------------------
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def group_size(group=None) -> int:
-    """Ranks in ``group`` (1 outside a process group)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
-
-
-def group_rank(group=None) -> int:
-    """This rank's index inside ``group`` (0 outside a process group)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0
-    r = dist.get_rank(group)
-    if r < 0:
-        raise ValueError(f"rank {dist.get_rank()} is not in this tensor-parallel group: build the "
-                         "layer only on the ranks passed to dist.new_group(...)")
-    return r
 
 
 def _record(op: str, start: float, t: torch.Tensor, numel: int, group, tags: dict) -> None:

@@ -57,8 +57,8 @@ class WeightGradStore:
 
 
 def accumulate_grads(params, grads, hooks: bool = True) -> None:
-    """Add ``grads`` to ``.grad`` as ``backward()`` would, after each parameter's own hooks (``register_hook``),
-    which autograd does not run for the aliases W differentiates."""
+    """Add ``grads`` to ``.grad`` as ``backward()`` would, after each parameter's own hooks
+    (``register_hook``), which autograd does not run for the aliases W differentiates."""
     for p, g in zip(params, grads):
         if g is None:
             continue

@@ -33,7 +33,7 @@ from ..checkpoint.state import RankState
 from ..memory import Ledger
 from ..parallel import collectives as C
 from ..progress import progress
-from ..runtime import device, tracer
+from ..runtime import device, group_size, tracer
 from .base import TrainSpec
 
 
@@ -148,7 +148,7 @@ def comm_totals(events, steps: int) -> dict:
 
 def sum_losses(losses: list[float], group=None) -> list[float]:
     """Every rank's share of each step's loss summed over ``group`` (metrics only: not traced)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    if group_size(group) == 1:
         return losses
     t = torch.tensor(losses, dtype=torch.float64, device=device())
     dist.all_reduce(t, group=group)

@@ -31,10 +31,9 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from ...runtime import device
+from ...runtime import device, group_rank, group_size
 from ..weight_grads import WeightGradStore, accumulate_grads
 from .p2p import Incoming, Links
 from .schedule import Action, schedule as make_schedule
@@ -86,9 +85,7 @@ class Pipeline:
         if len(modules) != len(ids):
             raise ValueError(f"got {len(modules)} stage modules but {len(ids)} stage ids: "
                              "pass one id per module")
-        distributed = dist.is_available() and dist.is_initialized()
-        self.p = dist.get_world_size(group) if distributed else 1
-        self.rank = dist.get_rank(group) if distributed else 0
+        self.p, self.rank = group_size(group), group_rank(group)
         v = len(modules)
         if num_stages != self.p * v:
             raise ValueError(f"num_stages={num_stages} but {self.p} pipeline ranks x {v} module(s) per rank"
