@@ -1,6 +1,6 @@
 # distlab: two commands for a newcomer.
 #   make lab    create .venv, install distlab with the lesson extras, open JupyterLab on notebooks/
-#   make test   create .venv, install distlab with the test extras, run the whole suite (pytest + strict nbval)
+#   make test   create .venv, install distlab with the test extras, lint, run the whole suite (pytest + strict nbval)
 #
 # TORCH picks the PyTorch build. The default is the CPU build this project is developed on; for a GPU
 # machine pass the CUDA build you want, e.g.  make lab TORCH="torch==2.13.0 --index-url <your CUDA wheel index>"
@@ -11,7 +11,7 @@ TORCH  ?= torch==2.13.0
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: lab test test-fast notebooks bench browser clean
+.PHONY: lab test test-fast lint notebooks bench browser clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,8 +23,12 @@ $(STAMP): pyproject.toml
 lab: $(STAMP)
 	$(BIN)/jupyter lab --notebook-dir=notebooks
 
-test: $(STAMP)
+test: $(STAMP) lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest --nbval tests notebooks
+
+# ruff (pyproject.toml: line length 110); part of `make test`, so CI lints too.
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -x -q
