@@ -42,6 +42,18 @@ def broadcast_from_rank0(module: nn.Module, comm: Collectives) -> None:
             comm.broadcast(t.data, src=0)
 
 
+@contextlib.contextmanager
+def accumulate_locally(wrapper: nn.Module):
+    """What every data-parallel wrapper's ``no_sync()`` does: backward passes inside keep their gradients
+    local (``wrapper._sync`` off), summed by autograd; the first backward outside communicates the sum.
+    Nested blocks restore the state they found."""
+    before, wrapper._sync = wrapper._sync, False
+    try:
+        yield
+    finally:
+        wrapper._sync = before
+
+
 class NaiveDDP(nn.Module):
     """Data parallelism as first written: after backward, all-reduce (average) every gradient, one by one.
 
@@ -64,14 +76,9 @@ class NaiveDDP(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside accumulate gradients locally; the first one outside averages the sum."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
+        return accumulate_locally(self)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         if self._sync and not self._queued:
@@ -139,14 +146,9 @@ class DDP(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside accumulate gradients locally; the first one outside all-reduces the sum."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
+        return accumulate_locally(self)
 
     # -- backward hooks: each bucket's all-reduce starts when its last gradient arrives --------
     def _grad_ready(self, p: torch.Tensor, b: int) -> None:

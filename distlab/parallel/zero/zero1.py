@@ -18,14 +18,12 @@ sharded at rest, no all-gather after the step, `zero3.py`). `ZeRO1` wraps a modu
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn as nn
 
 from ..collectives import Collectives
 from ..data.buckets import FlatBucket, bucketize, trainable
-from ..data.ddp import broadcast_from_rank0
+from ..data.ddp import accumulate_locally, broadcast_from_rank0
 from .reducer import GradReducer
 
 
@@ -185,15 +183,10 @@ class ZeROModule(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside keep their gradients local (stage 1 always does); the first synced
         backward, or else ``optimizer.step()``, reduce-scatters the accumulated sum (trade-off: `zero2`)."""
-        before, self._sync = self._sync, False             # nesting is harmless: restore, not reset
-        try:
-            yield
-        finally:
-            self._sync = before
+        return accumulate_locally(self)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the global gradient norm across all shards (see `ShardedOptimizer.clip_grad_norm_`)."""
