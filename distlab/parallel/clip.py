@@ -62,9 +62,15 @@ def clip_grad_norm_(params, max_norm: float, *, sharded=None, groups=()) -> torc
     if groups:
         sq_sharded = C.all_reduce(sq_sharded, groups[0])
     sq = sum_over(sq_sharded + sq_replicated, groups[1:])
-    norm = sq.sqrt()[0]
+    return scale_to_norm([p.grad for p in params if p.grad is not None], sq, max_norm)
+
+
+def scale_to_norm(grads, squared_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch's rule, once the whole model's ``squared_norm`` is known (a one-element tensor, equal on
+    every rank): scale every tensor of ``grads`` by min(1, max_norm / (||g|| + 1e-6)); returns ||g||.
+    Every clipper of distlab ends here (ZeRO's `ShardedOptimizer.clip_grad_norm_` on its shards too)."""
+    norm = squared_norm.reshape(-1).sqrt()[0]
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(coef)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
     return norm

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..clip import scale_to_norm
 from ..collectives import Collectives
 from ..data.buckets import FlatBucket, bucketize, trainable
 from ..data.ddp import accumulate_locally, broadcast_from_rank0
@@ -117,11 +118,7 @@ class ShardedOptimizer:
         self.comm.all_reduce(sq, op="sum")
         if outer is not None:
             sq = outer(sq)
-        norm = sq.sqrt()[0]
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in self.grad_shards:
-            g.mul_(coef.to(g.dtype))
-        return norm
+        return scale_to_norm(self.grad_shards, sq, max_norm)
 
     def _grad_square_sum(self, weight=None) -> torch.Tensor:
         """Sum of this rank's squared gradient-shard elements, each parameter's scaled by ``weight``."""
