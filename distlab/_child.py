@@ -45,15 +45,35 @@ class RankSpec:
     pg_timeout: float
     payload: object               # (fn, args, kwargs), or cloudpickle bytes of it under spawn
     local_world_size: int
+    parent_pid: int = 0           # the launching process: a rank whose parent is gone exits at once
 
 
-def _die_with_parent() -> None:
-    """prctl(PR_SET_PDEATHSIG, SIGKILL): Linux kills this rank if the launching process dies."""
+def _die_with_parent(parent_pid: int) -> None:
+    """prctl(PR_SET_PDEATHSIG, SIGKILL): Linux kills this rank if the launching process dies. A parent
+    that died *before* this call (a spawned rank takes seconds to import torch) sends no signal: the
+    rank would wait for its rendezvous until the timeout. So check, after arming, that it still lives."""
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
         except (OSError, AttributeError):
             pass
+    if parent_pid and os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _leave_parent(parent_pid: int) -> None:
+    """Step 1: Ctrl-C handled as usual (not by the handler the parent holds while starting ranks), a
+    process group of our own (the notebook's stop button reaches the parent alone; the parent can kill
+    the group, with whatever this rank starts), and death with the parent."""
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    except ValueError:
+        pass
+    try:
+        os.setpgrp()
+    except OSError:
+        pass
+    _die_with_parent(parent_pid)
 
 
 def _pin_gloo_to_loopback(host: str) -> None:
@@ -66,7 +86,8 @@ def _pin_gloo_to_loopback(host: str) -> None:
     if "GLOO_SOCKET_IFNAME" in os.environ:
         return
     try:
-        loopback = ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}     # IPv4 and IPv6 ("::1")
+        loopback = bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
     except (OSError, ValueError):
         return
     names = [name for _, name in socket.if_nameindex()]
@@ -100,11 +121,7 @@ def _encode_result(rank: int, value: object) -> bytes:
 
 
 def main(rank: int, spec: RankSpec, out_conn, result_conn, fds_to_close: list[int]) -> None:
-    try:
-        os.setpgrp()
-    except OSError:
-        pass
-    _die_with_parent()
+    _leave_parent(spec.parent_pid)
     for fd in fds_to_close:
         try:
             os.close(fd)

@@ -7,11 +7,13 @@ every case `shutdown` terminates, kills and reaps whatever is left.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
 import signal
 import sys
+import threading
 import time
 from multiprocessing.connection import wait
 
@@ -193,24 +195,61 @@ def describe_exit(rank: int, exitcode: int | None) -> str:
             "(os._exit, sys.exit inside a C extension, or a crash)")
 
 
-def shutdown(ranks: list[RankStatus], grace: float = 2.0) -> None:
-    """Terminate, then kill, then reap every rank; close every pipe. Safe to call twice."""
-    alive = [r.process for r in ranks if r.process.is_alive()]
-    for p in alive:
-        p.terminate()
-    end = time.monotonic() + grace
-    for p in alive:
-        p.join(max(end - time.monotonic(), 0.0))
-    for p in alive:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    for r in ranks:
-        r.process.join(0)
-        for conn in (r.out_conn, r.result_conn):
-            if not conn.closed:
-                conn.close()
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Hold Ctrl-C (SIGINT) back while processes are being started or stopped, then deliver it.
+
+    A KeyboardInterrupt raised between ``fork()`` and the parent recording the child's pid orphans
+    that child; one raised while shutdown waits for the ranks leaves them running. Here it lands
+    after the block, when every process is accounted for. (Only the main thread receives SIGINT.)
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            signal.raise_signal(signal.SIGINT)   # to the handler that was there before (KeyboardInterrupt)
+
+
+def _signal_group(process, sig: int) -> None:
+    """Signal the process group a rank leads (it calls setpgrp), reaching the processes it started
+    (the kernel keeps a group's id from being reused while any member lives); then the rank itself
+    unless already reaped, in case it had not yet made its own group."""
+    targets = [(os.killpg, process.pid)]
+    if process._popen.returncode is None:
+        targets.append((os.kill, process.pid))
+    for send, target in targets:
         try:
-            r.process.close()
-        except ValueError:
+            send(target, sig)
+        except (ProcessLookupError, PermissionError):
             pass
+
+
+def shutdown(ranks: list[RankStatus], grace: float = 2.0) -> None:
+    """Terminate, then kill, then reap every rank and the processes it started; close every pipe.
+    Safe to call twice, and Ctrl-C cannot cut it short (it is delivered when everything is gone)."""
+    with interrupts_deferred():
+        started = [r.process for r in ranks if r.process._popen is not None]
+        alive = [p for p in started if p.is_alive()]
+        for p in started:
+            _signal_group(p, signal.SIGTERM)
+        end = time.monotonic() + grace
+        for p in alive:
+            p.join(max(end - time.monotonic(), 0.0))
+        for p in started:
+            _signal_group(p, signal.SIGKILL)
+        for p in started:
+            p.join()
+        for r in ranks:
+            for conn in (r.out_conn, r.result_conn):
+                if not conn.closed:
+                    conn.close()
+            try:
+                r.process.close()
+            except ValueError:
+                pass

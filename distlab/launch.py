@@ -24,6 +24,7 @@ How it works (see `_child` for what happens inside a rank, `_supervisor` for the
 from __future__ import annotations
 
 import atexit
+import math
 import os
 import socket
 import sys
@@ -40,7 +41,7 @@ import cloudpickle
 import multiprocessing as mp
 
 from . import _child
-from ._supervisor import EXIT_SECONDS, RankStatus, Supervisor, shutdown
+from ._supervisor import EXIT_SECONDS, RankStatus, Supervisor, interrupts_deferred, shutdown
 from .progress import ProgressBar
 from .trace import Trace
 
@@ -141,8 +142,29 @@ def _check_inputs(fn, world_size, output, timeout) -> None:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     if output not in OUTPUT_MODES:
         raise ValueError(f"unknown output mode {output!r}: use one of {OUTPUT_MODES}")
-    if not timeout or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout)
+            or timeout <= 0):
+        raise ValueError(f"timeout must be a positive, finite number of seconds (e.g. 300.0), "
+                         f"got {timeout!r}")
+    _check_limits(world_size)
+
+
+def _check_limits(world_size: int) -> None:
+    """The parent holds about 6 descriptors per rank while starting them, and each rank is a process:
+    say so before forking hundreds of ranks into a limit, not halfway through."""
+    try:
+        import resource
+    except ImportError:
+        return
+    fds, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if fds != resource.RLIM_INFINITY and 6 * world_size + 64 > fds:
+        raise ValueError(f"world_size={world_size} needs about {6 * world_size + 64} open files in this "
+                         f"process, but its limit is {fds}: use fewer ranks, or raise the limit "
+                         f"(`ulimit -n`, or resource.setrlimit(resource.RLIMIT_NOFILE, ...))")
+    procs, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if procs != resource.RLIM_INFINITY and world_size > procs:
+        raise ValueError(f"world_size={world_size} ranks exceed this user's process limit ({procs}): "
+                         f"use fewer ranks, or raise `ulimit -u`")
 
 
 def _spawn_payload(fn, args, kwargs) -> bytes:
@@ -173,23 +195,28 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
     backend = resolve_backend(backend, world_size)
     method = resolve_start_method(start_method)
     started = time.perf_counter()
-    rendezvous = _Rendezvous(method, host, world_size, timeout)
-    spec = _child.RankSpec(world_size=world_size, backend=backend, host=host, port=rendezvous.port,
-                           rank0_listen_fd=rendezvous.fd_for_rank0, threads=threads_per_rank(world_size),
-                           pg_timeout=float(timeout), local_world_size=world_size,
-                           payload=(fn, tuple(args), kwargs) if method == "fork" else
-                           _spawn_payload(fn, tuple(args), kwargs))
+    deadline = time.monotonic() + timeout                 # starting the ranks counts too
     ranks: list[RankStatus] = []
+    rendezvous = None
     try:
-        _start_ranks(mp.get_context(method), spec, rendezvous, ranks)
+        with interrupts_deferred():                       # Ctrl-C lands once every rank is tracked
+            rendezvous = _Rendezvous(method, host, world_size, timeout)
+            spec = _child.RankSpec(
+                world_size=world_size, backend=backend, host=host, port=rendezvous.port,
+                rank0_listen_fd=rendezvous.fd_for_rank0, threads=threads_per_rank(world_size),
+                pg_timeout=float(timeout), local_world_size=world_size,
+                parent_pid=os.getpid() if method != "forkserver" else 0,   # (the server's child)
+                payload=(fn, tuple(args), kwargs) if method == "fork" else
+                _spawn_payload(fn, tuple(args), kwargs))
+            _start_ranks(mp.get_context(method), spec, rendezvous, ranks, deadline)
         bar = ProgressBar(enabled=(output != "quiet"))
-        supervisor = Supervisor(ranks, time.monotonic() + timeout, live=(output == "live"),
-                                on_progress=bar.update)
+        supervisor = Supervisor(ranks, deadline, live=(output == "live"), on_progress=bar.update)
         supervisor.run()
         bar.close()
     finally:
         shutdown(ranks)
-        rendezvous.close()
+        if rendezvous is not None:
+            rendezvous.close()
     return _collect(ranks, supervisor, output, timeout,
                     dict(world_size=world_size, backend=backend, start_method=method,
                          seconds=time.perf_counter() - started))
@@ -228,22 +255,27 @@ class _Rendezvous:
         self.store = None
 
 
-def _start_ranks(ctx, spec: _child.RankSpec, rendezvous: _Rendezvous, ranks: list[RankStatus]) -> None:
-    """Start every rank, each with its own output and result pipes (appended to ``ranks`` as it starts,
-    so that whatever started is shut down if a later start fails)."""
+def _start_ranks(ctx, spec: _child.RankSpec, rendezvous: _Rendezvous, ranks: list[RankStatus],
+                 deadline: float) -> None:
+    """Start every rank, each with its own output and result pipes (appended to ``ranks`` *before* it
+    starts, so that whatever was forked is shut down if a later start fails)."""
     pipes = [(ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)) for _ in range(spec.world_size)]
     fork = rendezvous.fd_for_rank0 is not None
     all_fds = [c.fileno() for pair in pipes for p in pair for c in p]
     try:
         for rank, ((out_r, out_w), (res_r, res_w)) in enumerate(pipes):
+            if time.monotonic() > deadline:
+                raise LaunchError(f"the deadline passed while starting the ranks ({rank} of "
+                                  f"{spec.world_size} started): use fewer ranks or a larger timeout",
+                                  unfinished=list(range(spec.world_size)))
             keep = {out_w.fileno(), res_w.fileno()}
             close_in_child = [fd for fd in all_fds if fd not in keep] if fork else []
             if fork and rank != 0:
                 close_in_child.append(rendezvous.fd_for_rank0)
             proc = ctx.Process(target=_child.main, args=(rank, spec, out_w, res_w, close_in_child),
                                name=f"distlab-rank-{rank}")
-            proc.start()
             ranks.append(RankStatus(rank, proc, out_r, res_r))
+            proc.start()
     finally:
         for rank, ((out_r, out_w), (res_r, res_w)) in enumerate(pipes):
             out_w.close()                          # the parent keeps only the read ends of started ranks

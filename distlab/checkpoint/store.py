@@ -2,7 +2,7 @@
 
     directory/
       step_4/                 a complete checkpoint (it has a manifest: it was renamed into place)
-        manifest.json         world size, step, meta, and per shard: file, bytes, sha256, replicated_from
+        manifest.json         world size, step, run id, meta, per shard: file, bytes, sha256, replicated_from
         rank_0.pt             rank 0's own state + the replicated state of its replica group
         rank_1.pt             rank 1's own state (e.g. its ZeRO optimizer shard)
       step_6.tmp/             an interrupted save: never loaded, removed by the next save
@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -98,12 +99,42 @@ def latest(directory) -> int | None:
     return found[-1] if found else None
 
 
+def verify(directory, step: int) -> dict:
+    """Check checkpoint ``step`` without loading it: a readable manifest, every shard present with the
+    size and sha256 it records. Returns the manifest; raises `CheckpointError` saying what is wrong."""
+    info = manifest(directory, step)
+    path = _step_dir(directory, step)
+    for entry in info.get("shards", []):
+        file = path / entry["file"]
+        try:
+            data = file.read_bytes()
+        except OSError:
+            raise CheckpointError(f"{file} is missing") from None
+        if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise CheckpointError(f"{file} does not match its manifest (size or sha256)")
+    return info
+
+
+def step_folders(directory) -> list[str]:
+    """Every ``step_N`` folder in ``directory`` whether complete or not (interrupted ``.tmp`` saves aside)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted((p.name for p in directory.iterdir() if _COMPLETE.match(p.name)),
+                  key=lambda name: int(name[5:]))
+
+
 def manifest(directory, step: int | str = "latest") -> dict:
     """The manifest of checkpoint ``step`` (default: the latest complete one)."""
     path = _step_dir(directory, step) / MANIFEST
-    with open(path) as f:
-        data = json.load(f)
-    if data.get("format") != FORMAT:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (ValueError, OSError) as err:      # truncated, overwritten or unreadable
+        raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: {err}): the checkpoint is "
+                              f"damaged; load another step (complete: {steps(directory)})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        data = data if isinstance(data, dict) else {}
         raise CheckpointError(f"{path} is not a {FORMAT} manifest (format={data.get('format')!r})")
     return data
 
@@ -126,7 +157,7 @@ def _step_dir(directory, step: int | str) -> Path:
 # -- saving ----------------------------------------------------------------------------------------
 def save(directory, step: int, state: dict, *, replicated: dict | None = None, group=None,
          keep_last: int | None = None, meta: dict | None = None,
-         hook: Callable[[str], None] | None = None) -> Path:
+         hook: Callable[[str], None] | None = None, run_id: str | None = None) -> Path:
     """Save checkpoint ``step``; call on every rank (a collective). Returns the ``step_N`` path.
 
     ``state``: what this rank alone owns (its ZeRO shards, its loss history), written by every rank.
@@ -134,6 +165,8 @@ def save(directory, step: int, state: dict, *, replicated: dict | None = None, g
     the group's first rank. ``keep_last``: keep the newest k complete checkpoints, delete older ones.
     ``meta``: JSON-able facts for the manifest (strategy, model, ...). ``hook(stage)`` is called at
     "prepared", "written" and (rank 0) "committing": a place to inject faults in tests and lessons.
+    ``run_id`` (default: rank 0 draws a fresh one) goes into the manifest and into every shard, so a
+    shard from another run or another save is refused on load even where its step and rank match.
     """
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (or None to keep all), got {keep_last}")
@@ -151,10 +184,10 @@ def save(directory, step: int, state: dict, *, replicated: dict | None = None, g
         for stale in directory.glob("*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)      # earlier interrupted saves
         tmp.mkdir()
-    _all_gather(None)                                      # barrier: the .tmp directory exists
+    run_id = _broadcast((run_id or uuid.uuid4().hex) if r == 0 else None)   # and a barrier: .tmp exists
     _call(hook, "prepared")
 
-    payload = {"step": step, "rank": r, "world_size": n, "state": _compact(state)}
+    payload = {"step": step, "rank": r, "world_size": n, "run_id": run_id, "state": _compact(state)}
     if replicated is not None and r == writer:
         payload["replicated"] = _compact(replicated)
     buf = io.BytesIO()
@@ -172,7 +205,8 @@ def save(directory, step: int, state: dict, *, replicated: dict | None = None, g
     if r == 0:
         try:
             _call(hook, "committing")
-            verdict = _commit(directory, step, tmp, entries, n, meta or {}, keep_last)
+            verdict = _commit(directory, step, tmp, entries, n, {"run_id": run_id, "meta": meta or {}},
+                              keep_last)
         except Exception as err:                           # tell the others instead of leaving them waiting
             verdict = f"{type(err).__name__}: {err}"
     verdict = _broadcast(verdict)
@@ -181,14 +215,14 @@ def save(directory, step: int, state: dict, *, replicated: dict | None = None, g
     return directory / f"step_{step}"
 
 
-def _commit(directory: Path, step: int, tmp: Path, entries: list[dict], n: int, meta: dict,
+def _commit(directory: Path, step: int, tmp: Path, entries: list[dict], n: int, facts: dict,
             keep_last: int | None) -> None:
     for e in entries:
         src = e["replicated_from"]
         if src is not None and not entries[src]["has_replicated"]:
             raise CheckpointError(f"rank {e['rank']} expects replicated state from rank {src}, which passed "
                                   f"none: pass replicated= on every rank of the group")
-    record = {"format": FORMAT, "step": step, "world_size": n, "meta": meta, "shards": entries,
+    record = {"format": FORMAT, "step": step, "world_size": n, **facts, "shards": entries,
               "total_bytes": sum(e["bytes"] for e in entries)}
     _write_synced(tmp / MANIFEST, json.dumps(record, indent=1, sort_keys=True).encode())
     _fsync_dir(tmp)
@@ -289,6 +323,10 @@ def _rank_state(path: Path, info: dict, r: int, verify: bool, map_location,
     if own.get("rank") != r or own.get("step") != info["step"]:
         raise CheckpointError(f"{path / entry['file']} holds rank {own.get('rank')} step {own.get('step')}, "
                               f"expected rank {r} step {info['step']}: the directory was tampered with")
+    if own.get("run_id") != info.get("run_id"):
+        raise CheckpointError(f"{path / entry['file']} was written by run {own.get('run_id')}, but the "
+                              f"manifest belongs to run {info.get('run_id')}: shards of two runs were mixed "
+                              f"in one directory; load another step (complete: {steps(path.parent)})")
     out = dict(own["state"])
     if entry["replicated_from"] is not None:
         out.update(read(entry["replicated_from"])["replicated"])

@@ -42,8 +42,12 @@ checkpoint s, after its shard is written but before the commit (``fail_in="save"
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
+import sys
+import uuid
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -54,6 +58,9 @@ from .state import RankState
 
 OPTIONS = ("checkpoint_dir", "checkpoint_every", "keep_last", "resume",
            "fail_at_step", "fail_rank", "fail_in")
+# the directory locks this process holds (a failed run in a notebook keeps its frames, and its lock,
+# alive: the next run in the same process takes the lock over)
+_HELD: dict[str, object] = {}
 # spec fields that must agree between the run that saved and the run that resumes (steps may grow);
 # "layout" (the rank state's facts) may differ when both sides can reshard
 _MUST_MATCH = ("strategy", "model", "seed", "global_batch", "lr", "optimizer", "weight_decay", "grad_accum",
@@ -85,6 +92,9 @@ class Checkpointer:
             raise ValueError(f"checkpoint_every must be a positive integer, got {self.every!r}")
         if self.fail_at is not None:
             self._check_fault_injection()
+        check_options(o)
+        self.run_id: str | None = None
+        self._lock = lock(self.directory) if self.directory is not None and rank() == 0 else None
 
     def _check_fault_injection(self) -> None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -101,10 +111,18 @@ class Checkpointer:
         fresh start (``resume=True`` with no checkpoint yet starts from scratch, as torchrun jobs do)."""
         if self.resume_from is False or self.resume_from is None:
             return 0, []
-        step = "latest" if self.resume_from is True else int(self.resume_from)
-        if step == "latest" and store.latest(self.directory) is None:
-            return 0, []
+        if self.resume_from in (True, "latest"):
+            step, problem, note = _broadcast(_newest_verified(self.directory) if rank() == 0 else None)
+            if problem:
+                raise store.CheckpointError(problem)
+            if note and rank() == 0:
+                print(f"distlab: {note}", file=sys.stderr, flush=True)
+            if step is None:
+                return 0, []
+        else:
+            step = int(self.resume_from)
         info = store.manifest(self.directory, step)
+        self.run_id = info.get("run_id")                     # a resumed run goes on under its run id
         saved, ours = info["meta"].get("spec", {}), self._facts()
         reshardable = info["meta"].get("format") in reshard.FORMATS and self.state.reshard is not None
         self._check_compatible(info, saved, ours, reshardable)
@@ -153,8 +171,10 @@ class Checkpointer:
                    "loss_weight": self.state.loss_weight}
             hook = self._hook if (self.fail_in == "save" and done == self.fail_at) else None
             meta = {"strategy": self.spec.strategy, "format": self.state.format, "spec": self._facts()}
+            if self.run_id is None:
+                self.run_id = _broadcast(uuid.uuid4().hex if rank() == 0 else None)
             store.save(self.directory, done, own, replicated=replicated, group=self.state.replica_group,
-                       keep_last=self.keep_last, meta=meta, hook=hook)
+                       keep_last=self.keep_last, meta=meta, hook=hook, run_id=self.run_id)
         self.saved.append(done)
 
     def _hook(self, stage: str) -> None:
@@ -162,7 +182,12 @@ class Checkpointer:
             _die()
 
     def summary(self, start: int) -> dict:
-        """What to add to the rank's ``info``: ``{"checkpoint": {"resumed_from", "saved"}}``."""
+        """What to add to the rank's ``info``: ``{"checkpoint": {"resumed_from", "saved"}}`` (the end of
+        training: the directory is free for the next run)."""
+        if self._lock is not None:
+            _HELD.pop(str(Path(self.directory).resolve()), None)
+            self._lock.close()
+            self._lock = None
         return {"checkpoint": {"resumed_from": start or None, "saved": list(self.saved)}}
 
 
@@ -190,3 +215,90 @@ def for_spec(spec, state: RankState) -> Checkpointer | NoCheckpoints:
 def _die() -> None:
     """Die the way a preempted or crashed node does: no exception, no cleanup, no goodbye."""
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _broadcast(obj):
+    """Rank 0's ``obj`` on every rank (this process alone when no group is running)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _newest_verified(directory) -> tuple[int | None, str | None, str | None]:
+    """(step to resume from, refusal, note) for ``resume=True``: the newest checkpoint that verifies.
+    A damaged newer one is skipped with a note; step folders of which none verifies are a refusal
+    (starting from scratch would silently overwrite them); no step folder at all is a fresh start."""
+    skipped = []
+    for step in reversed(store.steps(directory)):
+        try:
+            store.verify(directory, step)
+        except store.CheckpointError as err:
+            skipped.append(f"step_{step}: {err}")
+            continue
+        note = (f"resuming from step {step}, the newest checkpoint that verifies, in {directory}; skipped "
+                f"{'; '.join(skipped)} (resume={step} picks it explicitly)") if skipped else None
+        return step, None, note
+    found = store.step_folders(directory)
+    if not found:
+        return None, None, None
+    why = "; ".join(skipped) if skipped else "none of them has a manifest.json"
+    return None, (f"resume=True found {found} in {directory} but no checkpoint that verifies ({why}). Not "
+                  f"starting from scratch over them: move them away, use a new checkpoint_dir, or pass "
+                  f"resume=False to overwrite"), None
+
+
+def check_options(options: dict) -> None:
+    """What can be checked about the checkpoint options before any rank starts."""
+    resume = options.get("resume", False)
+    ok = resume in (True, False, None, "latest") or (
+        isinstance(resume, int) and not isinstance(resume, bool) and resume >= 0)
+    if not ok:
+        raise ValueError(f"resume must be True (or 'latest': the newest checkpoint that verifies), a step "
+                         f"number, or False; got {resume!r}")
+    directory = options.get("checkpoint_dir")
+    if directory is not None:
+        stale = _HELD.pop(str(writable(directory).resolve()), None)
+        if stale is not None:      # an earlier run in this process that failed before releasing it
+            stale.close()
+
+
+def writable(directory) -> Path:
+    """Create ``directory`` if need be and prove it writable now, not at the first save."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise store.CheckpointError(f"checkpoint_dir {str(directory)!r} is not writable "
+                                    f"({err.strerror or err}): choose a directory you can write to") from None
+    return directory
+
+
+def lock(directory):
+    """An exclusive lock on ``directory`` for one training run (rank 0 holds it; the kernel drops it when
+    the process ends). Two runs writing one directory would delete each other's saves."""
+    path = writable(directory) / ".lock"
+    stale = _HELD.pop(str(path.parent.resolve()), None)
+    if stale is not None:
+        stale.close()
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise store.CheckpointError(f"another training run (pid {holder}) is writing checkpoints to "
+                                    f"{directory}: wait for it to finish, or use another checkpoint_dir "
+                                    f"(under torchrun, 'single' runs on every process: use a launched "
+                                    f"strategy)") from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    _HELD[str(path.parent.resolve())] = f
+    return f

@@ -1,0 +1,102 @@
+"""Checkpoints that went wrong: nothing is silently lost or overwritten, and the message says what to do.
+(Mostly `single`, which trains in this process: the rules live in `distlab.checkpoint`, not in a strategy.)"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import distlab as dl
+from distlab.checkpoint import CheckpointError
+
+KW = dict(steps=4, global_batch=8, checkpoint_every=2)
+
+
+def _names(directory) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
+
+
+def test_resume_refuses_to_train_over_step_folders_it_cannot_read(tmp_path):
+    dl.train("single", **KW, checkpoint_dir=str(tmp_path))
+    for step in (2, 4):
+        (tmp_path / f"step_{step}" / "manifest.json").unlink()      # say, a copy that lost its manifests
+    with pytest.raises(CheckpointError, match=r"found \['step_2', 'step_4'\].*no checkpoint that verifies.*"
+                                              r"new checkpoint_dir"):
+        dl.train("single", **KW, checkpoint_dir=str(tmp_path), resume=True)
+    assert _names(tmp_path) == ["step_2", "step_4"]
+    assert not (tmp_path / "step_2" / "manifest.json").exists()      # nothing was overwritten
+
+
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_newest_that_verifies(tmp_path, capfd):
+    plain = dl.train("single", steps=6, global_batch=8)
+    dl.train("single", **KW, checkpoint_dir=str(tmp_path))
+    shard = tmp_path / "step_4" / "rank_0.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF                                      # one flipped byte
+    shard.write_bytes(bytes(data))
+    capfd.readouterr()
+    resumed = dl.train("single", **{**KW, "steps": 6}, checkpoint_dir=str(tmp_path), resume=True)
+    err = capfd.readouterr().err
+    assert "resuming from step 2" in err and "step_4" in err and "sha256" in err and "resume=2" in err
+    assert resumed.results[0].info["checkpoint"] == {"resumed_from": 2, "saved": [4, 6]}
+    assert resumed.losses == plain.losses
+
+
+def test_a_truncated_manifest_is_a_clear_error_and_resume_skips_it(tmp_path, capfd):
+    dl.train("single", **KW, checkpoint_dir=str(tmp_path))
+    path = tmp_path / "step_4" / "manifest.json"
+    path.write_text(path.read_text()[:40])
+    with pytest.raises(CheckpointError, match="step_4/manifest.json cannot be read.*damaged"):
+        dl.checkpoint.load(tmp_path, 4)
+    resumed = dl.train("single", **KW, checkpoint_dir=str(tmp_path), resume="latest")
+    assert resumed.results[0].info["checkpoint"]["resumed_from"] == 2
+    assert "resuming from step 2" in capfd.readouterr().err
+
+
+def test_shards_are_tied_to_their_run(tmp_path):
+    for name, value in (("a", 1.0), ("b", 2.0)):
+        dl.checkpoint.save(tmp_path / name, 1, {"x": torch.full((4,), value)})
+    a, b = tmp_path / "a" / "step_1", tmp_path / "b" / "step_1"
+    info = json.loads((a / "manifest.json").read_text())
+    assert len(info["run_id"]) == 32 and info["run_id"] != dl.checkpoint.manifest(tmp_path / "b")["run_id"]
+    # a shard of run b slipped into run a, with a manifest patched to match its bytes
+    (a / "rank_0.pt").write_bytes((b / "rank_0.pt").read_bytes())
+    info["shards"][0].update(json.loads((b / "manifest.json").read_text())["shards"][0])
+    (a / "manifest.json").write_text(json.dumps(info))
+    with pytest.raises(CheckpointError, match="written by run .* belongs to run .*two runs were mixed"):
+        dl.checkpoint.load(tmp_path / "a")
+
+
+def test_two_runs_cannot_write_one_checkpoint_dir(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys; f = open(sys.argv[1], 'a+'); "
+         "fcntl.flock(f, fcntl.LOCK_EX); f.write(str(os.getpid())); f.flush(); print('held', flush=True); "
+         "sys.stdin.read()", str(tmp_path / ".lock")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(CheckpointError, match=f"another training run \\(pid {holder.pid}\\) is writing"):
+            dl.train("single", **KW, checkpoint_dir=str(tmp_path))
+    finally:
+        holder.stdin.close()
+        holder.wait()
+        holder.stdout.close()
+    assert _names(tmp_path) == []
+    dl.train("single", **KW, checkpoint_dir=str(tmp_path))           # free again: it trains
+    dl.train("single", **KW, checkpoint_dir=str(tmp_path))           # and the lock went with the run
+    assert _names(tmp_path) == ["step_2", "step_4"]
+
+
+def test_an_unwritable_checkpoint_dir_is_refused_before_training(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(CheckpointError, match="not writable.*choose a directory"):
+        dl.train("ddp", world_size=2, **KW, checkpoint_dir=str(tmp_path / "file" / "ck"))
+
+
+@pytest.mark.parametrize("resume", ["last", -1, 2.5])
+def test_bad_resume_values_are_clear_errors(tmp_path, resume):
+    with pytest.raises(ValueError, match="resume must be True .*a step number, or False"):
+        dl.train("ddp", world_size=2, **KW, checkpoint_dir=str(tmp_path), resume=resume)
