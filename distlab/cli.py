@@ -24,7 +24,9 @@ import sys
 def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model with a parallel strategy and print per-step losses")
     p.add_argument("--strategy", default="single", help="single, ddp, zero1, zero2, zero3, tp, pp-1f1b, ...")
-    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks to launch (default 1; under torchrun, torchrun's WORLD_SIZE, "
+                        "which it must equal)")
     p.add_argument("--model", default="gpt-tiny", help="gpt-tiny, gpt-small, gpt-wide or mlp")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
@@ -79,7 +81,9 @@ def _options(args) -> dict:
 
 def _run_train(args) -> int:
     from .train import train
-    report = train(args.strategy, world_size=args.world_size, model=args.model, steps=args.steps,
+    world = args.world_size if args.world_size is not None else (
+        1 if args.strategy == "single" else int(os.environ.get("WORLD_SIZE", 1)))
+    report = train(args.strategy, world_size=world, model=args.model, steps=args.steps,
                    seed=args.seed, global_batch=args.global_batch, lr=args.lr, optimizer=args.optimizer,
                    weight_decay=args.weight_decay, grad_accum=args.grad_accum, precision=args.precision,
                    clip=args.clip, options=_options(args))

@@ -190,6 +190,12 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
     _check_inputs(fn, world_size, output, timeout)
     kwargs = dict(kwargs or {})
     if _under_torchrun():
+        launched = int(os.environ["WORLD_SIZE"])
+        if world_size != launched:
+            raise ValueError(f"running under torchrun with WORLD_SIZE={launched}, but "
+                             f"world_size={world_size}: pass world_size={launched} (torchrun decides how "
+                             f"many processes run), or "
+                             f"change torchrun's --nproc-per-node / --nnodes")
         return _launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout)
 
     backend = resolve_backend(backend, world_size)
@@ -352,9 +358,6 @@ def _launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout) -> Ru
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
         atexit.register(_leave_process_group)
     n, me = dist.get_world_size(), dist.get_rank()
-    if n != world_size and me == 0:
-        print(f"distlab: running under torchrun with {n} ranks (world_size={world_size} ignored)",
-              file=sys.stderr)
     tracer = runtime._enter(me, n, int(os.environ.get("LOCAL_RANK", 0)), dist.get_backend())
     dist.barrier()
     tracer.reset_epoch()

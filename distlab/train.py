@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .checkpoint import training as checkpointing
-from .strategies import RankResult, TrainSpec, load
+from .strategies import RankResult, TrainSpec, check, load
 
 
 @dataclass
@@ -70,6 +70,7 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
                      precision=precision, clip=clip, options={**(options or {}), **more_options})
     train_rank = load(strategy)
     _check_mesh(spec, world_size)
+    check(spec, world_size)                             # pipeline stages, microbatches, options
     checkpointing.check_options(spec.options)           # resume=..., a writable checkpoint_dir
     start = time.perf_counter()
     if strategy == "single":

@@ -343,4 +343,16 @@ def _read(path: Path, entry: dict, verify: bool, map_location) -> dict:
     if verify and (len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]):
         raise CheckpointError(f"{file} does not match its manifest (size or sha256): the file is corrupt; "
                               f"load an earlier step (complete: {steps(path.parent)})")
+    require_safe_torch()
     return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+
+
+def require_safe_torch() -> None:
+    """``weights_only=True`` is the safety of loading a checkpoint someone handed you, and before torch
+    2.6 it could be bypassed to run code (CVE-2025-32434). Later advisories against torch.load were fixed
+    in later releases too: keep torch current."""
+    from torch.torch_version import TorchVersion
+    if TorchVersion(torch.__version__) < (2, 6):
+        raise CheckpointError(f"loading checkpoints needs torch >= 2.6 (this is {torch.__version__}): older "
+                              f"torch.load(weights_only=True) can be tricked into running code "
+                              f"(CVE-2025-32434). Upgrade: pip install -U 'torch>=2.6'")

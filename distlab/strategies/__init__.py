@@ -34,6 +34,40 @@ def names() -> list[str]:
     return list(REGISTRY)
 
 
+def check(spec: TrainSpec, world_size: int) -> None:
+    """What can be refused before any rank starts: a pipeline with more stages than the model has pieces
+    to cut, microbatches the batch cannot supply, data-parallel options out of range."""
+    from ..models import PRESETS
+    from .base import microbatch_count
+    o = spec.options
+    if spec.strategy.startswith("3d:"):
+        from .mesh import parse
+        degrees = parse(spec.strategy, o)
+        virtual = degrees.get("virtual", 2) if degrees["schedule"] == "interleaved" else 1
+        stages = degrees["pp"] * virtual
+    elif spec.strategy.startswith("pp-"):
+        virtual = int(o.get("virtual", 2)) if spec.strategy == "pp-interleaved" else 1
+        stages = world_size * virtual
+        microbatch_count(o.get("microbatches"), spec.micro_batch, world_size, spec.strategy[3:],
+                         "micro-step (global_batch / grad_accum)")
+    else:
+        stages, virtual = 1, 1
+    layers = PRESETS[spec.model].layers if spec.model in PRESETS else None
+    pieces = layers + 2 if layers is not None else 3          # GPT: embeddings, blocks, head; mlp: 3 linears
+    if stages > pieces:
+        what = (f"the embeddings, {layers} blocks and the head" if layers is not None else "its 3 layers")
+        per_rank = f" ({virtual} per rank)" if virtual > 1 else ""
+        smaller = ", or a smaller virtual" if virtual > 1 else ""
+        raise ValueError(f"{stages} pipeline stages{per_rank} but model {spec.model!r} has only {pieces} "
+                         f"pieces to cut ({what}): use at most {pieces} stages (fewer pipeline "
+                         f"ranks{smaller}), or a deeper model (e.g. model='gpt-small', "
+                         f"{PRESETS['gpt-small'].layers + 2} pieces)")
+    if "bucket_mb" in o and not (isinstance(o["bucket_mb"], (int, float)) and o["bucket_mb"] > 0):
+        raise ValueError(f"bucket_mb must be a positive number of megabytes, got {o['bucket_mb']!r}")
+    if o.get("comm", "torch") not in ("torch", "ring"):
+        raise ValueError(f"comm={o['comm']!r}: choose 'torch' (torch.distributed's collectives) or 'ring'")
+
+
 def load(strategy: str):
     """The ``train_rank`` function for ``strategy`` (e.g. "zero2", "3d:dp=2,tp=2,pp=1")."""
     key = "3d" if strategy.startswith("3d:") else strategy
