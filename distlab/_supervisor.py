@@ -25,6 +25,16 @@ _SECONDARY = re.compile(
 
 GRACE_SECONDS = 1.0      # after the first failure, how long to gather the others' reports
 EXIT_SECONDS = 5.0       # after every rank has returned, how long they may take to exit
+OUTPUT_LIMIT = 2_000_000  # characters of output kept (and shown) per rank: a notebook cell is no log file
+LINE_LIMIT = 100_000      # a line without end is cut here
+
+
+def _shown(line: bytes) -> str:
+    """What a terminal shows of ``line``: after carriage returns (a progress bar), the last frame."""
+    if b"\r" in line:
+        frames = [f for f in line.split(b"\r") if f]
+        line = frames[-1] if frames else b""
+    return line.decode("utf-8", "replace")
 
 
 class RankStatus:
@@ -36,7 +46,9 @@ class RankStatus:
         self.out_conn = out_conn          # read end of stdout+stderr
         self.result_conn = result_conn    # read end of the result message
         self.lines: list[str] = []
-        self.partial = b""
+        self.partial = bytearray()       # the line being received
+        self.kept = 0                     # characters of output kept so far (at most OUTPUT_LIMIT)
+        self.dropped = 0                  # bytes of output beyond it
         self.out_open = True
         self.exited_at: float | None = None
         self.result = None                # ("ok", value) once returned
@@ -112,14 +124,36 @@ class Supervisor:
         if not chunk:
             r.out_open = False
             if r.partial:
-                self._emit(r, r.partial.decode("utf-8", "replace"))
-                r.partial = b""
+                self._emit(r, _shown(bytes(r.partial)))
+                r.partial = bytearray()
+            if r.dropped:
+                self._emit(r, f"[distlab: {r.dropped} more bytes of output not shown (the limit is "
+                              f"{OUTPUT_LIMIT} per rank): write long output to a file]", force=True)
             return
-        *complete, r.partial = (r.partial + chunk).split(b"\n")
-        for line in complete:
-            self._emit(r, line.decode("utf-8", "replace"))
+        self._take(r, chunk)
 
-    def _emit(self, r: RankStatus, line: str) -> None:
+    def _take(self, r: RankStatus, chunk: bytes) -> None:
+        """Add ``chunk`` to rank ``r``'s output in time linear in its size: only the new bytes are searched,
+        a carriage return keeps only the newest frame of a progress bar (what a terminal would show), and
+        a line without end is cut at LINE_LIMIT."""
+        r.partial += chunk
+        if b"\n" in chunk:
+            *complete, rest = bytes(r.partial).split(b"\n")
+            r.partial = bytearray(rest)
+            for line in complete:
+                self._emit(r, _shown(line))
+        elif b"\r" in chunk:
+            frames = [f for f in bytes(r.partial).split(b"\r") if f]
+            r.partial = bytearray(frames[-1] + b"\r" if frames else b"")
+        if len(r.partial) > LINE_LIMIT:
+            self._emit(r, _shown(bytes(r.partial)))
+            r.partial = bytearray()
+
+    def _emit(self, r: RankStatus, line: str, force: bool = False) -> None:
+        if not force and r.kept + len(line) > OUTPUT_LIMIT:
+            r.dropped += len(line) + 1
+            return
+        r.kept += len(line) + 1
         r.lines.append(line)
         if self.live:
             print(f"[rank {r.rank}] {line}", file=self.stream, flush=True)

@@ -14,7 +14,10 @@ How it works (see `_child` for what happens inside a rank, `_supervisor` for the
   port, so simultaneous launches never collide) before forking, and rank 0 serves the TCPStore
   on that very socket. Under spawn the parent serves the store itself, on the same kind of socket.
 * **Output**: each rank's file descriptors 1 and 2 go into a pipe; the parent prints complete
-  lines tagged ``[rank N]``, live or grouped by rank at the end ("ordered", deterministic).
+  lines tagged ``[rank N]``, live or grouped by rank at the end ("ordered", deterministic); of a
+  progress bar drawn with carriage returns, the last frame; at most 2 MB per rank (a cell is no log).
+* **Ctrl-C** is held back while ranks start or stop, so it never orphans one; each rank leads its own
+  process group, and the group (with whatever the rank started) is killed at the end.
 * **Errors**: any failing rank raises `LaunchError` naming the root cause, the earliest rank to
   fail of its own accord, not the peers that then lost their connection to it.
 * **Torchrun**: with RANK and WORLD_SIZE in the environment, `launch` runs ``fn`` right here on
@@ -28,6 +31,7 @@ import math
 import os
 import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -220,6 +224,7 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
         supervisor.run()
         bar.close()
     finally:
+        _forget(ranks)
         shutdown(ranks)
         if rendezvous is not None:
             rendezvous.close()
@@ -261,35 +266,56 @@ class _Rendezvous:
         self.store = None
 
 
+# Launches from several threads of one process: only one starts ranks at a time (a rank forked while
+# another launch holds the write ends of its pipes would keep that launch's pipes open), and each
+# forked rank closes the parent-side descriptors of every launch still running (their pipes' read
+# ends and process sentinels), so no rank holds another launch's pipes.
+_STARTING = threading.Lock()
+_LIVE_FDS: set[int] = set()
+
+
 def _start_ranks(ctx, spec: _child.RankSpec, rendezvous: _Rendezvous, ranks: list[RankStatus],
                  deadline: float) -> None:
     """Start every rank, each with its own output and result pipes (appended to ``ranks`` *before* it
     starts, so that whatever was forked is shut down if a later start fails)."""
-    pipes = [(ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)) for _ in range(spec.world_size)]
-    fork = rendezvous.fd_for_rank0 is not None
-    all_fds = [c.fileno() for pair in pipes for p in pair for c in p]
-    try:
-        for rank, ((out_r, out_w), (res_r, res_w)) in enumerate(pipes):
-            if time.monotonic() > deadline:
-                raise LaunchError(f"the deadline passed while starting the ranks ({rank} of "
-                                  f"{spec.world_size} started): use fewer ranks or a larger timeout",
-                                  unfinished=list(range(spec.world_size)))
-            keep = {out_w.fileno(), res_w.fileno()}
-            close_in_child = [fd for fd in all_fds if fd not in keep] if fork else []
-            if fork and rank != 0:
-                close_in_child.append(rendezvous.fd_for_rank0)
-            proc = ctx.Process(target=_child.main, args=(rank, spec, out_w, res_w, close_in_child),
-                               name=f"distlab-rank-{rank}")
-            ranks.append(RankStatus(rank, proc, out_r, res_r))
-            proc.start()
-    finally:
-        for rank, ((out_r, out_w), (res_r, res_w)) in enumerate(pipes):
-            out_w.close()                          # the parent keeps only the read ends of started ranks
-            res_w.close()
-            if rank >= len(ranks):
-                out_r.close()
-                res_r.close()
+    with _STARTING:
+        pipes = [(ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)) for _ in range(spec.world_size)]
+        fork = rendezvous.fd_for_rank0 is not None
+        all_fds = [c.fileno() for pair in pipes for p in pair for c in p]
+        try:
+            for rank, ((out_r, out_w), (res_r, res_w)) in enumerate(pipes):
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"the deadline passed while starting the ranks ({rank} of "
+                                      f"{spec.world_size} started): use fewer ranks or a larger timeout",
+                                      unfinished=list(range(spec.world_size)))
+                keep = {out_w.fileno(), res_w.fileno()}
+                close_in_child = [fd for fd in all_fds if fd not in keep] + sorted(_LIVE_FDS) if fork else []
+                if fork and rank != 0:
+                    close_in_child.append(rendezvous.fd_for_rank0)
+                proc = ctx.Process(target=_child.main, args=(rank, spec, out_w, res_w, close_in_child),
+                                   name=f"distlab-rank-{rank}")
+                ranks.append(RankStatus(rank, proc, out_r, res_r))
+                proc.start()
+                _LIVE_FDS.update((out_r.fileno(), res_r.fileno(), proc.sentinel))
+        finally:
+            for rank, ((out_r, out_w), (res_r, res_w)) in enumerate(pipes):
+                out_w.close()                      # the parent keeps only the read ends of started ranks
+                res_w.close()
+                if rank >= len(ranks):
+                    out_r.close()
+                    res_r.close()
     rendezvous.started()
+
+
+def _forget(ranks: list[RankStatus]) -> None:
+    """This launch's descriptors are about to close: later ranks of other launches need not close them."""
+    with _STARTING:
+        for r in ranks:
+            if r.process._popen is not None:
+                _LIVE_FDS.discard(r.process.sentinel)
+            for conn in (r.out_conn, r.result_conn):
+                if not conn.closed:
+                    _LIVE_FDS.discard(conn.fileno())
 
 
 def _collect(ranks: list[RankStatus], supervisor: Supervisor, output: str, timeout: float,
