@@ -9,7 +9,8 @@
 
 Checkpoints (every strategy; see `distlab.checkpoint`): ``checkpoint_dir=..., checkpoint_every=k``
 saves every k steps and at the end (``keep_last=n`` keeps the newest n); ``resume=True`` continues from
-the latest complete checkpoint, bit-exact; ``fail_at_step=s`` kills a rank on purpose (lessons, tests).
+the newest checkpoint that verifies, bit-exact (a damaged newer one is skipped, and named);
+``fail_at_step=s`` kills a rank on purpose (lessons, tests).
 
 A strategy is a ``train_rank(spec)`` function (`distlab.strategies`), run on every rank by
 `dl.launch`; ``single`` runs right here on one process and is the reference every strategy must match
@@ -18,6 +19,7 @@ loop, `distlab.strategies.loop`.
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -81,6 +83,7 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
         tr = tracer()
         mark = len(tr.export())
         result = train_rank(spec)
+        _print_notes([result])
         trace = Trace.merge({0: tr.export()[mark:]})
         return Report(spec, 1, result.losses, result.params, None, [result.info.get("memory", {})],
                       [result.info.get("comm", {})], [result], time.perf_counter() - start, trace)
@@ -89,6 +92,7 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
     from .launch import launch
     run = launch(train_rank, world_size=world_size, args=(spec,), output=output, timeout=timeout)
     results: list[RankResult] = run.results
+    _print_notes(results)
     holder = next((r for r in results if r.losses is not None), None)
     if holder is None:
         raise RuntimeError(f"strategy {strategy!r} returned no losses on any rank")
@@ -105,3 +109,10 @@ def _check_mesh(spec: TrainSpec, world_size: int) -> None:
         degrees = parse(spec.strategy, spec.options)
         Mesh(degrees["dp"], degrees["tp"], degrees["pp"], world_size=world_size, groups=False)
 
+
+
+def _print_notes(results: list[RankResult]) -> None:
+    """What the ranks' checkpoint side has to say (a damaged checkpoint skipped on resume), once."""
+    for note in dict.fromkeys(r.info.get("checkpoint", {}).get("note") for r in results):
+        if note:
+            print(f"distlab: {note}", file=sys.stderr, flush=True)

@@ -36,6 +36,15 @@ on 4 ranks -> ZeRO-1 on 3; tp on 2 -> ``3d:dp=2,tp=1,pp=2`` on 4; anything -> ``
 the new layout. The run then equals the uninterrupted one up to the rounding of a different
 reduction order (not bit for bit).
 
+What can go wrong, and what happens then:
+
+* ``resume=True`` (or ``"latest"``) resumes from the newest checkpoint that *verifies* (manifest readable,
+  every shard's size and sha256 as recorded); a damaged newer one is skipped and named on stderr. Step
+  folders of which none verifies are a refusal, never a silent fresh start that would overwrite them.
+* Every save carries the run's id in its manifest and in every shard: a shard of another run is refused.
+* One training run at a time per directory: rank 0 holds an exclusive lock (``.lock``) for the run, and
+  the directory is checked writable before any rank starts.
+
 Fault injection (for tests and lessons): ``fail_at_step=s`` kills ``fail_rank`` (default: the last
 rank) with SIGKILL, either at the start of step s (``fail_in="step"``) or in the middle of saving
 checkpoint s, after its shard is written but before the commit (``fail_in="save"``).
@@ -45,7 +54,6 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
-import sys
 import uuid
 from pathlib import Path
 
@@ -94,6 +102,7 @@ class Checkpointer:
             self._check_fault_injection()
         check_options(o)
         self.run_id: str | None = None
+        self.note: str | None = None
         self._lock = lock(self.directory) if self.directory is not None and rank() == 0 else None
 
     def _check_fault_injection(self) -> None:
@@ -115,8 +124,7 @@ class Checkpointer:
             step, problem, note = _broadcast(_newest_verified(self.directory) if rank() == 0 else None)
             if problem:
                 raise store.CheckpointError(problem)
-            if note and rank() == 0:
-                print(f"distlab: {note}", file=sys.stderr, flush=True)
+            self.note = note                                 # dl.train prints it, and the report keeps it
             if step is None:
                 return 0, []
         else:
@@ -188,7 +196,8 @@ class Checkpointer:
             _HELD.pop(str(Path(self.directory).resolve()), None)
             self._lock.close()
             self._lock = None
-        return {"checkpoint": {"resumed_from": start or None, "saved": list(self.saved)}}
+        note = {"note": self.note} if self.note else {}
+        return {"checkpoint": {"resumed_from": start or None, "saved": list(self.saved), **note}}
 
 
 class NoCheckpoints:
