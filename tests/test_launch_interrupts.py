@@ -47,6 +47,18 @@ if mode == "early":            # Ctrl-C at many moments of the first ~60 ms of a
             caught += 1
         timer.join()
     print(json.dumps({"caught": caught, "children": child_pids(), "fds": sorted(open_fds() - fds)}))
+elif mode == "soak":           # Ctrl-C at random moments of many launches of 1 to 3 ranks
+    import random
+    rng, caught, n = random.Random(0), 0, int(arg)
+    for i in range(n):
+        timer = threading.Timer(rng.uniform(0, 0.15), os.kill, (os.getpid(), signal.SIGINT))
+        try:
+            timer.start()
+            dl.launch(sleeps, rng.choice([1, 2, 3]), args=(30, False), output="quiet", timeout=60)
+        except KeyboardInterrupt:
+            caught += 1
+        timer.join()
+    print(json.dumps({"caught": caught, "children": child_pids(), "fds": sorted(open_fds() - fds)}))
 elif mode == "twice":          # a second Ctrl-C while the first one's shutdown waits for the ranks
     for delay in (1.5, 2.0):
         threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)).start()
@@ -125,6 +137,13 @@ def test_ctrl_c_in_the_first_milliseconds_is_never_swallowed_and_leaves_nothing(
     report, left = _run_script("early", 15)
     assert report["caught"] == 15, "an interrupt was swallowed"
     assert report["children"] == [] and report["fds"] == [], report
+    assert left == []
+
+
+@pytest.mark.skipif(not os.environ.get("DISTLAB_SOAK"), reason="a soak: set DISTLAB_SOAK=1 (about 15 s)")
+def test_soak_100_launches_interrupted_at_random_moments_leave_nothing():
+    report, left = _run_script("soak", 100)
+    assert report == {"caught": 100, "children": [], "fds": []}
     assert left == []
 
 
