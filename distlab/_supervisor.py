@@ -3,7 +3,8 @@
 One loop in the calling thread waits on every rank's output pipe, result pipe and process
 sentinel at once (no helper threads: a Jupyter kernel has enough of those). It ends when every
 rank has exited, when the first failure's grace window closes, or when the deadline passes; in
-every case `shutdown` terminates, kills and reaps whatever is left.
+every case `shutdown` terminates, kills and reaps whatever is left: each rank's process group, so
+what a rank started goes too, with Ctrl-C held back until it is done (`interrupts_deferred`).
 """
 from __future__ import annotations
 
@@ -245,7 +246,7 @@ def interrupts_deferred():
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)  # None: set in C
         if caught:
             signal.raise_signal(signal.SIGINT)   # to the handler that was there before (KeyboardInterrupt)
 
