@@ -81,7 +81,7 @@ class MoE(nn.Module):
         self.balance_loss = torch.zeros(())
 
     def route(self, x: torch.Tensor):
-        """x (T, h) -> (probs (T, E), weight (T, k), the `dispatch.Dispatch`): who goes where, who is dropped."""
+        """x (T, h) -> (probs (T, E), weight (T, k), `dispatch.Dispatch`): who goes where, who is dropped."""
         probs, expert, weight = self.router(x)
         return probs, weight, D.plan(expert, self.experts, self.capacity_factor, self.group)
 
