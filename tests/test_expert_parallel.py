@@ -67,7 +67,22 @@ def _layer_checks() -> dict:
     want = torch.cat([torch.full((recv[i], 5), float(i)) for i in range(n)])
     out["bytes"] = (torch.equal(got, want), event.sent == (sum(send) - send[r]) * 20,
                     event.received == (sum(recv) - recv[r]) * 20)
+    out["balanced"] = _balanced_all_to_all()
     return out
+
+
+def _balanced_all_to_all() -> list[tuple[int, int]]:
+    """(sent, received) of the 4 all-to-alls of one forward and backward, with routing balanced by
+    construction: 8 tokens per rank, token t's choices t mod E then t+1 mod E, nothing dropped."""
+    r = dl.rank()
+    layer = dl.ep.MoE(H, F, E, top_k=2, capacity_factor=1.0, group=None)
+    with torch.no_grad():
+        layer.router.gate.weight.copy_(10 * torch.eye(E, H))
+    t = torch.arange(8 * r, 8 * r + 8)
+    x = 2.0 * torch.nn.functional.one_hot(t % E, H) + torch.nn.functional.one_hot((t + 1) % E, H)
+    mark = len(dl.tracer().events())
+    layer(x.float().requires_grad_()).sum().backward()
+    return [(e.sent, e.received) for e in dl.tracer().events()[mark:] if e.name == "all_to_all"]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -83,6 +98,9 @@ def test_expert_parallel_moe_equals_one_process(world):
                 assert got[key] < 1e-6, (r, top_k, key, got[key])
             assert got["a2a_bytes"], (r, top_k)       # dispatch, combine, their backwards: exact bytes
         assert "divisible by the expert-parallel group size" in res["error"]
+        one = dl.theory.moe_all_to_all_bytes(tokens=8, hidden=H, top_k=2, ep=world)     # k T h b (n-1)/n
+        assert res["balanced"] == [(one, one)] * 4
+        assert sum(s for s, _ in res["balanced"]) == dl.theory.moe_step_all_to_all_bytes(8, H, 2, world, 1)
         assert res["bytes"] == (True, True, True), r
 
 
@@ -145,10 +163,8 @@ def test_train_ep_matches_single(world, batch, accum):
     for name, want in ref.params.items():
         err = (report.params[name] - want).norm().item()
         assert err <= 1e-5 * want.norm().item() + 1e-7, (name, err)
-    cfg = dl.models.PRESETS["gpt-moe-tiny"]
-    h, f = cfg.d_model, cfg.mlp_ratio * cfg.d_model
-    per_layer = (2 * h * f + f + h) * cfg.experts * 4                  # fp32 bytes of one layer's experts
-    assert all(r.info["expert_param_bytes"] == cfg.layers * per_layer // world for r in report.results)
+    experts = _theory_params().experts                                  # fp32 bytes, 1/n of them per rank
+    assert all(r.info["expert_param_bytes"] == experts * 4 // world for r in report.results)
     assert report.comm[0]["sent_by_op"]["all_to_all"] > 0
 
 
@@ -184,3 +200,28 @@ def test_bad_input_says_what_to_change():
     with pytest.raises(ValueError, match="capacity_factor"):
         dl.ep.MoE(8, 16, 4, capacity_factor=0, group=dl.ep.LOCAL)
     assert math.isfinite(dl.ep.capacity(10, 4, 2, 1.25))
+
+
+# -- theory (`dl.theory.moe`) against the model and the papers' formulas ----------------------------
+def _theory_params():
+    cfg = dl.models.PRESETS["gpt-moe-tiny"]
+    return dl.theory.gpt_moe_params(cfg.vocab, cfg.seq_len, cfg.d_model, cfg.layers, cfg.experts, cfg.top_k,
+                                    ffn=cfg.mlp_ratio * cfg.d_model, tied=cfg.tied)
+
+
+def test_theory_counts_the_moe_gpt_parameters():
+    """Total = the model's parameter count; experts = the Experts modules'; active = total minus the
+    (E - k) unused experts of every layer; with E = k = 1 it is the dense GPT's count plus the router."""
+    model, p, cfg = dl.models.build("gpt-moe-tiny"), _theory_params(), dl.models.PRESETS["gpt-moe-tiny"]
+    assert p.total == sum(q.numel() for q in model.parameters())
+    assert p.experts == sum(q.numel() for q in dl.ep.expert_params(model)) and p.dense + p.experts == p.total
+    one = dl.theory.moe.expert_params(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+    assert p.active == p.total - cfg.layers * (cfg.experts - cfg.top_k) * one
+    assert dl.theory.moe_layer_params(2, 4, 4, 2) == (4 * 22 + 8, 2 * 22 + 8)     # 2hf + f + h = 22
+    V, S, h, L = 64, 32, 16, 3
+    dense = V * h + S * h + L * (12 * h * h + 13 * h) + 2 * h + h * V           # models.py's closed form
+    assert dl.theory.gpt_moe_params(V, S, h, L, experts=1, top_k=1).total == dense + L * h
+    assert dl.theory.ep_params_per_rank(p, 2) == p.dense + p.experts / 2
+    assert dl.theory.ep_memory(p, 1) == 16 * p.total and dl.theory.ep_memory(p, 4) < dl.theory.ep_memory(p, 2)
+    for tokens, experts, k, cf in [(13, 4, 1, 1.0), (13, 4, 2, 0.75), (64, 8, 2, 1.25)]:
+        assert dl.theory.expert_capacity(tokens, experts, k, cf) == router.capacity(tokens, experts, k, cf)
