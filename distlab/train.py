@@ -96,6 +96,9 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
 
 def _check_mesh(spec: TrainSpec, world_size: int) -> None:
     """A 3D mesh whose degrees do not multiply to the world size fails here, before any rank starts."""
+    if spec.strategy == "ep":
+        from .strategies.expert import check
+        check(spec, world_size)
     if spec.strategy.startswith("3d:"):
         from .parallel.mesh import Mesh
         from .strategies.mesh import parse

@@ -8,6 +8,7 @@ can put a prediction beside a measurement. One idea per module:
   activations  Korthikanti et al. 2022 activation memory; pipeline in-flight microbatches
   offload      DeepSpeed's CPU-offload estimators
   comm         alpha-beta collective times, nccl-tests algbw/busbw, per-step volumes
+  moe          mixture of experts: total vs active parameters, expert-parallel memory, all-to-all bytes
   pipeline     bubble fractions of GPipe, 1F1B, interleaved, ZB-H1/H2, DualPipe
   throughput   6 N D FLOPs, MFU, training time, scaling efficiency
   presets      GPT-3 / Llama models, GPUs, interconnects
@@ -16,6 +17,8 @@ can put a prediction beside a measurement. One idea per module:
 from distlab.theory.activations import activation_bytes_per_layer, pipeline_in_flight
 from distlab.theory.comm import algbw, busbw, comm_time, dp_volume, pp_volume, tp_volume, zero_volume
 from distlab.theory.memory import MemoryBreakdown, bytes_per_param, memory, shard_numel
+from distlab.theory.moe import (MoEParams, ep_memory, ep_params_per_rank, expert_capacity, gpt_moe_params,
+                                moe_all_to_all_bytes, moe_layer_params, moe_step_all_to_all_bytes)
 from distlab.theory.offload import OffloadEstimate, zero2_offload, zero3_offload
 from distlab.theory.params import gpt_params, transformer_params
 from distlab.theory.pipeline import bubble, bubble_time
@@ -32,4 +35,6 @@ __all__ = [
     "transformer_params", "bubble", "bubble_time", "Advice", "Plan", "advise", "cheapest_plan", "fits",
     "GPUS", "LINKS", "MODELS", "gpu", "link", "model", "chinchilla_tokens", "mfu", "scaling_efficiency",
     "throughput", "training_flops", "training_time", "GB", "GiB", "MB", "MiB",
+    "MoEParams", "ep_memory", "ep_params_per_rank", "expert_capacity", "gpt_moe_params",
+    "moe_all_to_all_bytes", "moe_layer_params", "moe_step_all_to_all_bytes",
 ]
