@@ -28,6 +28,7 @@ _LAZY = {
     "checkpoint": (".checkpoint", None),
     "tp": (".parallel.tensor", None),
     "pp": (".parallel.pipeline", None),
+    "cp": (".parallel.context", None),
     "NaiveDDP": (".parallel.data", "NaiveDDP"),
     "DDP": (".parallel.data", "DDP"),
     "ZeRO": (".parallel.zero", "ZeRO"),

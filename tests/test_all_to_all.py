@@ -13,7 +13,7 @@ import distlab as dl
 
 WORLDS = [1, 2, 3, 4, 8] + [pytest.param(n, marks=pytest.mark.slow) for n in (5, 6, 7)]
 MULTI = [n for n in WORLDS if not isinstance(n, int) or n > 1]
-TRACED_ROWS = 7              # rows per block of the traced call (float64, 3 columns): a size no other call has
+TRACED_ROWS = 7              # rows per block of the traced call (float64, 3 columns): a size of its own
 
 
 def _splits(n: int, seed: int) -> list[list[int]]:

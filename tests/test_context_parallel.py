@@ -1,0 +1,161 @@
+"""dl.cp: ring attention and Ulysses equal plain attention on the gathered sequence, forward and backward.
+
+One launch per world size (2, 3, 4) runs every case: both attentions x causal or not x zig-zag or
+contiguous. Every rank draws the same full q, k, v, computes the reference in float64 on the whole
+sequence, and checks its own float32 rows and gradients against the reference's rows (`dl.cp.split`).
+Tolerance: |got - want| <= ATOL + RTOL |want|, fp32 rounding of O(1) values over a few dozen terms
+(the observed error is ~1e-6).
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import distlab as dl
+
+ATOL, RTOL = 2e-5, 1e-5
+WORLDS = [2, 3, 4]
+CASES = [(attn, causal, zigzag) for attn in ("ring", "ulysses") for causal in (True, False)
+         for zigzag in (True, False)]
+
+
+def _shape(n: int) -> tuple[int, int, int, int]:
+    """(batch, heads, seq, head_dim): heads divisible by n (Ulysses), seq by 2n (zig-zag), chunks of 3."""
+    return 2, 2 * n, 6 * n, 4
+
+
+def _reference(q, k, v, causal):
+    """Plain attention in float64 on the whole sequence: (out, (dq, dk, dv)) for loss = sum(out * w)."""
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    s = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    out = torch.softmax(s, -1) @ v
+    return out, (q, k, v)
+
+
+def _case(attn: str, causal: bool, zigzag: bool, seed: int) -> list[str]:
+    n = dl.world_size()
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, w = (torch.randn(_shape(n), generator=g) for _ in range(4))     # the same on every rank
+    out, leaves = _reference(q, k, v, causal)
+    grads = torch.autograd.grad((out * w.double()).sum(), leaves)
+
+    mine = [dl.cp.split(t, dim=2, zigzag=zigzag).clone().requires_grad_() for t in (q, k, v)]
+    fn = dl.cp.ring_attention if attn == "ring" else dl.cp.ulysses_attention
+    got = fn(*mine, causal=causal, zigzag=zigzag)                           # (B, H, s/n, D)
+    (got * dl.cp.split(w, dim=2, zigzag=zigzag)).sum().backward()
+    label = f"rank {dl.rank()}: {attn} causal={causal} zigzag={zigzag}"
+    bad = []
+    for name, a, b in [("out", got, out)] + [(f"d{x}", t.grad, gr) for x, t, gr in zip("qkv", mine, grads)]:
+        want = dl.cp.split(b.float(), dim=2, zigzag=zigzag)
+        if a is None or a.dtype != torch.float32 or not torch.allclose(a, want, atol=ATOL, rtol=RTOL):
+            err = None if a is None else (a - want).abs().max().item()
+            bad.append(f"{label}: {name} differs (max error {err})")
+    if not torch.allclose(dl.cp.unsplit(got, dim=2, zigzag=zigzag), out.float(), atol=ATOL, rtol=RTOL):
+        bad.append(f"{label}: unsplit output differs from the full attention")
+    return bad
+
+
+def _layouts() -> list[str]:
+    """split/unsplit: the chunks each rank holds, and the round trip on other dims."""
+    r, n = dl.rank(), dl.world_size()
+    bad = []
+    x = torch.arange(4 * n * 3 * 2).view(2, 4 * n, 3)                        # sequence on dim 1
+    chunks = x.chunk(2 * n, 1)
+    if not torch.equal(dl.cp.split(x, dim=1), torch.cat([chunks[r], chunks[2 * n - 1 - r]], 1)):
+        bad.append(f"rank {r}: zig-zag split is not chunks r and 2n-1-r")
+    if not torch.equal(dl.cp.split(x, dim=1, zigzag=False), x.chunk(n, 1)[r]):
+        bad.append(f"rank {r}: contiguous split is not chunk r")
+    for zigzag in (True, False):
+        for dim in (1, -2):
+            if not torch.equal(dl.cp.unsplit(dl.cp.split(x, dim, zigzag=zigzag), dim, zigzag=zigzag), x):
+                bad.append(f"rank {r}: unsplit(split(x, dim={dim}, zigzag={zigzag})) != x")
+    return bad
+
+
+def _bad_input() -> list[str]:
+    """Errors raised inside ranks, with what to change."""
+    n = dl.world_size()
+    bad = []
+    cases = [(lambda: dl.cp.split(torch.ones(1, 1, 2 * n + 1, 2)), "multiple of 2 x cp"),
+             (lambda: dl.cp.split(torch.ones(1, 1, n + 1, 2), zigzag=False), f"multiple of cp = {n}"),
+             (lambda: dl.cp.ring_attention(*[torch.ones(1, 1, 3, 2)] * 3), "zigzag=False"),
+             (lambda: dl.cp.ulysses_attention(*[torch.ones(1, n + 1, 2, 2)] * 3), "heads must be a multiple"),
+             (lambda: dl.cp.ring_attention(torch.ones(1, 1, 2, 2), torch.ones(1, 1, 4, 2),
+                                           torch.ones(1, 1, 2, 2)), "same shape")]
+    for call, message in cases:
+        try:
+            call()
+            bad.append(f"no error (wanted {message!r})")
+        except ValueError as e:
+            if message not in str(e):
+                bad.append(f"unclear error {e} (wanted {message!r})")
+    return bad
+
+
+def _traced() -> None:
+    """Ring attention and Ulysses forward and backward on local parts of 2n tokens (batch 1: a shape no
+    other call has), for the trace."""
+    n = dl.world_size()
+    q, k, v = (torch.randn(1, 2 * n, 2 * n, 4, requires_grad=True) for _ in range(3))
+    dl.cp.ring_attention(q, k, v).sum().backward()
+    dl.cp.ulysses_attention(q, k, v).sum().backward()
+
+
+def _everything() -> dict:
+    _traced()
+    dl.tracer().enabled = False
+    problems = [p for i, case in enumerate(CASES) for p in _case(*case, seed=i)]
+    return {"attention": problems, "layout": _layouts(), "errors": _bad_input()}
+
+
+@functools.lru_cache(maxsize=None)
+def _run(n: int):
+    return dl.launch(_everything, world_size=n, timeout=300)
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_attention_equals_full_attention_forward_and_backward(n):
+    assert [p for res in _run(n).results for p in res["attention"]] == []
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_split_and_unsplit(n):
+    assert [p for res in _run(n).results for p in res["layout"]] == []
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_bad_input_is_explained(n):
+    assert [p for res in _run(n).results for p in res["errors"]] == []
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_ring_and_ulysses_traffic(n):
+    """Ring: K/V n-1 hops forward; backward K/V again (n-1 hops) and dK/dV (n hops, the last one home),
+    each hop 2 x (s/n) x H x D floats.
+    Ulysses: all-to-alls of q,k,v and of the output forward, and their gradients backward."""
+    trace = _run(n).trace
+    block = 2 * (2 * n) * (2 * n) * 4 * 4           # (2, B=1, H=2n, s/n=2n, D=4) float32
+    for r in range(n):
+        hops = trace.comms(rank=r, op="ring_shift")
+        assert len(hops) == 3 * n - 2 and all(e.sent == e.received == block for e in hops)
+        calls = {e.args["call"] for e in trace.comms(rank=r, op="all_to_all")}
+        assert len(calls) == 4                                  # qkv and out, forward and backward
+        qkv = 3 * (2 * n) * (2 * n) * 4 * 4                       # (3, 1, 2n, s/n=2n, 4) float32
+        assert trace.bytes_sent(rank=r, op="all_to_all", size=qkv) == 2 * (n - 1) * qkv // n
+
+
+def test_one_rank_is_plain_attention_and_errors_name_the_fix():
+    q, k, v = (torch.randn(1, 2, 6, 4) for _ in range(3))
+    for causal in (True, False):
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        assert torch.allclose(dl.cp.ring_attention(q, k, v, causal=causal), want, atol=1e-6)
+        assert torch.allclose(dl.cp.ulysses_attention(q, k, v, causal=causal), want, atol=1e-6)
+    assert torch.equal(dl.cp.unsplit(dl.cp.split(q)), q)
+    with pytest.raises(ValueError, match=r"multiple of 2 x cp = 2 .*zigzag=False"):
+        dl.cp.ring_attention(*[torch.ones(1, 1, 3, 2)] * 3)
+    with pytest.raises(ValueError, match="batch, heads, local_seq, head_dim"):
+        dl.cp.ring_attention(*[torch.ones(3, 2)] * 3)
