@@ -6,7 +6,7 @@ named by their degrees, ``"3d:dp=2,tp=2,pp=2"``, and all share the ``"3d"`` entr
 
 Reading order: `base` (the spec, the data, the result), `loop` (THE step loop every strategy runs), then
 one file per family, each only building the model, the criterion and the loop's `loop.Plan`:
-`data_parallel` (single, DDP, ZeRO), `tensor`, `pipeline`, `mesh` (3D).
+`data_parallel` (single, DDP, ZeRO), `tensor`, `pipeline`, `context` (cp-ring, cp-ulysses), `mesh` (3D).
 """
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ REGISTRY: dict[str, str] = {
     "pp-1f1b": "distlab.strategies.pipeline:train_rank",
     "pp-interleaved": "distlab.strategies.pipeline:train_rank",
     "pp-zb-h1": "distlab.strategies.pipeline:train_rank",
+    "cp-ring": "distlab.strategies.context:train_rank",
+    "cp-ulysses": "distlab.strategies.context:train_rank",
     "3d": "distlab.strategies.mesh:train_rank",
 }
 

@@ -7,6 +7,7 @@ Reading order:
     ring_attention.py   K/V blocks round a ring, partial softmaxes merged by log-sum-exp; dK/dV round
                         the ring backward (Liu et al. 2023)
     ulysses.py          all-to-all to a head split, local attention, all-to-all back (Jacobs et al. 2023)
+    gpt.py              parallelize(gpt): the GPT's attention swapped for either, positions per rank
 
     local = dl.cp.split(x, dim=2, group=None, zigzag=True)        # (B, H, s, D) -> (B, H, s/n, D)
     out = dl.cp.ring_attention(q, k, v, causal=True, group=None, zigzag=True)
@@ -17,8 +18,10 @@ Both attentions equal plain attention on the gathered sequence, forward and back
 only through `dl.comm` (``ring_shift``, ``all_to_all``) and `parallel/collectives.py` (unsplit's
 all-gather), which record every step; nothing here is labelled.
 """
+from .gpt import ContextParallelAttention, ContextParallelGPT, parallelize
 from .layout import chunk_ids, split, unsplit
 from .ring_attention import RingAttention, ring_attention
 from .ulysses import ulysses_attention
 
-__all__ = ["split", "unsplit", "ring_attention", "ulysses_attention", "RingAttention", "chunk_ids"]
+__all__ = ["split", "unsplit", "ring_attention", "ulysses_attention", "RingAttention", "chunk_ids",
+           "parallelize", "ContextParallelGPT", "ContextParallelAttention"]
