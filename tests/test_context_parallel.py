@@ -197,3 +197,41 @@ def test_train_refuses_what_it_cannot_split():
         context.check(TrainSpec("cp-ulysses"), 8)
     with pytest.raises(ValueError, match="GPT preset"):
         context.check(TrainSpec("cp-ring", model="mlp"), 2)
+
+
+# -- theory: the formulas of dl.theory.context against the papers and against the trace ----------------
+@pytest.mark.parametrize("n", WORLDS)
+def test_measured_bytes_equal_the_formula(n):
+    """The traced ring attention and Ulysses (fp32, batch 1, s = 2n x n, h = 2n heads x 4) send, per rank,
+    exactly what `dl.theory.cp_bytes_per_layer` predicts, forward plus backward."""
+    trace, s, h = _run(n).trace, 2 * n * n, 2 * n * 4
+    for r in range(n):
+        ring = dl.theory.cp_bytes_per_layer("ring", s, 1, h, n, bytes_per_element=4, grad_bytes_per_element=4)
+        assert trace.bytes_sent(rank=r, op="ring_shift") == ring["total"]
+        ulysses = dl.theory.cp_bytes_per_layer("ulysses", s, 1, h, n, bytes_per_element=4, heads=2 * n)
+        assert trace.bytes_sent(rank=r, op="all_to_all") == pytest.approx(ulysses["total"])
+
+
+def test_cp_formulas_follow_the_papers():
+    from distlab.theory import activation_bytes_per_layer, cp_activation_bytes_per_layer, cp_bytes_per_layer
+    s, b, h, a = 8192, 1, 4096, 32
+    # activations: Korthikanti Eq. 1, s b h (34 + 5 a s / h), split c ways (the s^2 term too)
+    for c in (1, 2, 8):
+        assert cp_activation_bytes_per_layer(s, b, h, a, cp=c) == s * b * h * (34 + 5 * a * s / h) / c
+    assert cp_activation_bytes_per_layer(s, b, h, a, cp=4, recompute="selective") == \
+        activation_bytes_per_layer(s, b, h, a, recompute="selective") / 4 == 34 * s * b * h / 4
+    # Ulysses: 4 N h / P per link forward (Jacobs et al. 2023, Sec. 3.2), times (P-1)/P: the own block stays
+    for p in (2, 4, 8, 16):
+        fwd = cp_bytes_per_layer("ulysses", s, b, h, p, bytes_per_element=1)["forward"]
+        assert fwd == pytest.approx(4 * s * h / p * (p - 1) / p)
+    # about constant when s and c grow together (the (c-1)/c factor aside); ring attention's grows with s
+    u = [cp_bytes_per_layer("ulysses", 1024 * c, b, h, c)["total"] for c in (8, 16, 32)]
+    r = [cp_bytes_per_layer("ring", 1024 * c, b, h, c)["total"] for c in (8, 16, 32)]
+    assert max(u) / min(u) < 1.2 and r[2] / r[0] > 3
+    # ring forward: K and V, 2 b s h / c elements, c-1 hops (Liu et al. 2023)
+    assert cp_bytes_per_layer("ring", s, b, h, 8, bytes_per_element=2)["forward"] == 2 * b * s * h * 7 / 8 * 2
+    assert cp_bytes_per_layer("ring", s, b, h, 1)["total"] == 0
+    with pytest.raises(ValueError, match="cp must divide"):
+        cp_bytes_per_layer("ulysses", 3 * 1024, b, h, 3, heads=32)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        cp_bytes_per_layer("stripes", s, b, h, 2)
