@@ -164,7 +164,8 @@ def test_one_rank_is_plain_attention_and_errors_name_the_fix():
 # -- dl.train(strategy="cp-ring" | "cp-ulysses") equals single on the same global batch ---------------
 TRAIN = dict(model="gpt-tiny", steps=2, seed=0, optimizer="sgd", lr=0.1, global_batch=8, grad_accum=2)
 TRAINED = [("cp-ring", 2, {}), ("cp-ring", 4, {}), ("cp-ring", 2, {"zigzag": False}), ("cp-ulysses", 2, {}),
-           ("cp-ulysses", 4, {}), ("cp-ulysses", 2, {"zigzag": True})]
+           ("cp-ulysses", 4, {}), ("cp-ulysses", 2, {"zigzag": True}), ("cp-ring", 4, {"dp": 2}),
+           ("cp-ulysses", 6, {"dp": 3})]                  # dp = 3: micro-batches of 4 rows split 2, 1, 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -184,6 +185,12 @@ def test_train_matches_single(strategy, world, options):
         assert err <= 1e-5 * want.norm().item() + 1e-7, (name, err / want.norm().item())
     assert report.results[0].info["zigzag"] == options.get("zigzag", strategy == "cp-ring")
     assert report.trace.comms(op="ring_shift" if strategy == "cp-ring" else "all_to_all")
+    dp = options.get("dp", 1)
+    assert (report.results[0].info["dp"], report.results[0].info["cp"]) == (dp, world // dp)
+    if dp > 1:                                 # attention talks inside each row of the (dp, cp) grid only
+        cp = world // dp
+        for e in report.trace.comms(op="ring_shift" if strategy == "cp-ring" else "all_to_all"):
+            assert e.rank // cp == e.args["peer"] // cp
 
 
 def test_train_refuses_what_it_cannot_split():
@@ -197,6 +204,9 @@ def test_train_refuses_what_it_cannot_split():
         context.check(TrainSpec("cp-ulysses"), 8)
     with pytest.raises(ValueError, match="GPT preset"):
         context.check(TrainSpec("cp-ring", model="mlp"), 2)
+    with pytest.raises(ValueError, match="dividing the world size 4"):
+        context.check(TrainSpec("cp-ring", options={"dp": 3}), 4)
+    assert context.check(TrainSpec("cp-ring", options={"dp": 2}), 8) == (2, 4, True)
 
 
 # -- theory: the formulas of dl.theory.context against the papers and against the trace ----------------
