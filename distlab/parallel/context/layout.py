@@ -1,8 +1,8 @@
 """How a sequence is laid out over the ranks of a context-parallel group, and gathered back.
 
 Contiguous: the sequence is cut into n chunks and rank r holds chunk r. Zig-zag: it is cut into 2n
-chunks and rank r holds chunk r and chunk 2n-1-r (Brandon et al. 2023 "Striped Attention" and the
-ring-flash-attention "zigzag" layout; Megatron-LM's context parallelism does the same):
+chunks and rank r holds chunk r and chunk 2n-1-r (the load balancing of Megatron-LM's context
+parallelism, and of Llama 3's, Dubey et al. 2024, Sec. 3.3.2):
 
     n = 4, contiguous          n = 4, zig-zag (8 chunks)
       r0: [0]                    r0: [0 | 7]
