@@ -207,6 +207,8 @@ def test_train_refuses_what_it_cannot_split():
     with pytest.raises(ValueError, match="dividing the world size 4"):
         context.check(TrainSpec("cp-ring", options={"dp": 3}), 4)
     assert context.check(TrainSpec("cp-ring", options={"dp": 2}), 8) == (2, 4, True)
+    with pytest.raises(ValueError, match="multiple of 2 x cp = 6"):        # before any rank starts
+        dl.train("cp-ring", world_size=3)
 
 
 # -- theory: the formulas of dl.theory.context against the papers and against the trace ----------------
