@@ -29,6 +29,7 @@ _LAZY = {
     "tp": (".parallel.tensor", None),
     "pp": (".parallel.pipeline", None),
     "ep": (".parallel.expert", None),
+    "cp": (".parallel.context", None),
     "NaiveDDP": (".parallel.data", "NaiveDDP"),
     "DDP": (".parallel.data", "DDP"),
     "ZeRO": (".parallel.zero", "ZeRO"),

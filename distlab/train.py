@@ -95,9 +95,13 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
 
 
 def _check_mesh(spec: TrainSpec, world_size: int) -> None:
-    """A 3D mesh whose degrees do not multiply to the world size fails here, before any rank starts."""
+    """A 3D mesh whose degrees do not multiply to the world size fails here, before any rank starts
+    (and so does a context- or expert-parallel run whose sequence, heads or experts do not split)."""
     if spec.strategy == "ep":
         from .strategies.expert import check
+        check(spec, world_size)
+    if spec.strategy in ("cp-ring", "cp-ulysses"):
+        from .strategies.context import check
         check(spec, world_size)
     if spec.strategy.startswith("3d:"):
         from .parallel.mesh import Mesh

@@ -6,7 +6,8 @@ named by their degrees, ``"3d:dp=2,tp=2,pp=2"``, and all share the ``"3d"`` entr
 
 Reading order: `base` (the spec, the data, the result), `loop` (THE step loop every strategy runs), then
 one file per family, each only building the model, the criterion and the loop's `loop.Plan`:
-`data_parallel` (single, DDP, ZeRO), `tensor`, `pipeline`, `expert` (ep), `mesh` (3D).
+`data_parallel` (single, DDP, ZeRO), `tensor`, `pipeline`, `context` (cp-ring, cp-ulysses), `expert` (ep),
+`mesh` (3D).
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ REGISTRY: dict[str, str] = {
     "pp-interleaved": "distlab.strategies.pipeline:train_rank",
     "pp-zb-h1": "distlab.strategies.pipeline:train_rank",
     "ep": "distlab.strategies.expert:train_rank",
+    "cp-ring": "distlab.strategies.context:train_rank",
+    "cp-ulysses": "distlab.strategies.context:train_rank",
     "3d": "distlab.strategies.mesh:train_rank",
 }
 
