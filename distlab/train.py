@@ -95,7 +95,11 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
 
 
 def _check_mesh(spec: TrainSpec, world_size: int) -> None:
-    """A 3D mesh whose degrees do not multiply to the world size fails here, before any rank starts."""
+    """A 3D mesh whose degrees do not multiply to the world size fails here, before any rank starts
+    (and so does an fsdp ``hsdp`` degree that does not divide it)."""
+    if spec.strategy == "fsdp":
+        from .strategies.fsdp import options
+        options(spec, world_size)
     if spec.strategy.startswith("3d:"):
         from .parallel.mesh import Mesh
         from .strategies.mesh import parse
