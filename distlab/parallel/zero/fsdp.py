@@ -166,7 +166,7 @@ def _adopt(root: FSDPUnit, inner: list[FSDPUnit]) -> None:
 
 def units(module: nn.Module) -> list[FSDPUnit]:
     """Every unit in ``module``'s tree (inner first); refuses a module fully_shard never touched."""
-    found = [m._fsdp for m in module.modules() if hasattr(m, "_fsdp")]
+    found = [m._fsdp for m in module.modules() if hasattr(m, "_fsdp")][::-1]     # modules(): root first
     if not found:
         raise ValueError(f"{type(module).__name__} has no fully_shard-ed part: call dl.fully_shard first")
     return found
