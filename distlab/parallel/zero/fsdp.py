@@ -59,6 +59,8 @@ def fully_shard(module: nn.Module, *, group=None, mesh=None, param_dtype=None, r
     device = next((p.device for p, _ in fresh), torch.device("cpu"))
     dtype = param_dtype or next((p.dtype for p, _ in fresh), torch.float32)
     params = [ShardedParam(p, slots, shard_comm.size, shard_comm.rank) for p, slots in fresh]
+    for _, _, p in replicated:
+        p._fsdp_whole = True                          # this unit all-reduces it; outer units leave it
     for (p, _), sp in zip(fresh, params):
         sp.install(sp.shard)
         p._fsdp_moved = True                          # the original: gone from the module
@@ -81,8 +83,8 @@ def _claim(module: nn.Module, replicate: list) -> tuple[list, list]:
     slots: dict[int, tuple] = {}
     for mname, m in module.named_modules():
         for name, p in m._parameters.items():
-            if p is None or getattr(p, "_fsdp_shard", False):
-                continue                                           # an inner unit's shard
+            if p is None or getattr(p, "_fsdp_shard", False) or getattr(p, "_fsdp_whole", False):
+                continue                                           # an inner unit's shard, or kept whole
             if getattr(p, "_fsdp_moved", False):
                 raise ValueError(f"{mname}.{name} is tied to a parameter an inner fully_shard already "
                                  "sharded: tied parameters must live in one unit (shard their common parent)")
