@@ -124,15 +124,19 @@ def _probe(cfg: dict) -> dict:
               for k, p in model.named_parameters()}
     units = [model.blocks[0]._fsdp, model.blocks[1]._fsdp, model._fsdp]
     assert sorted(map(id, fsdp.units(model))) == sorted(map(id, units))
-    seen = []
+    seen, used = [], []
     for block in model.blocks:                 # registered after fully_shard's hooks: runs after the free
-        block.register_forward_hook(lambda m, a, o: seen.append([len(u.gathered()) for u in units]))
+        block.up.register_forward_pre_hook(lambda m, a: used.append(m.weight))   # the gathered tensor
+        block.register_forward_hook(lambda m, a, o: seen.append([len(u.gathered()) for u in units]
+                                                                + [used[-1].untyped_storage().nbytes()]))
     ids, targets = _batch(0)
-    loss = _loss(model, ids, targets, 1)
-    after_forward = [len(u.gathered()) for u in units]
-    loss.backward()
+    for _ in range(2):                         # the second step knows the order: prefetches
+        loss = _loss(model, ids, targets, 1)
+        after_forward = [len(u.gathered()) for u in units]
+        loss.backward()
     after_backward = [len(u.gathered()) for u in units] + [len(model._fsdp.family.reducer.in_flight())]
-    return {"shards": shards, "seen": seen, "after_forward": after_forward, "after_backward": after_backward}
+    return {"shards": shards, "seen": seen, "after_forward": after_forward, "after_backward": after_backward,
+            "full_shape": tuple(used[0].shape)}
 
 
 def _bad_inputs() -> list[str]:
@@ -231,10 +235,14 @@ def _check_probe(probes: list[dict], n: int) -> None:
         assert sum(used for _, used in held) == 4 * p.numel(), name    # the shards tile the parameter
         assert max(used for _, used in held) == 4 * math.ceil(p.shape[0] / n) * p[0].numel()   # 1/N each
     for probe in probes:
-        # units: block 0, block 1, root. At the end of block i's forward its own parameters are freed;
-        # block 1 may be prefetched under block 0 (from the second forward), the root is gathered throughout
-        for i, held in enumerate(probe["seen"]):
-            assert held[i] == 0 and held[2] > 0, probe["seen"]
+        # at the end of block i's forward its own parameters are freed (the tensor it computed with too);
+        # the root is gathered throughout
+        # held: gathered parameters of (block 0, block 1, root), and the bytes left of the block's weight
+        for k, held in enumerate(probe["seen"]):
+            i = k % 2                                                  # block i, step k // 2
+            assert held[i] == 0 and held[3] == 0 and held[2] > 0, probe["seen"]
+        assert probe["seen"][2][1] > 0                                 # step 2: block 1 prefetched
+        assert probe["full_shape"] == (7, D)                           # what the block computed with: whole
         assert probe["after_forward"] == [0, 0, 0]                     # reshard_after_forward
         assert probe["after_backward"] == [0, 0, 0, 0]                 # freed, reduce-scatters retired
 

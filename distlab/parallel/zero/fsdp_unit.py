@@ -149,8 +149,11 @@ class FSDPUnit:
                                          for p in self.params)
 
     def gathered(self) -> list[torch.Tensor]:
-        """The gathered parameters allocated now (empty at rest)."""
-        return [p.full for p in self.params if p.full is not None and p.full.untyped_storage().nbytes()]
+        """What the unit holds gathered now: its full parameters, or the buffer of an all-gather in flight
+        (a prefetch); empty at rest."""
+        pending = [self._pending[0]] if self._pending is not None else []
+        return pending + [p.full for p in self.params
+                          if p.full is not None and p.full.untyped_storage().nbytes()]
 
     # -- hooks ------------------------------------------------------------------------------
     def pre_forward(self, module, args, kwargs):
