@@ -262,6 +262,9 @@ def test_train_fsdp_hsdp_checks_before_launch_and_matches_single():
     report = dl.train("fsdp", world_size=4, hsdp=2, **kw)
     assert report.losses == pytest.approx(ref.losses, rel=1e-6)
     assert _max_rel_err(report.params, ref.params) <= 1e-6
+    for r, result in enumerate(report.results):                 # the ledger measures the shards: 1/S each
+        assert report.memory[r]["peak"]["params"] == result.info["param_bytes"] > 0
+        assert report.memory[r]["peak"]["buffers"] > 0          # gathered units, gradients in flight
 
 
 def test_fsdp_checkpoint_resumes_exactly_and_reshards_to_and_from_other_strategies(tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..checkpoint.state import model_parallel_state
+from ..memory import fsdp_memory
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.zero import fsdp
 from ..parallel.zero.zero3 import default_units
@@ -81,7 +82,8 @@ def train_rank(spec: TrainSpec) -> RankResult:
     no_sync = (lambda: fsdp.no_sync(model)) if spec.options.get("no_sync", True) else None
     plan = Plan(_forward(spec, model, model, n, r), optimizer, state, loss_share=1 / n, no_sync=no_sync,
                 clip=lambda max_norm: clip_grad_norm_(params, max_norm, sharded=sharded,
-                                                      groups=[unit.shard_comm.group]))
+                                                      groups=[unit.shard_comm.group]),
+                memory=fsdp_memory(model, optimizer))
     trained = run(spec, plan)
     losses = sum_losses(trained.losses)
     full = fsdp.full_state_dict(model)
