@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import distlab as dl
+from distlab.cli import main
 from distlab.models import shard
 from distlab.parallel.zero import fsdp
 
@@ -254,9 +255,12 @@ def _check_bad(errors: list[str]) -> None:
     assert "build it *after* fully_shard" in errors[3], errors[3]
 
 
-def test_train_fsdp_hsdp_checks_before_launch_and_matches_single():
+def test_train_fsdp_hsdp_checks_before_launch_and_matches_single(capsys):
     with pytest.raises(ValueError, match="hsdp=2"):
         dl.train("fsdp", world_size=3, steps=1, hsdp=2)
+    argv = ["train", "--strategy", "fsdp", "--world-size", "2", "--model", "mlp", "--steps", "1",
+            "--hsdp", "2", "--param-dtype", "bf16", "--no-reshard-after-forward"]
+    assert main(argv) == 0 and "fsdp on 2 rank(s)" in capsys.readouterr().out
     kw = dict(model="mlp", steps=2, optimizer="sgd", lr=0.1, global_batch=8)
     ref = dl.train("single", **kw)
     report = dl.train("fsdp", world_size=4, hsdp=2, **kw)
