@@ -1,6 +1,16 @@
 """FSDP2: every parameter sharded on dim 0, gathered one module ("unit") at a time (Zhao et al. 2023,
 "PyTorch FSDP", and torch's ``fully_shard``, the per-parameter rewrite of it).
 
+    for block in model.blocks:
+        dl.fully_shard(block)                        # bottom-up: the blocks, then the root
+    dl.fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters())      # after sharding: the parameters are the shards
+    loss.backward(); opt.step()                      # .grad: this shard's averaged gradient (fp32)
+    dl.full_state_dict(model)                        # {name: full tensor}, on every rank
+
+This file is the public face (sharding a module, HSDP's groups, no_sync, the full state); the unit's
+machinery, what happens in forward and backward, is `fsdp_unit.py`.
+
 ZeRO-3 (`zero3.py`) flattens a unit into one padded buffer and owns the optimizer. ``fully_shard``
 keeps each parameter a parameter: rank r holds rows ``[r c, (r+1) c)`` of it, ``c = ceil(d0 / N)``,
 as an ordinary ``nn.Parameter`` registered where the original was, so any optimizer the user builds
@@ -28,6 +38,9 @@ all-gather and compute (the shards stay fp32 masters), ``reduce_dtype`` for the 
 
 Gradient accumulation: ``no_sync(module)`` (FSDP2's ``set_requires_gradient_sync(False)``) keeps the
 unsharded gradients of each unit summed locally (fp32), reduce-scattered by the next synced backward.
+
+Scalars (0-dim parameters) are kept whole, like ``replicate=``. Tied parameters must sit in one unit
+(a common parent): one shard then fills every slot. A unit's module is called once per forward.
 """
 from __future__ import annotations
 
