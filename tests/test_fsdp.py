@@ -107,6 +107,9 @@ def _train(cfg: dict) -> dict:
         ids, targets = shard(ids, r, n), shard(targets, r, n)
         for micro, rows in enumerate(torch.tensor_split(torch.arange(ids.shape[0]), accum)):
             quiet = fsdp.no_sync(model) if micro < accum - 1 else contextlib.nullcontext()
+            if cfg.get("switch"):                   # FSDP2's switch instead of the context
+                fsdp.set_requires_gradient_sync(model, micro == accum - 1)
+                quiet = contextlib.nullcontext()
             with quiet:
                 _loss(model, ids[rows], targets[rows], n).backward()      # weighted by its rows: sums right
         if step == 0:
@@ -198,7 +201,7 @@ RUNS = {
     2: [dict(), dict(opt="adamw"), dict(opt="mine"), dict(opt="sgd", fsdp=dict(reshard_after_forward=False),
                                                           accum=2),
         dict(fsdp=dict(param_dtype=torch.bfloat16)), dict(fsdp=dict(param_dtype=torch.float16))],
-    3: [dict(replicate=True, accum=2), dict(opt="adamw"), dict(opt="mine")],
+    3: [dict(replicate=True, accum=2), dict(opt="adamw"), dict(opt="mine", accum=3, switch=True)],
     4: [dict(), dict(fsdp=dict(mesh=(2, 2))), dict(opt="adamw", fsdp=dict(mesh=(2, 2)), replicate=True)],
 }
 
@@ -221,6 +224,9 @@ def test_fully_shard_equals_single_and_keeps_its_invariants(world):
                     assert all(torch.equal(a, b) for a, b in zip(mine, first))
         assert torch.equal(run.results[0]["runs"][i]["state"]["frozen.weight"], _net().frozen.weight)
     _check_probe([run.results[r]["probe"] for r in range(world)], world)
+    if world == 4:                             # HSDP: gathers and reduce-scatters inside a replica (a row
+        ops = {(e.name, e.args.get("group")) for e in run.trace.comms(rank=3)}   # of 2), all-reduce across
+        assert {("all_gather", "shard"), ("reduce_scatter", "shard"), ("all_reduce", "replicate")} <= ops, ops
     if world == 2:
         _check_bad(run.results[0]["bad"])
 
