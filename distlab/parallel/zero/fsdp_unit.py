@@ -132,9 +132,12 @@ class FSDPUnit:
     @torch.no_grad()
     def _copy_out(self, rows: torch.Tensor) -> None:
         for p, off in zip(self.params, self.offsets):
-            full = p.unpad(rows[:, off:off + p.chunk])
-            if p.full is None:
-                p.full = full.clone()                   # a fresh tensor for this forward
+            full = p.unpad(rows[:, off:off + p.chunk])     # a copy already, unless N = 1 or one parameter
+            if p.full is None:                             # a fresh tensor for this forward, its own storage
+                storage = full.untyped_storage()
+                own = storage.nbytes() == full.numel() * full.element_size() \
+                    and storage.data_ptr() != rows.untyped_storage().data_ptr()
+                p.full = full if own else full.clone()
             else:
                 _alloc(p.full)                          # backward: refill the storage autograd saved
                 p.full.data.copy_(full)
