@@ -34,6 +34,8 @@ _LAZY = {
     "DDP": (".parallel.data", "DDP"),
     "ZeRO": (".parallel.zero", "ZeRO"),
     "ShardedOptimizer": (".parallel.zero", "ShardedOptimizer"),
+    "fully_shard": (".parallel.zero", "fully_shard"),
+    "full_state_dict": (".parallel.zero", "full_state_dict"),
     "train": (".train", "train"),
     "Report": (".train", "Report"),
 }

@@ -6,8 +6,8 @@ named by their degrees, ``"3d:dp=2,tp=2,pp=2"``, and all share the ``"3d"`` entr
 
 Reading order: `base` (the spec, the data, the result), `loop` (THE step loop every strategy runs), then
 one file per family, each only building the model, the criterion and the loop's `loop.Plan`:
-`data_parallel` (single, DDP, ZeRO), `tensor`, `pipeline`, `context` (cp-ring, cp-ulysses), `expert` (ep),
-`mesh` (3D).
+`data_parallel` (single, DDP, ZeRO), `fsdp` (`dl.fully_shard`), `tensor`, `pipeline`, `context` (cp-ring,
+cp-ulysses), `expert` (ep), `mesh` (3D).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ REGISTRY: dict[str, str] = {
     "zero1": "distlab.strategies.data_parallel:train_rank",
     "zero2": "distlab.strategies.data_parallel:train_rank",
     "zero3": "distlab.strategies.data_parallel:train_rank",
+    "fsdp": "distlab.strategies.fsdp:train_rank",
     "tp": "distlab.strategies.tensor:train_rank",
     "tp-sp": "distlab.strategies.tensor:train_rank",
     "pp-gpipe": "distlab.strategies.pipeline:train_rank",
