@@ -4,13 +4,11 @@ unless told), with the user's own arguments (LAB_ARGS). The server is started ex
 from __future__ import annotations
 
 import os
-import queue
-import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -30,31 +28,39 @@ def _lab_command(lab_args: str) -> list[str]:
     return shlex.split(line)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listing(port: int, proc, deadline: float) -> str:
+    """The server's listing of the lesson folder, asked until it answers (or it exits, or time is up)."""
+    url = f"http://127.0.0.1:{port}/api/contents?token={TOKEN}"
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                return reply.read().decode()
+        except OSError:
+            time.sleep(0.5)                               # not listening yet
+    return ""
+
+
 @pytest.mark.skipif(not (Path(sys.prefix) / "bin" / "jupyter").exists() or not hasattr(os, "getuid"),
                     reason="needs JupyterLab in this environment (pip install -e '.[lab]')")
-def test_make_lab_serves_the_lessons_as_this_user_with_lab_args():
-    cmd = _lab_command(f"--no-browser --port=0 --ServerApp.token={TOKEN}")
+def test_make_lab_serves_the_lessons_as_this_user_with_lab_args(tmp_path):
+    port = _free_port()
+    cmd = _lab_command(f"--no-browser --ip=127.0.0.1 --port={port} --ServerApp.port_retries=0 "
+                       f"--ServerApp.token={TOKEN}")
     assert ("--allow-root" in cmd) == (os.getuid() == 0), cmd
     assert "--no-browser" in cmd and "--notebook-dir=notebooks" in cmd
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(ln) for ln in proc.stdout], daemon=True).start()
-    seen, port = [], None
+    log = tmp_path / "lab.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 90
-        while port is None and time.monotonic() < deadline and proc.poll() is None:
-            try:
-                seen.append(lines.get(timeout=1))
-            except queue.Empty:
-                continue
-            match = re.search(r"http://127\.0\.0\.1:(\d+)/lab", seen[-1])
-            port = match and match.group(1)
-        assert port, "JupyterLab did not start:\n" + "".join(seen[-20:])
-        url = f"http://127.0.0.1:{port}/api/contents?token={TOKEN}"
-        with urllib.request.urlopen(url, timeout=30) as reply:
-            listing = reply.read().decode()
-        assert "00_launch_and_collectives.ipynb" in listing        # it serves the lessons
+        listing = _listing(port, proc, time.monotonic() + 120)
+        assert "00_launch_and_collectives.ipynb" in listing, "JupyterLab did not serve the lessons:\n" + \
+            "".join(log.read_text().splitlines(keepends=True)[-20:])
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
