@@ -6,6 +6,10 @@
 # machine pass the CUDA build you want, e.g.  make lab TORCH="torch==2.13.0 --index-url <your CUDA wheel index>"
 
 PYTHON ?= python3
+# extra JupyterLab arguments, e.g.  make lab LAB_ARGS="--no-browser --port=8890"
+LAB_ARGS ?=
+# Jupyter refuses to run as root unless told; on a fresh root machine (a container, a cloud VM) say so
+ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root,)
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 BIN     = $(VENV)/bin
@@ -21,7 +25,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lab: $(STAMP)
-	$(BIN)/jupyter lab --notebook-dir=notebooks
+	$(BIN)/jupyter lab --notebook-dir=notebooks $(ROOT_ARGS) $(LAB_ARGS)
 
 test: $(STAMP) lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest --nbval tests notebooks

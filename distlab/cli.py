@@ -23,7 +23,8 @@ import sys
 
 def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model with a parallel strategy and print per-step losses")
-    p.add_argument("--strategy", default="single", help="single, ddp, zero1, zero2, zero3, tp, pp-1f1b, ...")
+    p.add_argument("--strategy", default="single",
+                   help="single, ddp, zero1, zero2, zero3, fsdp, tp, pp-1f1b, ...")
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks to launch (default 1; under torchrun, torchrun's WORLD_SIZE, "
                         "which it must equal)")
@@ -41,6 +42,12 @@ def _train_parser(sub) -> None:
     p.add_argument("--bucket-mb", type=float, default=None)
     p.add_argument("--no-overlap", action="store_true", help="communicate after backward, not during it")
     p.add_argument("--prefetch", action="store_true", help="ZeRO-3: gather the next unit early")
+    p.add_argument("--hsdp", type=int, default=None, metavar="R",
+                   help="fsdp: R replicas of (world / R) shards")
+    p.add_argument("--param-dtype", default=None, choices=["bf16", "fp16"],
+                   help="fsdp: gather and compute dtype")
+    p.add_argument("--no-reshard-after-forward", action="store_true",
+                   help="fsdp: keep the gathered parameters from forward to backward")
     p.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints here")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
                    help="save every K steps and at the end")
@@ -63,6 +70,11 @@ def _options(args) -> dict:
         opts["overlap"] = False
     if args.prefetch:
         opts["prefetch"] = True
+    for key in ("hsdp", "param_dtype"):
+        if getattr(args, key) is not None:
+            opts[key] = getattr(args, key)
+    if args.no_reshard_after_forward:
+        opts["reshard_after_forward"] = False
     for key in ("checkpoint_dir", "checkpoint_every", "keep_last"):
         if getattr(args, key) is not None:
             opts[key] = getattr(args, key)

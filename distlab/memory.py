@@ -12,9 +12,9 @@ Bytes are counted by distinct storage (`storage_bytes`): views into one flat buf
 padding included, so a ZeRO ledger is comparable with `dl.theory.memory` exactly. On CUDA each
 sample also carries the caching allocator's ``cuda_allocated`` and ``cuda_peak``.
 
-The algorithms carry no memory probes: `replica_memory` and `zero_memory` read a DDP or ZeRO rank's
-state from outside (storages, and the plain queries ``reducer.in_flight()`` and ``gathered()``),
-sampling transient buffers from a launch hook on the wrapper's collectives.
+The algorithms carry no memory probes: `replica_memory`, `zero_memory` and `fsdp_memory` read a DDP,
+ZeRO or FSDP rank's state from outside (storages, and the plain queries ``reducer.in_flight()`` and
+``gathered()``), sampling transient buffers from a launch hook on the wrapper's collectives.
 
     ledger = dl.memory.Ledger()
     with ledger.activations():              # count what autograd saves
@@ -113,6 +113,29 @@ def zero_memory(zero):
         return {"params": storage_bytes(params),
                 "grads": storage_bytes([*(p.grad for p in opt.params), *opt.grad_shards]),
                 "optimizer": optimizer_bytes(opt.optimizer, masters), "buffers": peak.take()}
+    return measure
+
+
+def fsdp_memory(model: nn.Module, optimizer):
+    """A callable returning the model states of a rank of a ``dl.fully_shard``-ed model, and its ``buffers``.
+
+    params: the shards (``model.parameters()`` at rest); grads: their ``.grad`` and any unsharded sums
+    kept under no_sync; optimizer: the user's optimizer's state; buffers: the most transient bytes
+    alive at once since the last call, gathered units (``unit.gathered()``, a prefetch in flight
+    included) and gradients waiting for their reduce-scatter, sampled after every collective launch.
+    """
+    units = [m._fsdp for m in model.modules() if hasattr(m, "_fsdp")]
+    reducer = units[0].family.reducer
+    peak = PeakBytes(lambda: [*reducer.in_flight(), *(t for u in units for t in u.gathered())])
+    comms = {id(c): c for u in units for c in (u.dp, u.shard_comm, u.replica_comm) if c is not None}
+    for comm in comms.values():
+        comm.register_launch_hook(peak.sample)
+
+    def measure() -> dict[str, int]:
+        params = list(model.parameters())
+        sums = [p.accum for u in units for p in u.params]
+        return {"params": storage_bytes(params), "grads": storage_bytes([*(p.grad for p in params), *sums]),
+                "optimizer": optimizer_bytes(optimizer), "buffers": peak.take()}
     return measure
 
 

@@ -6,6 +6,10 @@
   ``proj`` linears and infers its head count from ``q``'s output size, so `distlab.tp` can shard
   heads by replacing layers without touching this code. Parameter count (untied, with biases):
   ``V*h + S*h + L*(12h^2 + 13h) + 2h + h*V``.
+* `GPT` with ``experts > 0`` (preset ``gpt-moe-tiny``): each block's MLP becomes a mixture of experts
+  (`distlab.parallel.expert.moe.MoE`, all experts in this process): top-k softmax routing, a capacity
+  factor with token dropping, and the Switch load-balancing loss added to ``loss`` times ``aux_coef``
+  (Fedus et al. 2021, Eq. 4). ``GPT.aux_loss()`` is that term of the last forward.
 * `MLP`: a stack of Linear+GELU layers, the simplest model to shard.
 * `MarkovTokens`: token sequences from a seeded, low-entropy Markov chain: a model visibly learns it
   (loss falls from ln V towards the chain's entropy rate, `MarkovTokens.entropy`).
@@ -34,10 +38,17 @@ class GPTConfig:
     mlp_ratio: int = 4
     tied: bool = False
     bias: bool = True
+    experts: int = 0                 # > 0: a mixture-of-experts MLP in every block (E experts)
+    top_k: int = 2                   # experts per token (1: Switch, 2: GShard)
+    capacity_factor: float = 1.25    # slots per expert = ceil(capacity_factor * top_k * tokens / experts)
+    aux_coef: float = 0.01           # weight of the load-balancing loss in ``GPT.loss`` (Switch: 1e-2)
 
     def __post_init__(self):
         if self.d_model % self.heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by heads={self.heads}")
+        if self.experts:
+            from .parallel.expert.router import check
+            check(self.experts, self.top_k)
 
 
 #: Named sizes used by `dl.train(model=...)`, the CLI and the lessons.
@@ -45,6 +56,8 @@ PRESETS = {
     "gpt-tiny": GPTConfig(vocab=64, seq_len=32, d_model=64, heads=4, layers=2),
     "gpt-small": GPTConfig(vocab=256, seq_len=64, d_model=128, heads=8, layers=4),
     "gpt-wide": GPTConfig(vocab=128, seq_len=32, d_model=256, heads=8, layers=2),
+    "gpt-moe-tiny": GPTConfig(vocab=64, seq_len=32, d_model=32, heads=4, layers=2, mlp_ratio=2, experts=4,
+                              top_k=2, capacity_factor=1.25, aux_coef=0.01),
 }
 
 
@@ -101,7 +114,12 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg.d_model, cfg.heads, cfg.bias)
         self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = FeedForward(cfg.d_model, cfg.mlp_ratio, cfg.bias)
+        if cfg.experts:
+            from .parallel.expert import LOCAL, MoE      # every expert here: `dl.ep.parallelize` splits them
+            self.mlp = MoE(cfg.d_model, cfg.mlp_ratio * cfg.d_model, cfg.experts, cfg.top_k,
+                           cfg.capacity_factor, group=LOCAL)
+        else:
+            self.mlp = FeedForward(cfg.d_model, cfg.mlp_ratio, cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -135,7 +153,12 @@ class GPT(nn.Module):
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self(ids)
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten()) + self.aux_loss()
+
+    def aux_loss(self) -> torch.Tensor | float:
+        """``aux_coef`` times the load-balancing losses of the last forward's MoE layers (0 if dense)."""
+        moe = [b.mlp.balance_loss for b in self.blocks if hasattr(b.mlp, "balance_loss")]
+        return self.cfg.aux_coef * sum(moe) if moe else 0.0
 
 
 class MLP(nn.Module):

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .checkpoint import training as checkpointing
-from .strategies import RankResult, TrainSpec, check, load
+from .strategies import RankResult, TrainSpec, load
+from .strategies import check as check_strategy
 
 
 @dataclass
@@ -71,8 +72,8 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
                      lr=lr, optimizer=optimizer, weight_decay=weight_decay, grad_accum=grad_accum,
                      precision=precision, clip=clip, options={**(options or {}), **more_options})
     train_rank = load(strategy)
-    _check_mesh(spec, world_size)
-    check(spec, world_size)                             # pipeline stages, microbatches, options
+    _check_before_launch(spec, world_size)
+    check_strategy(spec, world_size)                    # pipeline stages, microbatches, options
     checkpointing.check_options(spec.options)           # resume=..., a writable checkpoint_dir
     start = time.perf_counter()
     if strategy == "single":
@@ -101,8 +102,19 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
                   [r.info.get("comm", {}) for r in results], results, time.perf_counter() - start)
 
 
-def _check_mesh(spec: TrainSpec, world_size: int) -> None:
-    """A 3D mesh whose degrees do not multiply to the world size fails here, before any rank starts."""
+def _check_before_launch(spec: TrainSpec, world_size: int) -> None:
+    """Layouts that cannot work on ``world_size`` ranks fail here, before any rank starts: a 3D mesh whose
+    degrees do not multiply to it, an fsdp ``hsdp`` degree that does not divide it, a context- or
+    expert-parallel run whose sequence, heads or experts do not split over it."""
+    if spec.strategy == "fsdp":
+        from .strategies.fsdp import options
+        options(spec, world_size)
+    if spec.strategy == "ep":
+        from .strategies.expert import check
+        check(spec, world_size)
+    if spec.strategy in ("cp-ring", "cp-ulysses"):
+        from .strategies.context import check
+        check(spec, world_size)
     if spec.strategy.startswith("3d:"):
         from .parallel.mesh import Mesh
         from .strategies.mesh import parse

@@ -73,8 +73,8 @@ def test_cli_checkpoints_and_resumes(tmp_path, capsys):
 
 # -- one loop, one clipper: every strategy equals single on the same global batch ----------------------
 SGD = dict(model="gpt-tiny", steps=2, seed=0, optimizer="sgd", lr=0.1, global_batch=8)
-EVERY = [("ddp", 2), ("zero1", 2), ("zero2", 2), ("zero3", 2), ("tp", 2), ("tp-sp", 2), ("pp-gpipe", 2),
-         ("pp-1f1b", 2), ("pp-interleaved", 2), ("pp-zb-h1", 2), ("3d:dp=2,tp=1,pp=2", 4)]
+EVERY = [("ddp", 2), ("zero1", 2), ("zero2", 2), ("zero3", 2), ("fsdp", 3), ("tp", 2), ("tp-sp", 2),
+         ("pp-gpipe", 2), ("pp-1f1b", 2), ("pp-interleaved", 2), ("pp-zb-h1", 2), ("3d:dp=2,tp=1,pp=2", 4)]
 
 
 def _assert_close_to(report, ref):

@@ -271,7 +271,10 @@ def _restore_local(model, opt, logical: dict, names_by_id: dict) -> None:
 
 
 def _block(t: torch.Tensor, lay: dict) -> torch.Tensor:
-    """This rank's tensor-parallel block of the full tensor ``t`` (``lay`` from `describe`)."""
+    """This rank's tensor-parallel block of the full tensor ``t`` (``lay`` from `describe`; explicit dim-0
+    ``rows`` [lo, hi) where the cut is not ``chunk``'s, as fsdp's uneven shards)."""
+    if lay.get("rows") is not None:
+        return t[lay["rows"][0]:lay["rows"][1]]
     return t if lay["dim"] is None else t.chunk(lay["tp_size"], lay["dim"])[lay["tp_rank"]]
 
 

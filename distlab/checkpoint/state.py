@@ -110,12 +110,14 @@ def flat_shard_state(model, opt, keeps_history: bool) -> RankState:
 
 # -- "model-parallel": each rank the tensors it holds, and where they sit ---------------------------
 def model_parallel_state(full_model, params: list, held, opt, *, loss_weight: bool, keeps_history: bool,
-                         replica_group=None, layout: dict | None = None) -> RankState:
+                         replica_group=None, layout: dict | None = None, described=None) -> RankState:
     """A tp / pp / 3d rank: ``params`` (the optimizer's, in its order) belong to ``held`` (this rank's
     stage(s) or tensor-parallel model) and are named as in ``full_model``. ``replica_group``: the ranks
     holding equal copies of ``held`` (3d's dp group; None: every rank holds different tensors). Under
-    ZeRO-1 over those replicas (``opt`` has ``.buckets``) each replica saves its own optimizer shard."""
-    described = reshard.describe(full_model, params, held)
+    ZeRO-1 over those replicas (``opt`` has ``.buckets``) each replica saves its own optimizer shard.
+    ``described``: the layout `reshard.describe` would give, from a strategy that cuts otherwise (fsdp:
+    dim-0 ``rows``)."""
+    described = described if described is not None else reshard.describe(full_model, params, held)
     sharded_opt = hasattr(opt, "buckets")
 
     def capture():

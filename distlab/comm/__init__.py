@@ -5,6 +5,8 @@
     dl.comm.ring_all_gather(shard, group=None)             # every rank's shard, in rank order
     dl.comm.broadcast(t, src=0, group=None)                # binomial tree
     dl.comm.naive_all_reduce(t, op="sum", group=None, root=0)   # through one root, to compare
+    dl.comm.all_to_all(t, splits=None, group=None)         # row block i to rank i; returns rank j's for me
+    dl.comm.ring_shift(t, group=None)                      # send to the next rank, return the previous one's
 
     dl.comm.pipelined_all_reduce / pipelined_reduce_scatter / pipelined_all_gather
                                                            # the same ring, fast: same arguments, same bits
@@ -16,10 +18,13 @@ Reading order:
   1. ``p2p.py``            the one primitive: post a send and a receive together, wait, record the step
   2. ``ring.py``           the textbook ring: N-1 plain exchange steps per phase (what lesson 01 draws)
   3. ``tree.py``, ``naive.py``   broadcast down a binomial tree; the all-reduce through one root, to compare
-  4. ``ring_pipelined.py`` the same ring made fast: chunks streamed in segments, receives posted ahead;
+  4. ``all_to_all.py``     every rank a different block for every other: N-1 pairwise-exchange steps
+                           (expert parallelism's dispatch, Ulysses' sequence <-> heads)
+  5. ``ring_pipelined.py`` the same ring made fast: chunks streamed in segments, receives posted ahead;
                            tested bit-identical to ``ring.py``
 """
-from .p2p import OPS, free_scratch
+from .p2p import OPS, free_scratch, ring_shift
+from .all_to_all import all_to_all
 from .naive import naive_all_reduce
 from .ring import ring_all_gather, ring_all_reduce, ring_bytes, ring_reduce_scatter
 from .ring_pipelined import pipelined_all_gather, pipelined_all_reduce, pipelined_reduce_scatter
@@ -27,4 +32,4 @@ from .tree import broadcast
 
 __all__ = ["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "pipelined_all_reduce",
            "pipelined_reduce_scatter", "pipelined_all_gather", "broadcast", "naive_all_reduce",
-           "ring_bytes", "free_scratch", "OPS"]
+           "all_to_all", "ring_shift", "ring_bytes", "free_scratch", "OPS"]

@@ -188,3 +188,23 @@ def exchange(ring: Ring, op_name: str, *, send: torch.Tensor | None = None, dst:
             sent=0 if send is None else send.numel() * send.element_size(),
             received=0 if recv is None else recv.numel() * recv.element_size(),
             peer=dst_g, src=src_g, step=step, call=call, size=size, world=ring.size, **info)
+
+
+def ring_shift(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Send ``t`` to the next rank of the ring and return what the previous rank sent (same shape, dtype).
+
+        r0 --t0--> r1 --t1--> r2 --t2--> r0         rank r returns t_(r-1)
+
+    One exchange, recorded as op ``"ring_shift"``; every rank passes the same shape. Ring attention
+    moves its K/V blocks (and their gradients) round the ring this way. One rank: returns ``t``.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+    ring = Ring.of(group)
+    if ring.size == 1:
+        return t
+    send = flat_view(t)
+    recv = torch.empty_like(send)
+    exchange(ring, "ring_shift", send=send, dst=ring.next, recv=recv, src=ring.prev, step=0,
+             call=new_call(), size=send.numel() * send.element_size())
+    return recv.view(t.shape)

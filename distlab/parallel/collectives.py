@@ -13,7 +13,8 @@ Two surfaces:
       comm = Collectives("torch"); h = comm.all_reduce(flat, async_op=True); ...; h.wait()
 
 * ``all_reduce(t, group)``, ``all_gather(shard, dim, group)``, ``reduce_scatter(t, dim, group)``,
-  ``split``: the shaped collectives of tensor parallelism, synchronous, torch.distributed.
+  ``split``, ``all_to_all(t, send, recv, group)``: the shaped collectives (tensor and expert
+  parallelism), synchronous, torch.distributed.
 
 Bytes: torch does not say what its backend put on the wire, so a ``comm="torch"`` call is recorded as
 one event with the bytes the *ring algorithm* moves per rank (`dl.comm.ring_bytes`, marked
@@ -299,6 +300,22 @@ def reduce_scatter(t: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     start = tracer().now()
     _reduce_scatter_single(out, blocks, group=group)
     _record("reduce_scatter", start, t, t.numel(), group, {})
+    return out
+
+
+def all_to_all(t: torch.Tensor, send: list[int], recv: list[int], group=None) -> torch.Tensor:
+    """Rows of ``t``: the first ``send[0]`` go to rank 0, the next ``send[1]`` to rank 1, ...; returns the
+    rows every rank sent here in rank order (``recv[i]`` from rank i). Recorded with the exact bytes
+    that leave and arrive (a rank's block to itself stays in memory and is not counted)."""
+    n, me = group_size(group), group_rank(group)
+    if n == 1:
+        return t
+    row = torch.Size(t.shape[1:]).numel() * t.element_size()          # bytes per row
+    out = t.new_empty((sum(recv),) + tuple(t.shape[1:]))
+    start = tracer().now()
+    dist.all_to_all_single(out, t.contiguous(), recv, send, group=group)
+    record("all_to_all", start=start, end=tracer().now(), sent=(sum(send) - send[me]) * row,
+           received=(sum(recv) - recv[me]) * row, group=group, tags=derived_tags(), bytes="exact", world=n)
     return out
 
 

@@ -6,7 +6,8 @@ named by their degrees, ``"3d:dp=2,tp=2,pp=2"``, and all share the ``"3d"`` entr
 
 Reading order: `base` (the spec, the data, the result), `loop` (THE step loop every strategy runs), then
 one file per family, each only building the model, the criterion and the loop's `loop.Plan`:
-`data_parallel` (single, DDP, ZeRO), `tensor`, `pipeline`, `mesh` (3D).
+`data_parallel` (single, DDP, ZeRO), `fsdp` (`dl.fully_shard`), `tensor`, `pipeline`, `context` (cp-ring,
+cp-ulysses), `expert` (ep), `mesh` (3D).
 """
 from __future__ import annotations
 
@@ -20,12 +21,16 @@ REGISTRY: dict[str, str] = {
     "zero1": "distlab.strategies.data_parallel:train_rank",
     "zero2": "distlab.strategies.data_parallel:train_rank",
     "zero3": "distlab.strategies.data_parallel:train_rank",
+    "fsdp": "distlab.strategies.fsdp:train_rank",
     "tp": "distlab.strategies.tensor:train_rank",
     "tp-sp": "distlab.strategies.tensor:train_rank",
     "pp-gpipe": "distlab.strategies.pipeline:train_rank",
     "pp-1f1b": "distlab.strategies.pipeline:train_rank",
     "pp-interleaved": "distlab.strategies.pipeline:train_rank",
     "pp-zb-h1": "distlab.strategies.pipeline:train_rank",
+    "ep": "distlab.strategies.expert:train_rank",
+    "cp-ring": "distlab.strategies.context:train_rank",
+    "cp-ulysses": "distlab.strategies.context:train_rank",
     "3d": "distlab.strategies.mesh:train_rank",
 }
 

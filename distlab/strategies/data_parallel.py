@@ -152,7 +152,8 @@ def _forward(spec: TrainSpec, wrapped, model, n: int, r: int):
             xs = xs.to(compute_dtype)
         weight = n * xs.shape[0] / x.shape[0] / spec.grad_accum
         out = wrapped(xs)
-        return criterion(out.float() if spec.model == "mlp" else out, ys) * weight
+        aux = model.aux_loss() if hasattr(model, "aux_loss") else 0.0   # mixture of experts: load balance
+        return (criterion(out.float() if spec.model == "mlp" else out, ys) + aux) * weight
 
     return forward
 

@@ -8,6 +8,8 @@ can put a prediction beside a measurement. One idea per module:
   activations  Korthikanti et al. 2022 activation memory; pipeline in-flight microbatches
   offload      DeepSpeed's CPU-offload estimators
   comm         alpha-beta collective times, nccl-tests algbw/busbw, per-step volumes
+  context      context parallelism: activation memory per rank, ring attention vs Ulysses bytes
+  moe          mixture of experts: total vs active parameters, expert-parallel memory, all-to-all bytes
   pipeline     bubble fractions of GPipe, 1F1B, interleaved, ZB-H1/H2, DualPipe
   throughput   6 N D FLOPs, MFU, training time, scaling efficiency
   presets      GPT-3 / Llama models, GPUs, interconnects
@@ -15,7 +17,10 @@ can put a prediction beside a measurement. One idea per module:
 """
 from distlab.theory.activations import activation_bytes_per_layer, pipeline_in_flight
 from distlab.theory.comm import algbw, busbw, comm_time, dp_volume, pp_volume, tp_volume, zero_volume
+from distlab.theory.context import cp_activation_bytes_per_layer, cp_bytes_per_layer
 from distlab.theory.memory import MemoryBreakdown, bytes_per_param, memory, shard_numel
+from distlab.theory.moe import (MoEParams, ep_memory, ep_params_per_rank, expert_capacity, gpt_moe_params,
+                                moe_all_to_all_bytes, moe_layer_params, moe_step_all_to_all_bytes)
 from distlab.theory.offload import OffloadEstimate, zero2_offload, zero3_offload
 from distlab.theory.params import gpt_params, transformer_params
 from distlab.theory.pipeline import bubble, bubble_time
@@ -27,9 +32,12 @@ from distlab.theory.units import GB, GiB, MB, MiB
 
 __all__ = [
     "activation_bytes_per_layer", "pipeline_in_flight", "algbw", "busbw", "comm_time", "dp_volume",
-    "pp_volume", "tp_volume", "zero_volume", "MemoryBreakdown", "bytes_per_param", "memory",
+    "pp_volume", "tp_volume", "zero_volume", "cp_activation_bytes_per_layer", "cp_bytes_per_layer",
+    "MemoryBreakdown", "bytes_per_param", "memory",
     "shard_numel", "OffloadEstimate", "zero2_offload", "zero3_offload", "gpt_params",
     "transformer_params", "bubble", "bubble_time", "Advice", "Plan", "advise", "cheapest_plan", "fits",
     "GPUS", "LINKS", "MODELS", "gpu", "link", "model", "chinchilla_tokens", "mfu", "scaling_efficiency",
     "throughput", "training_flops", "training_time", "GB", "GiB", "MB", "MiB",
+    "MoEParams", "ep_memory", "ep_params_per_rank", "expert_capacity", "gpt_moe_params",
+    "moe_all_to_all_bytes", "moe_layer_params", "moe_step_all_to_all_bytes",
 ]

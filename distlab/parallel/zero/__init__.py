@@ -10,6 +10,8 @@ Reading order:
     zero2.py     ZeRO2: gradients reduce-scattered bucket by bucket during backward
     zero3.py     ZeRO3: parameters sharded at rest, gathered and freed one unit at a time
     reducer.py   the bounded queue of gradient reduce-scatters every stage uses
+    fsdp.py      fully_shard (FSDP2): each parameter sharded on dim 0, the user's own optimizer; HSDP
+    fsdp_unit.py its machinery: a unit gathered before forward and backward, freed, reduce-scattered
 Flat buffers and bucketing: `..data.buckets`.
 """
 from __future__ import annotations
@@ -20,8 +22,10 @@ import torch.nn as nn
 from .zero1 import ShardedOptimizer, ZeRO1, ZeROModule
 from .zero2 import ZeRO2
 from .zero3 import ZeRO3
+from .fsdp import full_state_dict, fully_shard, no_sync, set_requires_gradient_sync
 
-__all__ = ["ZeRO", "ShardedOptimizer", "ZeRO1", "ZeRO2", "ZeRO3"]
+__all__ = ["ZeRO", "ShardedOptimizer", "ZeRO1", "ZeRO2", "ZeRO3", "fully_shard", "full_state_dict",
+           "no_sync", "set_requires_gradient_sync"]
 
 
 def ZeRO(module: nn.Module, stage: int = 1, optim: type[torch.optim.Optimizer] = torch.optim.AdamW, *,

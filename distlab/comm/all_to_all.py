@@ -1,0 +1,97 @@
+"""All-to-all by pairwise exchange: every rank sends a different block to every other rank.
+
+The collective of expert parallelism (tokens to their experts' ranks and back) and of
+DeepSpeed-Ulysses (sequence-sharded to head-sharded and back). Like ``all_to_all_single``, rank r
+cuts its tensor along dim 0 into N row blocks, ``b[r][0] | b[r][1] | ... | b[r][N-1]``, sends block i
+to rank i, and ends with the blocks addressed to it, in rank order:
+
+    out on rank r = b[0][r] | b[1][r] | ... | b[N-1][r]          (a transpose of the N x N blocks)
+
+The linear-shift pairwise exchange (Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective
+Communication Operations in MPICH", Sec. 4.4; works for any N): at step s = 1..N-1 rank r sends
+block r+s to rank r+s and receives block r-s's message from rank r-s (mod N); its own block is a
+local copy.
+
+    N = 4, block b[r][i] written r->i
+
+        step 1:  0->1  1->2  2->3  3->0          (everyone sends right by one)
+        step 2:  0->2  1->3  2->0  3->1          (by two)
+        step 3:  0->3  1->0  2->1  3->2          (by three)
+
+Each step pairs every sender with exactly one receiver, so no link carries two messages at once.
+Bytes per rank, with S the tensor (blocks equal): sends and receives (N-1)/N * S, in N-1 steps:
+
+    T_all_to_all = (N-1) alpha + (N-1)/N * S / B
+
+Blocks may differ in size (``splits``, row counts; empty blocks too). A receiver cannot know them
+in advance, so an uneven call first exchanges the row counts the same way (one int64 per block,
+recorded as op ``"exchange_sizes"``), unless the caller passes ``out_splits``.
+"""
+from __future__ import annotations
+
+import torch
+
+from .p2p import Ring, exchange, new_call
+
+
+def all_to_all(t: torch.Tensor, splits: list[int] | None = None, group=None,
+               out_splits: list[int] | None = None) -> torch.Tensor:
+    """Row block i of ``t`` (dim 0) goes to group rank i; returns the blocks sent here, in rank order.
+
+    ``splits``: N row counts summing to ``t.shape[0]`` (None: N equal blocks, the rows must divide by N).
+    ``out_splits``: the rows each rank sends here, when the caller knows them (skips the size exchange).
+    Every rank passes the same trailing shape and dtype, and either every rank passes ``splits`` or
+    none does (with ``splits`` the row counts are exchanged first). N-1 steps, one comm event
+    ``"all_to_all"`` each.
+    """
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() == 0:
+        raise ValueError("all_to_all splits dim 0: pass a tensor with at least one dimension")
+    ring = Ring.of(group)
+    n, rows = ring.size, t.shape[0]
+    even = splits is None                    # every rank passes splits, or none does
+    splits = _check_splits(splits, n, rows, "splits", f"t.shape[0] = {rows}")
+    x = t.contiguous()
+    if out_splits is None:
+        out_splits = splits if even else _exchange_sizes(ring, splits, t.device)
+    out_splits = _check_splits(out_splits, n, sum(map(int, out_splits)), "out_splits", "the rows received")
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))       # (sum(out_splits), *t.shape[1:])
+    send_blocks = torch.split(x, splits)                             # send_blocks[i] -> rank i
+    recv_blocks = torch.split(out, out_splits)                       # recv_blocks[j] <- rank j
+    recv_blocks[ring.rank].copy_(send_blocks[ring.rank])             # my own block stays here
+    pairwise_steps(ring, "all_to_all", send_blocks, recv_blocks, call=new_call(),
+                   size=x.numel() * x.element_size())
+    return out
+
+
+def pairwise_steps(ring: Ring, name: str, send_blocks, recv_blocks, *, call: int, size: int) -> None:
+    """N-1 steps: at step s send block r+s to rank r+s, receive into block r-s from rank r-s."""
+    n, r = ring.size, ring.rank
+    for s in range(1, n):
+        dst, src = (r + s) % n, (r - s) % n
+        exchange(ring, name, send=send_blocks[dst].view(-1), dst=dst, recv=recv_blocks[src].view(-1),
+                 src=src, step=s - 1, call=call, size=size, send_block=dst, recv_block=src)
+
+
+def _exchange_sizes(ring: Ring, splits: list[int], device) -> list[int]:
+    """Every rank's row count for me: an all-to-all of one int64 per block."""
+    counts = torch.tensor(splits, dtype=torch.int64, device=device)
+    received = torch.empty_like(counts)
+    received[ring.rank] = counts[ring.rank]
+    pairwise_steps(ring, "exchange_sizes", torch.split(counts, 1), torch.split(received, 1),
+                   call=new_call(), size=counts.numel() * counts.element_size())
+    return received.tolist()
+
+
+def _check_splits(splits, n: int, rows: int, what: str, total: str) -> list[int]:
+    if splits is None:
+        if rows % n:
+            raise ValueError(f"all_to_all over {n} ranks cannot cut {rows} rows into equal blocks: "
+                             f"pass {what}=[rows for rank 0, ..., rows for rank {n - 1}]")
+        return [rows // n] * n
+    splits = [int(s) for s in splits]
+    if len(splits) != n or min(splits) < 0 or sum(splits) != rows:
+        raise ValueError(f"{what} must list {n} non-negative row counts (one per rank) summing to "
+                         f"{total}, got {splits}")
+    return splits

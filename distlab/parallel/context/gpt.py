@@ -1,0 +1,83 @@
+"""`dl.cp.parallelize`: a GPT whose every rank holds a part of each sequence, attention made exact by
+ring attention or Ulysses.
+
+    gpt = dl.models.build("gpt-tiny", seed=0)                 # same seed on every rank: same weights
+    gpt = dl.cp.parallelize(gpt, attention="ring")            # takes over the GPT's modules
+    ids_local = dl.cp.split(ids, dim=1)                       # (b, s) -> (b, s/n), zig-zag by default
+    loss = gpt.loss(ids_local, dl.cp.split(targets, dim=1))   # the mean over this rank's tokens
+
+Only attention mixes positions, so only it talks: every other layer (embeddings, LayerNorm, MLP, LM
+head) acts token by token on the local part unchanged. Two things change (names stay the same, so
+state dicts line up with the plain GPT):
+
+    blocks[i].attn   ContextParallelAttention   the same q, k, v, proj; the core is ring or Ulysses
+    embed            positions of this rank's tokens (chunks r and 2n-1-r when zig-zag), not 0..s/n-1
+
+Weights are replicated, and each rank's gradient covers only its tokens: average them over the
+group (e.g. wrap in `dl.DDP`, as `dl.train(strategy="cp-ring")` does; with equal token counts the
+average of the local mean losses' gradients is the gradient of the global mean).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ...models import GPT
+from ...runtime import group_size
+from .layout import split
+from .ring_attention import ring_attention
+from .ulysses import ulysses_attention
+
+ATTENTIONS = {"ring": ring_attention, "ulysses": ulysses_attention}
+
+
+class ContextParallelAttention(nn.Module):
+    """The GPT's causal self-attention on a sequence part: local projections, distributed core."""
+
+    def __init__(self, q: nn.Linear, k: nn.Linear, v: nn.Linear, proj: nn.Linear, head_dim: int,
+                 attention: str = "ring", group=None, zigzag: bool = True):
+        super().__init__()
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention={attention!r}: choose one of {sorted(ATTENTIONS)}")
+        self.q, self.k, self.v, self.proj, self.head_dim = q, k, v, proj, head_dim
+        self.core, self.group, self.zigzag = ATTENTIONS[attention], group, zigzag
+
+    @classmethod
+    def from_module(cls, attn: nn.Module, **kw) -> "ContextParallelAttention":
+        return cls(attn.q, attn.k, attn.v, attn.proj, attn.head_dim, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape                                                  # (b, s/n, h)
+        q, k, v = (lin(x).view(b, s, -1, self.head_dim).transpose(1, 2)   # (b, heads, s/n, d_head)
+                   for lin in (self.q, self.k, self.v))
+        out = self.core(q, k, v, causal=True, group=self.group, zigzag=self.zigzag)
+        return self.proj(out.transpose(1, 2).reshape(b, s, -1))            # (b, s/n, h)
+
+
+class ContextParallelGPT(GPT):
+    """A `GPT` fed this rank's part of each sequence (``dl.cp.split(ids, dim=1, zigzag=...)``); returns
+    the logits of those tokens, (b, s/n, V). Built by `parallelize` from a full GPT."""
+
+    def __init__(self, gpt: GPT, attention: str = "ring", group=None, zigzag: bool = True):
+        nn.Module.__init__(self)               # not GPT.__init__: that would build new layers
+        self.cfg, self.group, self.zigzag = gpt.cfg, group, zigzag
+        n = group_size(group)
+        if attention == "ulysses" and gpt.cfg.heads % n:
+            raise ValueError(f"cp-ulysses splits the {gpt.cfg.heads} heads over {n} ranks: use a cp degree "
+                             f"that divides {gpt.cfg.heads}, or attention='ring'")
+        for block in gpt.blocks:
+            block.attn = ContextParallelAttention.from_module(block.attn, attention=attention, group=group,
+                                                              zigzag=zigzag)
+        self.tok, self.pos, self.blocks = gpt.tok, gpt.pos, gpt.blocks
+        self.ln_f, self.head = gpt.ln_f, gpt.head
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        n = group_size(self.group)
+        everywhere = torch.arange(ids.shape[1] * n, device=ids.device)              # 0 .. s-1
+        positions = split(everywhere, dim=0, group=self.group, zigzag=self.zigzag)   # this rank's s/n
+        return self.tok(ids) + self.pos(positions)
+
+
+def parallelize(gpt: GPT, attention: str = "ring", group=None, zigzag: bool = True) -> ContextParallelGPT:
+    """The GPT with its attention made context-parallel over ``group`` (the GPT given is consumed)."""
+    return ContextParallelGPT(gpt, attention=attention, group=group, zigzag=zigzag)

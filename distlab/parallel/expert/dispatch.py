@@ -1,0 +1,118 @@
+"""Dispatch and combine: tokens travel to their experts' ranks by all-to-all, and back by another.
+
+Experts are split over the group in contiguous blocks: rank r owns experts r*E/n .. (r+1)*E/n - 1.
+Each rank holds a contiguous part of the batch (rows of the global batch in rank order)::
+
+    rank 0: tokens t0 t1 t2 t3        routed   t0->e2  t1->e0  t2->e3  t3->e0     (E = 4, n = 2)
+                 sorted by expert: [t1 t3 | t0 t2]   send = [2, 2]
+    all-to-all: rank r receives, from every rank in rank order, the tokens routed to its experts
+    rank 0 (e0, e1): [t1 t3 from rank 0 | ... from rank 1]   -> experts -> outputs, same order
+    all-to-all back (send and receive sizes swapped) -> y(t) = sum_c weight(t, c) * expert_c(t)
+
+1. `plan`: every rank counts its tokens per (choice, expert) and all-gathers the counts, (n, k, E):
+   from them alone every rank knows the capacity C (from the *global* token count), which of its
+   own tokens fit (`router.slots`), and how many rows it sends to and receives from each rank.
+   Dropping at the sender, with global slot numbers, drops exactly what one process would.
+2. `dispatch`: rows of x sorted by expert (stable: token order within an expert) -> all-to-all.
+3. `combine`: the expert outputs come back in the order they left, weighted and summed per token.
+
+The all-to-all is an autograd function (`AllToAll`): its backward is the reverse all-to-all of the
+gradients. With a group of one rank (or ``group=LOCAL``) nothing is sent and the same code runs in
+one process: that is the single-process reference every expert-parallel run is tested against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import collectives as C
+from . import router
+
+
+class _Local:
+    def __repr__(self) -> str:
+        return "LOCAL"
+
+
+#: ``group=LOCAL``: every expert in this process, no communication, even inside a launched rank.
+LOCAL = _Local()
+
+
+def size(group) -> int:
+    return 1 if group is LOCAL else C.group_size(group)
+
+
+def rank(group) -> int:
+    return 0 if group is LOCAL else C.group_rank(group)
+
+
+class AllToAll(torch.autograd.Function):
+    """Forward: rows ``send[i]`` to rank i, ``recv[i]`` from rank i. Backward: the same exchange reversed."""
+
+    @staticmethod
+    def forward(ctx, x, send: list[int], recv: list[int], group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return C.all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.all_to_all(grad.contiguous(), ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+@dataclass
+class Dispatch:
+    """Where this rank's (token, choice) pairs go, and what it receives.
+
+    kept:   (T, k) bool, whether each choice fit in its expert's capacity
+    order:  (R_send,) flat indices t*k + c of the kept pairs, sorted by expert: the rows sent
+    send:   rows to each rank; recv: rows from each rank (``len == n``)
+    local_expert: (R_recv,) the local expert of each received row
+    first_counts: (E,) first choices per expert over the whole batch; tokens: the batch's token count
+    """
+
+    kept: torch.Tensor
+    order: torch.Tensor
+    send: list[int]
+    recv: list[int]
+    local_expert: torch.Tensor
+    first_counts: torch.Tensor
+    tokens: int
+    capacity: int
+
+
+def plan(expert: torch.Tensor, experts: int, capacity_factor: float, group=None) -> Dispatch:
+    """The `Dispatch` of this rank's choices ``expert`` (T, k) over ``group``: one all-gather of counts."""
+    n, me = size(group), rank(group)
+    top_k, per_rank = expert.shape[1], experts // n
+    mine = router.counts(expert, experts)                                   # (k, E)
+    every = mine[None] if n == 1 else C.all_gather(mine[None].contiguous(), 0, group)   # (n, k, E)
+    tokens = int(every[:, 0].sum())
+    cap = router.capacity(tokens, experts, top_k, capacity_factor)
+    kept_pairs = router.slots(expert, experts, router.offsets(every)[me]) < cap       # (T, k)
+    flat = kept_pairs.flatten().nonzero().squeeze(1)                                  # kept t*k + c
+    order = flat[expert.flatten()[flat].sort(stable=True).indices]                    # by expert
+    fits = router.kept(every, cap).sum(dim=1)                                         # (n, E)
+    send = fits[me].view(n, per_rank).sum(dim=1).tolist()
+    ours = fits[:, me * per_rank:(me + 1) * per_rank]                                 # (n, E/n)
+    local_ids = torch.arange(per_rank, device=expert.device).repeat(n)
+    local_expert = local_ids.repeat_interleave(ours.flatten())
+    return Dispatch(kept_pairs, order, send, ours.sum(dim=1).tolist(), local_expert,
+                    every[:, 0].sum(dim=0), tokens, cap)
+
+
+def dispatch(x: torch.Tensor, d: Dispatch, group=None) -> torch.Tensor:
+    """x (T, h) -> the rows this rank's experts compute (R_recv, h), received in rank order."""
+    top_k = d.kept.shape[1]
+    rows = x[d.order // top_k]                                       # (R_send, h) sorted by expert
+    return rows if size(group) == 1 else AllToAll.apply(rows, d.send, d.recv, group)
+
+
+def combine(y: torch.Tensor, d: Dispatch, weight: torch.Tensor, group=None) -> torch.Tensor:
+    """Expert outputs y (R_recv, h) -> (T, h): sent back, weighted by the gate, summed per token.
+    A token whose every choice was dropped gets zeros (its residual connection carries it on)."""
+    back = y if size(group) == 1 else AllToAll.apply(y, d.recv, d.send, group)   # (R_send, h)
+    top_k = d.kept.shape[1]
+    gate = weight.flatten()[d.order].to(back.dtype)[:, None]                    # (R_send, 1)
+    out = back.new_zeros((d.kept.shape[0], back.shape[1]))
+    return out.index_add(0, d.order // top_k, back * gate)

@@ -1,0 +1,93 @@
+"""Strategy ``fsdp``: `dl.fully_shard` on every block, then the root; any torch optimizer on the shards.
+
+Data as in `data_parallel` (every rank its rows of the same global batch, the loss weighted by its
+share, so the averaged gradient is the global batch's). The model is sharded FSDP2-style: each
+child of an ``nn.ModuleList`` (the GPT's blocks, the MLP's layers) a unit, then the root for the
+rest; the optimizer is built afterwards on ``model.parameters()``, the local shards.
+
+``spec.options``: ``hsdp`` (replicate degree R, default 1: mesh (R, N / R)), ``param_dtype``
+("bf16", "fp16" or None; ``precision="bf16-mixed"`` means "bf16"), ``reshard_after_forward`` (True),
+``no_sync`` (True: accumulate micro-steps locally). Checkpoints: the "model-parallel" format, each
+shard a dim-0 block of its parameter (rows saved), so a checkpoint consolidates and reshards to and
+from the other strategies (`distlab.checkpoint.reshard`).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..checkpoint.state import model_parallel_state
+from ..memory import fsdp_memory
+from ..parallel.clip import clip_grad_norm_
+from ..parallel.zero import fsdp
+from ..parallel.zero.zero3 import default_units
+from ..runtime import rank, world_size
+from .base import RankResult, TrainSpec, build_model, make_optimizer
+from .data_parallel import _forward
+from .loop import Plan, run, sum_losses
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}
+
+
+def options(spec: TrainSpec, world: int) -> dict:
+    """The keyword arguments of `fully_shard` for ``spec`` on ``world`` ranks; refuses bad ones (also
+    called by `dl.train` before any rank starts)."""
+    hsdp = spec.options.get("hsdp", 1)
+    if not isinstance(hsdp, int) or hsdp < 1 or world % hsdp:
+        raise ValueError(f"hsdp={hsdp!r}: the replicate degree must be a positive int dividing "
+                         f"world_size={world} (mesh (hsdp, world_size / hsdp))")
+    name = spec.options.get("param_dtype", "bf16" if spec.precision == "bf16-mixed" else None)
+    if name not in DTYPES:
+        raise ValueError(f"param_dtype={name!r}: choose 'bf16', 'fp16' or None (fp32)")
+    return {"mesh": (hsdp, world // hsdp) if hsdp > 1 else None, "param_dtype": DTYPES[name],
+            "reshard_after_forward": bool(spec.options.get("reshard_after_forward", True))}
+
+
+def shard(model: torch.nn.Module, **kwargs) -> torch.nn.Module:
+    """Bottom-up: every default unit (`zero3.default_units`) but the root, then the root."""
+    for unit in default_units(model)[:-1]:
+        fsdp.fully_shard(unit, **kwargs)
+    return fsdp.fully_shard(model, **kwargs)
+
+
+def describe(model: torch.nn.Module, params: list) -> list[dict]:
+    """Per optimizer parameter: its name, and the dim-0 rows this rank holds (None: held whole)."""
+    blocks = {id(p.shard): p for u in fsdp.units(model) for p in u.params}
+    comm = fsdp.units(model)[-1].shard_comm
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for p in params:
+        sp = blocks.get(id(p))
+        lo = min(comm.rank * sp.rows, sp.shape[0]) if sp is not None else 0
+        out.append({"name": names[id(p)], "key": names[id(p)], "dim": None if sp is None else 0,
+                    "tp_rank": comm.rank if sp else 0, "tp_size": comm.size if sp else 1,
+                    "rows": None if sp is None else [lo, lo + sp.local_rows]})
+    return out
+
+
+def train_rank(spec: TrainSpec) -> RankResult:
+    n, r = world_size(), rank()
+    if spec.micro_batch < n:
+        raise ValueError(f"each micro-batch of {spec.micro_batch} rows must give every one of the {n} "
+                         f"ranks a row: raise global_batch or lower grad_accum")
+    kwargs = options(spec, n)
+    model = shard(build_model(spec), **kwargs)
+    optimizer = make_optimizer(model.parameters(), spec)
+    params = optimizer.param_groups[0]["params"]
+    unit = fsdp.units(model)[-1]
+    sharded = [p.shard for u in fsdp.units(model) for p in u.params]
+    replicas = unit.replica_comm.group if unit.replica_comm is not None else None
+    state = model_parallel_state(model, params, model, optimizer, loss_weight=True, keeps_history=r == 0,
+                                 replica_group=replicas, layout={"hsdp": kwargs["mesh"]},
+                                 described=describe(model, params))
+    no_sync = (lambda: fsdp.no_sync(model)) if spec.options.get("no_sync", True) else None
+    plan = Plan(_forward(spec, model, model, n, r), optimizer, state, loss_share=1 / n, no_sync=no_sync,
+                clip=lambda max_norm: clip_grad_norm_(params, max_norm, sharded=sharded,
+                                                      groups=[unit.shard_comm.group]),
+                memory=fsdp_memory(model, optimizer))
+    trained = run(spec, plan)
+    losses = sum_losses(trained.losses)
+    full = fsdp.full_state_dict(model)
+    params_out = {k: v.detach().float().cpu() for k, v in full.items()} if r == 0 else None
+    shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return RankResult(losses=losses if r == 0 else None, params=params_out,
+                      info={"param_bytes": shard_bytes, "world": world_size(), **trained.info})

@@ -1,0 +1,62 @@
+"""Context parallelism: activation memory and bytes per step, ring attention vs Ulysses.
+
+s sequence length, b micro-batch, h hidden (heads x head_dim), a heads, c context-parallel degree,
+e bytes per element. Each rank holds s/c tokens of every sequence.
+
+Activations (Megatron-LM context parallelism; Korthikanti et al. 2022, Eq. 1, per rank): every
+per-token term shrinks with the tokens, s -> s/c, and so does the attention-score term 5as^2b, since
+a rank scores only its s/c queries (ring: (s/c) x s blocks, one at a time) or only a/c heads
+(Ulysses: a/c x s x s):
+
+    cp_activation_bytes_per_layer = s b h (34 + 5 a s / h) / c
+
+Communication per rank per layer (sent; received is the same):
+
+    ring attention (Liu et al. 2023), K and V (2 b s h / c elements) hop c-1 times forward; backward
+    K and V hop again c-1 times and dK, dV c times (the last hop brings them home, `dl.cp`):
+        forward   2 b s h (c-1)/c e           backward  2 b s h (c-1)/c e + 2 b s h e_grad
+    Ulysses (Jacobs et al. 2023, Sec. 3.2): all-to-all of q, k, v (3 b s h / c elements) and of the
+    output (b s h / c), each sending (c-1)/c of it; backward the same on the gradients:
+        forward   4 b s h (c-1)/c^2 e         backward  the same
+    i.e. per link 4 s h / c for b = 1 (the paper's 4Nh/P): constant when s and c grow together,
+    where ring attention's stays ~2 b s h whatever c. Ulysses needs c to divide the heads.
+"""
+from __future__ import annotations
+
+from distlab.theory.activations import activation_bytes_per_layer
+
+ATTENTIONS = ("ring", "ulysses")
+
+
+def cp_activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads: int, cp: int = 1,
+                                  tp: int = 1, sp: bool = False, recompute: str = "none") -> float:
+    """Bytes one layer stores for the backward on each of ``cp`` ranks: Korthikanti's Eq. 1-4 / cp."""
+    if cp < 1:
+        raise ValueError(f"cp must be >= 1, got {cp}")
+    return activation_bytes_per_layer(seq_len, micro_batch, hidden, heads, tp=tp, sp=sp,
+                                      recompute=recompute) / cp
+
+
+def cp_bytes_per_layer(attention: str, seq_len: int, micro_batch: int, hidden: int, cp: int,
+                       bytes_per_element: int = 2, grad_bytes_per_element: int | None = None,
+                       heads: int | None = None) -> dict:
+    """Bytes each rank sends for one layer's attention: {"forward", "backward", "total"}.
+
+    ``grad_bytes_per_element``: the width of the gradients ring attention passes (dl.cp accumulates
+    them in fp32: 4); the element size by default. ``heads``: checked to divide by ``cp`` for Ulysses.
+    """
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+    if cp < 1 or seq_len % cp:
+        raise ValueError(f"cp={cp} must be >= 1 and divide seq_len={seq_len}")
+    e = bytes_per_element
+    g = e if grad_bytes_per_element is None else grad_bytes_per_element
+    sbh = seq_len * micro_batch * hidden
+    if attention == "ring":
+        forward = 2 * sbh * (cp - 1) / cp * e
+        backward = forward + (2 * sbh * g if cp > 1 else 0)
+    else:
+        if heads is not None and heads % cp:
+            raise ValueError(f"Ulysses splits the {heads} heads over cp={cp}: cp must divide them")
+        forward = backward = 4 * sbh * (cp - 1) / cp ** 2 * e
+    return {"forward": forward, "backward": backward, "total": forward + backward}
