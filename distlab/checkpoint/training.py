@@ -42,7 +42,7 @@ What can go wrong, and what happens then:
   every shard's size and sha256 as recorded); a damaged newer one is skipped and named on stderr. Step
   folders of which none verifies are a refusal, never a silent fresh start that would overwrite them.
 * Every save carries the run's id in its manifest and in every shard: a shard of another run is refused.
-* One training run at a time per directory: rank 0 holds an exclusive lock (``.lock``) for the run, and
+* One training run at a time per directory: rank 0 holds an exclusive lock on it (flock) for the run, and
   the directory is checked writable before any rank starts.
 
 Fault injection (for tests and lessons): ``fail_at_step=s`` kills ``fail_rank`` (default: the last
@@ -68,7 +68,7 @@ OPTIONS = ("checkpoint_dir", "checkpoint_every", "keep_last", "resume",
            "fail_at_step", "fail_rank", "fail_in")
 # the directory locks this process holds (a failed run in a notebook keeps its frames, and its lock,
 # alive: the next run in the same process takes the lock over)
-_HELD: dict[str, object] = {}
+_HELD: dict[str, int] = {}
 # spec fields that must agree between the run that saved and the run that resumes (steps may grow);
 # "layout" (the rank state's facts) may differ when both sides can reshard
 _MUST_MATCH = ("strategy", "model", "seed", "global_batch", "lr", "optimizer", "weight_decay", "grad_accum",
@@ -194,7 +194,7 @@ class Checkpointer:
         training: the directory is free for the next run)."""
         if self._lock is not None:
             _HELD.pop(str(Path(self.directory).resolve()), None)
-            self._lock.close()
+            os.close(self._lock)
             self._lock = None
         note = {"note": self.note} if self.note else {}
         return {"checkpoint": {"resumed_from": start or None, "saved": list(self.saved), **note}}
@@ -270,7 +270,7 @@ def check_options(options: dict) -> None:
     if directory is not None:
         stale = _HELD.pop(str(writable(directory).resolve()), None)
         if stale is not None:      # an earlier run in this process that failed before releasing it
-            stale.close()
+            os.close(stale)
 
 
 def writable(directory) -> Path:
@@ -288,26 +288,20 @@ def writable(directory) -> Path:
 
 
 def lock(directory):
-    """An exclusive lock on ``directory`` for one training run (rank 0 holds it; the kernel drops it when
-    the process ends). Two runs writing one directory would delete each other's saves."""
-    path = writable(directory) / ".lock"
-    stale = _HELD.pop(str(path.parent.resolve()), None)
+    """An exclusive lock on ``directory`` itself for one training run (rank 0 holds it; the kernel drops it
+    when the process ends, however it ends; no lock file to leave behind). Two runs writing one directory
+    would delete each other's saves."""
+    path = writable(directory)
+    stale = _HELD.pop(str(path.resolve()), None)
     if stale is not None:
-        stale.close()
-    f = open(path, "a+")
+        os.close(stale)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        f.seek(0)
-        holder = f.read().strip() or "unknown"
-        f.close()
-        raise store.CheckpointError(f"another training run (pid {holder}) is writing checkpoints to "
-                                    f"{directory}: wait for it to finish, or use another checkpoint_dir "
-                                    f"(under torchrun, 'single' runs on every process: use a launched "
-                                    f"strategy)") from None
-    f.seek(0)
-    f.truncate()
-    f.write(str(os.getpid()))
-    f.flush()
-    _HELD[str(path.parent.resolve())] = f
-    return f
+        os.close(fd)
+        raise store.CheckpointError(f"another training run is writing checkpoints to {directory}: wait for "
+                                    f"it to finish, or use another checkpoint_dir (under torchrun, 'single' "
+                                    f"runs on every process: use a launched strategy)") from None
+    _HELD[str(path.resolve())] = fd
+    return fd
