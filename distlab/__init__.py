@@ -14,6 +14,8 @@ from .launch import LaunchError, Run, launch
 from .progress import progress
 from .runtime import backend, barrier, device, local_rank, rank, tracer, world_size
 from .trace import Event, Trace, Tracer
+from .train import Report, train   # eager: a lazy `train` would be shadowed by the module once anything
+                                   # imports distlab.train (the import system sets the attribute)
 
 __version__ = "0.1.0"
 
@@ -36,12 +38,10 @@ _LAZY = {
     "ShardedOptimizer": (".parallel.zero", "ShardedOptimizer"),
     "fully_shard": (".parallel.zero", "fully_shard"),
     "full_state_dict": (".parallel.zero", "full_state_dict"),
-    "train": (".train", "train"),
-    "Report": (".train", "Report"),
 }
 
 __all__ = ["launch", "Run", "LaunchError", "rank", "world_size", "local_rank", "device", "backend",
-           "barrier", "tracer", "progress", "Trace", "Tracer", "Event", *_LAZY]
+           "barrier", "tracer", "progress", "Trace", "Tracer", "Event", "train", "Report", *_LAZY]
 
 
 def __getattr__(name: str):

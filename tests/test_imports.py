@@ -181,3 +181,12 @@ def test_checkpoint_knows_no_strategy_names():
     found = sorted(f"{m}: {s!r}" for m in MODULES if _under(m, "distlab.checkpoint")
                    for s in _code_strings(FILES[m]) if s in names)
     assert found == []
+
+
+def test_dl_train_stays_the_function_after_its_module_is_imported():
+    # importing a submodule sets it as an attribute of its package: a lazily resolved `dl.train` would
+    # then be the module distlab.train, not the function (found when this file ran before a train test)
+    import subprocess
+    import sys
+    code = "import distlab.train, distlab as dl, sys; sys.exit(0 if callable(dl.train) else 1)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
