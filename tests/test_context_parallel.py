@@ -247,3 +247,11 @@ def test_cp_formulas_follow_the_papers():
         cp_bytes_per_layer("ulysses", 3 * 1024, b, h, 3, heads=32)
     with pytest.raises(ValueError, match="attention must be one of"):
         cp_bytes_per_layer("stripes", s, b, h, 2)
+
+
+@pytest.mark.parametrize("strategy", ["cp-ring", "cp-ulysses"])
+def test_context_parallel_runs_checkpoint_and_resume_bit_for_bit(strategy, tmp_path):
+    full = dl.train(strategy, world_size=2, steps=4, seed=0)
+    dl.train(strategy, world_size=2, steps=2, seed=0, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    resumed = dl.train(strategy, world_size=2, steps=4, seed=0, checkpoint_dir=str(tmp_path), resume=True)
+    assert resumed.losses == full.losses
