@@ -13,7 +13,8 @@ Order matters here, each step for a reason found the hard way:
 5. rendezvous (rank 0 serves the TCPStore on the socket the parent bound before forking; gloo's
    own sockets stay on loopback when the rendezvous is), then a barrier, so no rank can exit while
    a peer is still connecting to it;
-6. run the user's function, send back its result (or the traceback) and the trace, then a final
+6. set torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT),
+   run the user's function, send back its result (or the traceback) and the trace, then a final
    barrier so that no rank tears its connections down while a peer still reads from them.
 """
 from __future__ import annotations
@@ -95,6 +96,18 @@ def _pin_gloo_to_loopback(host: str) -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
 
 
+INSIDE_A_LAUNCH = "DISTLAB_LAUNCH_RANK"
+"""Set in every rank a launch starts: a launch from inside one says so instead of nesting."""
+
+
+def _set_torchrun_environment(rank: int, local_rank: int, spec: RankSpec) -> None:
+    """What torchrun (and accelerate's notebook launcher) give every process, so code written for
+    torchrun (``int(os.environ["LOCAL_RANK"])``...) runs unchanged inside a launch."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(spec.world_size),
+                      LOCAL_WORLD_SIZE=str(spec.local_world_size), MASTER_ADDR=spec.host,
+                      MASTER_PORT=str(spec.port), **{INSIDE_A_LAUNCH: str(rank)})
+
+
 def _redirect_output(fd: int) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -156,6 +169,7 @@ def main(rank: int, spec: RankSpec, out_conn, result_conn, fds_to_close: list[in
         dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world_size,
                                 timeout=timeout)
         tracer = runtime._enter(rank, spec.world_size, local_rank, spec.backend)
+        _set_torchrun_environment(rank, local_rank, spec)
         dist.barrier()
         tracer.reset_epoch()
         value = fn(*args, **kwargs)

@@ -193,6 +193,11 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
     """
     _check_inputs(fn, world_size, output, timeout)
     kwargs = dict(kwargs or {})
+    if _child.INSIDE_A_LAUNCH in os.environ:
+        raise RuntimeError(f"dl.launch was called inside rank {os.environ[_child.INSIDE_A_LAUNCH]} of "
+                           "another launch (already inside a launch): launches do not nest. Call the "
+                           "function directly here (this rank is already one of the world), or launch "
+                           "it from the notebook.")
     if _under_torchrun():
         launched = int(os.environ["WORLD_SIZE"])
         if world_size != launched:
