@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import models
-from ..runtime import device
+from ..runtime import device, rank
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 PRECISIONS = ("fp32", "bf16-mixed")
@@ -136,6 +136,20 @@ def microbatch_count(requested: int | None, rows: int, p: int, schedule: str, wh
         raise ValueError(f"the interleaved schedule needs microbatches to be a multiple of the {p} pipeline "
                          f"ranks, got {m}")
     return m
+
+
+def require_rows(spec: TrainSpec, parts: int, who: str = "ranks") -> None:
+    """Every one of ``parts`` data-parallel parts (ranks, replicas) needs a row of each micro-batch."""
+    if spec.micro_batch < parts:
+        raise ValueError(f"each micro-batch of {spec.micro_batch} rows must give every one of the {parts} "
+                         f"{who} a row: raise global_batch or lower grad_accum")
+
+
+def rank0_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """The final parameters a `RankResult` reports: fp32 CPU copies on rank 0, None elsewhere."""
+    if rank() != 0:
+        return None
+    return {k: v.detach().float().cpu().clone() for k, v in state.items()}
 
 
 def gather_params(mine: dict[str, torch.Tensor], order: list[str]) -> dict[str, torch.Tensor] | None:

@@ -29,7 +29,8 @@ from ..parallel import context as cp_lib
 from ..parallel.context.layout import check_length
 from ..parallel.data import DDP
 from ..runtime import rank, world_size
-from .base import RankResult, TrainSpec, autocast, build_model, global_batch, loss_fn
+from .base import (RankResult, TrainSpec, autocast, build_model, global_batch, loss_fn, rank0_copy,
+                   require_rows)
 from .data_parallel import LocalOptimizer
 from .loop import Plan, run, sum_losses
 
@@ -44,9 +45,7 @@ def check(spec: TrainSpec, world: int) -> tuple[int, int, bool]:
     if not isinstance(dp, int) or dp < 1 or world % dp:
         raise ValueError(f"dp={dp!r} must be a positive integer dividing the world size {world} "
                          f"(the context-parallel degree is world / dp)")
-    if spec.micro_batch < dp:
-        raise ValueError(f"each micro-batch of {spec.micro_batch} rows must give every one of the {dp} "
-                         f"data-parallel replicas a row: raise global_batch or lower grad_accum")
+    require_rows(spec, dp, "data-parallel replicas")
     n = world // dp
     if spec.model not in PRESETS:
         raise ValueError(f"{spec.strategy} splits the sequence of a GPT: choose a GPT preset such as "
@@ -97,7 +96,7 @@ def train_rank(spec: TrainSpec) -> RankResult:
                 memory=replica_memory(model, opt.optimizer, ()))
     trained = run(spec, plan)
     losses = sum_losses(trained.losses)
-    params = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()} if r == 0 else None
+    params = rank0_copy(model.state_dict())
     return RankResult(losses=losses if r == 0 else None, params=params,
                       info={"cp": n, "dp": dp, "attention": ATTENTION[spec.strategy], "zigzag": zigzag,
                             **trained.info})

@@ -38,6 +38,8 @@ from .base import (
     make_optimizer,
     optimizer_class,
     optimizer_kwargs,
+    rank0_copy,
+    require_rows,
 )
 from .loop import Plan, run, sum_losses
 
@@ -120,7 +122,7 @@ def train_rank(spec: TrainSpec) -> RankResult:
     trained = run(spec, plan)
     losses = sum_losses(trained.losses)                   # each rank's weighted share, summed
     state = wrapped.full_state_dict() if hasattr(wrapped, "full_state_dict") else model.state_dict()
-    params = {k: v.detach().float().cpu().clone() for k, v in state.items()} if r == 0 else None
+    params = rank0_copy(state)
     if hasattr(wrapped, "comm"):
         wrapped.comm.close()
     return RankResult(losses=losses if r == 0 else None, params=params, info=trained.info)
@@ -133,9 +135,7 @@ def _check(spec: TrainSpec) -> tuple[int, int]:
     n = world_size()
     if spec.strategy == "single" and n != 1:
         raise ValueError("strategy 'single' runs on one process: use world_size=1")
-    if spec.micro_batch < n:
-        raise ValueError(f"each micro-batch of {spec.micro_batch} rows must give every one of the {n} "
-                         f"ranks a row: raise global_batch or lower grad_accum")
+    require_rows(spec, n)
     return n, rank()
 
 

@@ -26,7 +26,8 @@ from ..parallel import collectives as C
 from ..parallel import expert as ep
 from ..parallel.clip import clip_grad_norm_
 from ..runtime import rank, world_size
-from .base import RankResult, TrainSpec, autocast, build_model, global_batch, loss_fn, make_optimizer
+from .base import (RankResult, TrainSpec, autocast, build_model, global_batch, loss_fn, make_optimizer,
+                   require_rows)
 from .loop import Plan, run, sum_losses
 
 
@@ -40,9 +41,7 @@ def check(spec: TrainSpec, n: int) -> None:
     if cfg.experts % n:
         raise ValueError(f"{spec.model!r} has {cfg.experts} experts per layer, which cannot be split over "
                          f"world_size={n}: choose a world_size that divides {cfg.experts}")
-    if spec.micro_batch < n:
-        raise ValueError(f"each micro-batch of {spec.micro_batch} rows must give every one of the {n} ranks "
-                         "a row: raise global_batch or lower grad_accum")
+    require_rows(spec, n)
 
 
 def train_rank(spec: TrainSpec) -> RankResult:

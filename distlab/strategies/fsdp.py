@@ -21,7 +21,7 @@ from ..parallel.clip import clip_grad_norm_
 from ..parallel.zero import fsdp
 from ..parallel.zero.zero3 import default_units
 from ..runtime import rank, world_size
-from .base import RankResult, TrainSpec, build_model, make_optimizer
+from .base import RankResult, TrainSpec, build_model, make_optimizer, rank0_copy, require_rows
 from .data_parallel import _forward
 from .loop import Plan, run, sum_losses
 
@@ -66,9 +66,7 @@ def describe(model: torch.nn.Module, params: list) -> list[dict]:
 
 def train_rank(spec: TrainSpec) -> RankResult:
     n, r = world_size(), rank()
-    if spec.micro_batch < n:
-        raise ValueError(f"each micro-batch of {spec.micro_batch} rows must give every one of the {n} "
-                         f"ranks a row: raise global_batch or lower grad_accum")
+    require_rows(spec, n)
     kwargs = options(spec, n)
     model = shard(build_model(spec), **kwargs)
     optimizer = make_optimizer(model.parameters(), spec)
@@ -87,7 +85,7 @@ def train_rank(spec: TrainSpec) -> RankResult:
     trained = run(spec, plan)
     losses = sum_losses(trained.losses)
     full = fsdp.full_state_dict(model)
-    params_out = {k: v.detach().float().cpu() for k, v in full.items()} if r == 0 else None
+    params_out = rank0_copy(full)
     shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return RankResult(losses=losses if r == 0 else None, params=params_out,
                       info={"param_bytes": shard_bytes, "world": world_size(), **trained.info})

@@ -58,7 +58,6 @@ def train_rank(spec: TrainSpec) -> RankResult:
     pipe.observers += [ActionTrace(), PipelineStash()]    # measured from outside: spans, stash bytes
     params = list(pipe.parameters())
     optimizer = make_optimizer(params, spec)
-    pipe.observers += [ActionTrace(), PipelineStash()]    # measured from outside: spans, stash bytes
     held = torch.nn.ModuleList(modules)             # this rank's stage(s): what a checkpoint holds
 
     def forward(step: int, micro: int) -> torch.Tensor | None:
