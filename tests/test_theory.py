@@ -192,5 +192,12 @@ def test_presets_and_planner():
     assert small is not None and small.gpus == 1 and small.gpu == "h200-141gb"
     assert theory.fits(small.memory, "h200-141gb") and not theory.fits(small.memory, "a100-80gb")
     advice = theory.advise("llama3-70b", gpu="h100-80gb", gpus=64)
-    assert advice.plan is not None and advice.plan.tp > 1
-    assert any("ZeRO-3" in q and a.startswith("no") for q, a in advice.steps)
+    assert any("ZeRO-3" in q and "selective" in q and a.startswith("no") for q, a in advice.steps)
+    # ZeRO-3 with full recomputation is tried before tensor parallelism: 70B fits on 64 H100s at ~23 GB
+    plan = advice.plan
+    assert (plan.zero, plan.recompute, plan.tp, plan.pp) == (3, "full", 1, 1)
+    assert plan.memory == theory.memory("llama3-70b", dp=64, zero=3, seq_len=4096, recompute="full")
+    assert 22 * theory.GB < plan.memory.total < 24 * theory.GB
+    refusing = theory.advise("llama3-70b", gpu="h100-80gb", gpus=64, full_recompute=False).plan
+    assert (refusing.tp, refusing.pp, refusing.recompute) == (8, 1, "selective")
+    assert refusing.memory.total > plan.memory.total       # TP costs more memory; it buys throughput
