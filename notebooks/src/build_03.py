@@ -313,7 +313,9 @@ model and data.
 * ZeRO shards model states, not activations: those need recomputation, sequence or pipeline parallelism.
 * FSDP = ZeRO-3 with per-module units; FSDP2's `reshard_after_forward` chooses between ZeRO-3 and ZeRO-2-like.
 
-**Try it**: set `N = 2` in the first cell and re-run: the DDP bars do not change, every sharded block doubles.
+**Try it**: set `N = 2` in the first cell and re-run: DDP's model states do not change, every sharded block
+doubles, and the activations double in every column (the global batch stays 8, so each rank gets 4 samples
+instead of 2).
 """)
 
 nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",

@@ -15,8 +15,9 @@ interruptions in 54 days (Dubey et al. 2024, *The Llama 3 Herd of Models*, Sec. 
 **checkpointing**: saving everything a step depends on, often enough that little work is lost, and resuming from
 the last save. Three things make that hard at scale:
 
-1. **What to save.** Parameters *and* optimizer state (Adam's two moments are 2/3 of fp32 model states), the step
-   counter, and the position in the data. Under ZeRO no rank holds all of it: each rank saves **its own shard**.
+1. **What to save.** Parameters *and* optimizer state (in fp32, Adam's two moments are half of
+   the 16 bytes per parameter of model states, and two thirds of the 12 a checkpoint saves), the step counter,
+   and the position in the data. Under ZeRO no rank holds all of it: each rank saves **its own shard**.
 2. **Torn writes.** A node can die in the middle of a save. A checkpoint half written must never be mistaken for a
    complete one, or the next resume loads garbage.
 3. **Exactness.** A resumed run should take *the same steps* the uninterrupted run would have: same weights, same
