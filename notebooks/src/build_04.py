@@ -195,12 +195,13 @@ the sequence, so each rank can keep just **s/t of the tokens** there. The conjug
     plain TP:   ...replicated... ─f─> [column ... row] ─g (all-reduce)─> ...replicated...
     TP + SP:    ...seq shard...  ─g (all-gather along s)─> [column ... row] ─ḡ (reduce-scatter along s)─> ...seq shard...
 
-An all-reduce *is* a reduce-scatter followed by an all-gather, so the bytes are the same; what changes is
-memory. (distlab also keeps only the sequence shard of each region's input for the backward and all-gathers it
+An all-reduce *is* a reduce-scatter followed by an all-gather, so the conjugates move the same bytes as the
+all-reduces they replace; what changes is memory. Not quite the same bytes in all, though: distlab keeps only the sequence shard of each region's input for the backward and all-gathers it
 again there, as Megatron does: one extra all-gather per region in the backward of `GatheredLinears`, the
-*g* fused with the column linears in [linear.py](../distlab/parallel/tensor/linear.py). LayerNorm weights
-and the row bias, now applied to different tokens on each rank, get their gradients all-reduced by a
-gradient hook, `sync_replicated_grad`: h numbers each.)
+*g* fused with the column linears in [linear.py](../distlab/parallel/tensor/linear.py). That re-gather is
+(t-1)/t·bsh per region, against 2·2(t-1)/t·bsh for the region's two all-reduces: **+25%** of plain TP's bytes,
+the price of not storing the gathered input. LayerNorm weights and the row bias, now applied to different tokens
+on each rank, get their gradients all-reduced by a gradient hook, `sync_replicated_grad`: h numbers each.
 """)
 code("""
 sp_trace = dl.launch(one_step, world_size=T, args=(True,)).trace
@@ -227,6 +228,8 @@ regather = layer_bytes(sp_trace, ("SP regather",))
 print(f"TP all-reduces: {tp_bytes} B   SP all-gathers + reduce-scatters: {sp_bytes} B   (+ re-gathers {regather} B)")
 assert sp_bytes == tp_bytes == predicted
 assert regather == 2 * L * (T - 1) * message // T      # one all-gather of b*s*h per region, backward
+assert 4 * regather == tp_bytes                         # +25% over plain TP, in exchange for memory
+print(f"SP in all: {(sp_bytes + regather) / tp_bytes:.2f} x plain TP's bytes")
 """)
 code("""
 ops = ["f", "g", "SP g", "SP g-bar", "SP regather", "grad sum"]
@@ -324,8 +327,8 @@ md("""
   region forward (*g*) and one backward (*f*): 4 all-reduces of b·s·h per layer per step, measured above to the byte.
 * That traffic grows with b·s·h and happens on the critical path of every layer, so TP stays inside a node
   (NVLink), while DP and PP cross nodes.
-* Sequence parallelism turns each all-reduce into a reduce-scatter + all-gather (same bytes) and makes every
-  activation 1/t: sbh(34 + 5as/h)/t instead of sbh(10 + 24/t + 5as/(ht)).
+* Sequence parallelism turns each all-reduce into a reduce-scatter + all-gather (same bytes), plus a re-gather
+  in the backward (+25%) so that it need not store the gathered input, and makes every activation 1/t: sbh(34 + 5as/h)/t instead of sbh(10 + 24/t + 5as/(ht)).
 * Vocabulary parallelism shards the two largest matrices of a small model (embedding, head) and computes the
   loss with three tiny all-reduces instead of gathering b·s·V logits.
 
