@@ -217,6 +217,20 @@ md("""
 ui.perfetto.dev to zoom in. Next: **01 · Ring all-reduce**, built from send and receive.
 """)
 
+md("""
+## What to remember
+
+* `dl.launch(fn, world_size=N)` runs `fn` on N processes joined by a process group and returns what each rank
+  returned and printed, plus one merged trace on one clock.
+* Collectives are calls every rank of the group makes, in the same order: all-reduce, broadcast, all-gather,
+  reduce-scatter. A rank that skips one leaves the others waiting.
+* Synchronous training runs at the pace of its slowest rank; the others' wait shows up as communication time.
+* Wall time is not work when ranks outnumber cores: check CPU time, or give every rank its own core.
+
+**Try it**: make rank 0 the straggler in `uneven_work` (`6 * (WORLD - dl.rank())` matmuls) and predict the new
+order of waiting before you run it.
+""")
+
 nb = nbf.v4.new_notebook(cells=cells, metadata={
     "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
     "language_info": {"name": "python"}})

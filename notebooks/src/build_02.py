@@ -375,7 +375,7 @@ faster than the cores allow; the gap below the mark is exposed communication, th
 compute for the same cores, and other programs sharing the machine. Those move every time you run the cell; the
 byte counts above do not.
 
-## Takeaways
+## What to remember
 
 * DDP = replicas + averaged gradients: every rank takes the single-process step on the global batch.
 * A ring all-reduce sends 2(N-1)/N · Ψ per rank whatever N is, so the bytes per step barely grow with N; the

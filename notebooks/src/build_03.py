@@ -313,7 +313,7 @@ Fully Sharded Data Parallel*):
 `benchmarks/data_parallel.py` runs distlab's ZeRO-3 beside FSDP2 (and DDP and ZeRO-1 beside torch's) on the same
 model and data.
 
-## Takeaways
+## What to remember
 
 * Model states are (2 + 2 + K)Ψ per rank under DDP; ZeRO divides K by N (stage 1), then the gradients (2), then
   the parameters (3). Measured here to within 2%, padding included.

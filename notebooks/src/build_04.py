@@ -321,7 +321,7 @@ ax.set_xlabel("step"); ax.set_ylabel("loss"); ax.legend(); fig.tight_layout()
 plt.show()
 """)
 md("""
-## Takeaways
+## What to remember
 
 * Column-parallel splits output features, row-parallel input features; pairing them leaves one all-reduce per
   region forward (*g*) and one backward (*f*): 4 all-reduces of b·s·h per layer per step, measured above to the byte.

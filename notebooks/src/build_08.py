@@ -360,7 +360,7 @@ md("""
 * **Megatron-LM** writes `iter_NNNNNNN/mp_rank_XX/` directories and updates `latest_checkpointed_iteration.txt`
   only after all ranks finish, the same publish-last idea as our rename; its `dist_checkpointing` adds resharding.
 
-## Takeaways
+## What to remember
 
 * Save what the next step depends on: parameters, optimizer state, step, loss history; data as a function of step.
 * Each rank writes what it **owns**: replicated state once, ZeRO shards from every rank (about 1/N each for ZeRO-3).
