@@ -168,6 +168,21 @@ def test_train_ep_matches_single(world, batch, accum):
     assert report.comm[0]["sent_by_op"]["all_to_all"] > 0
 
 
+def test_replicated_experts_match_single_with_no_all_to_all():
+    """options={"experts": "replicated"} on 3 ranks (4 experts do not split over 3: no need here): every
+    expert on every rank, routed over the whole batch, equals single; no all-to-all, all experts held."""
+    kw = dict(SGD, global_batch=7, clip=0.5)
+    ref = dl.train("single", **kw)
+    report = dl.train("ep", world_size=3, options={"experts": "replicated"}, **kw)
+    assert report.losses == pytest.approx(ref.losses, rel=1e-5)
+    for name, want in ref.params.items():
+        assert (report.params[name] - want).norm() <= 1e-5 * want.norm() + 1e-7, name
+    assert all(r.info["expert_param_bytes"] == _theory_params().experts * 4 for r in report.results)
+    assert "all_to_all" not in report.comm[0]["sent_by_op"]
+    with pytest.raises(ValueError, match="choose 'split'"):
+        dl.train("ep", world_size=2, model="gpt-moe-tiny", options={"experts": "copies"})
+
+
 def test_ep_checkpoint_resumes_exactly_and_reshards(tmp_path):
     """Model-parallel format: 3 steps saving at 2; resumed from 2 it ends bit-identical; the same
     checkpoint (experts joined along dim 0, Adam state too) resumed by single and by ep on 4 ranks
@@ -200,6 +215,23 @@ def test_bad_input_says_what_to_change():
     with pytest.raises(ValueError, match="capacity_factor"):
         dl.ep.MoE(8, 16, 4, capacity_factor=0, group=dl.ep.LOCAL)
     assert math.isfinite(dl.ep.capacity(10, 4, 2, 1.25))
+
+
+@pytest.mark.parametrize("strategy, world", [("tp", 2), ("tp-sp", 2), ("pp-1f1b", 2), ("pp-gpipe", 2),
+                                             ("pp-interleaved", 2), ("pp-zb-h1", 2), ("cp-ring", 2),
+                                             ("cp-ulysses", 2), ("3d:dp=1,tp=2,pp=1", 2),
+                                             ("3d:dp=1,tp=1,pp=2", 2), ("3d:dp=2,tp=1,pp=1", 2)])
+def test_strategies_without_moe_support_refuse_it_before_launch(strategy, world, monkeypatch):
+    """tp does not split experts, the pipeline's and cp's losses carry no load-balancing term: a clear
+    error naming the strategies that do run MoE, raised in this process (no rank is started)."""
+    import importlib
+
+    def no_launch(*a, **k):
+        raise AssertionError("a rank was started")
+    monkeypatch.setattr(importlib.import_module("distlab.launch"), "launch", no_launch)
+    with pytest.raises(ValueError, match=r"cannot train the mixture-of-experts model 'gpt-moe-tiny'.*"
+                                         r"strategy='ep'.*'ddp'"):
+        dl.train(strategy, world_size=world, model="gpt-moe-tiny", steps=1, global_batch=8)
 
 
 # -- theory (`dl.theory.moe`) against the model and the papers' formulas ----------------------------
