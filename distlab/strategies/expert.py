@@ -92,6 +92,20 @@ def replicated(spec: TrainSpec) -> bool:
     return how == "replicated"
 
 
+def grad_sync(params: list[torch.Tensor], bucket_mb: float = 25.0):
+    """A function summing the gradients of ``params`` (the replicated ones) over the world: one flat
+    all-reduce per bucket of ~``bucket_mb`` MB (`data.buckets.bucketize`: reverse order, one dtype)."""
+    buckets = bucketize(params, bucket_mb)
+
+    def sync() -> None:
+        for bucket in buckets:
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in bucket]
+            flat = C.all_reduce(torch.cat([g.flatten() for g in grads]))          # (sum of numel,)
+            for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
+                p.grad = g.view_as(p)
+    return sync
+
+
 def train_rank(spec: TrainSpec) -> RankResult:
     n, r = world_size(), rank()
     check(spec, n)
@@ -101,7 +115,7 @@ def train_rank(spec: TrainSpec) -> RankResult:
     params = optimizer.param_groups[0]["params"]
     experts = [] if copies else ep.expert_params(model)
     dense = [p for p in params if all(p is not e for e in experts)]
-    buckets = bucketize(dense, float(spec.options.get("bucket_mb", 25.0)))
+    sync_grads = grad_sync(dense, float(spec.options.get("bucket_mb", 25.0)))
     criterion = loss_fn(spec)
 
     def forward(step: int, micro: int) -> torch.Tensor:
@@ -110,13 +124,6 @@ def train_rank(spec: TrainSpec) -> RankResult:
         with autocast(spec):
             ce = criterion(model(xs), ys)
         return (ce * xs.shape[0] / x.shape[0] + model.aux_loss()) / spec.grad_accum
-
-    def sync_grads() -> None:
-        for bucket in buckets:                                 # one flat all-reduce (a sum) per bucket
-            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in bucket]
-            flat = C.all_reduce(torch.cat([g.flatten() for g in grads]))          # (sum of numel,)
-            for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
-                p.grad = g.view_as(p)
 
     state = model_parallel_state(model, params, model, optimizer, loss_weight=True, keeps_history=r == 0,
                                  layout={"ep": 1 if copies else n})
