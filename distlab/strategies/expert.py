@@ -54,13 +54,14 @@ def check(spec: TrainSpec, n: int) -> None:
 #: and each replica routes its own rows (capacity and balance loss per replica, as DeepSpeed with ep=1);
 #: ``ep`` splits them and routes over the whole batch, so it equals ``single`` on the same global batch.
 MOE_STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "ep")
+#: and the pipelines (pp-*), which route per microbatch: as single with grad_accum x microbatches.
 
 
 def refuse_moe(spec: TrainSpec) -> None:
     """Refuse a mixture-of-experts model under a strategy that would silently train it wrong (called
-    before any rank starts): tensor parallelism does not split experts, and the pipeline and
-    context-parallel losses carry no load-balancing term (it is computed on the middle stages' MoE
-    layers, over a micro-batch or a part of each sequence, not over the batch single routes)."""
+    before any rank starts): tensor parallelism does not split experts, context parallelism routes a
+    part of each sequence and its loss carries no load-balancing term, and the 3d mesh (whose pipeline
+    criterion has none either) runs it only on an ep= axis."""
     cfg = models.PRESETS.get(spec.model)
     if cfg is None or not cfg.experts:
         return
@@ -70,17 +71,15 @@ def refuse_moe(spec: TrainSpec) -> None:
         d = parse(s, spec.options)
         if d.get("ep", 1) == 1 or any(d.get(k, 1) > 1 for k in ("tp", "pp", "cp")):
             why = "the 3d mesh runs it only on an ep= axis (with dp), without tp, pp or cp"
-    elif s not in MOE_STRATEGIES:
+    elif s not in MOE_STRATEGIES and not s.startswith("pp-"):
         why = {"tp": "tensor parallelism does not split experts",
-               "pp": "the pipeline's loss has no load-balancing term (the router's loss lives on the "
-                     "middle stages)",
                "cp": "context parallelism routes each rank's part of a sequence on its own and its loss "
                      "has no load-balancing term"}.get(s[:2], "it has no mixture-of-experts support")
     if why:
         raise ValueError(f"strategy {s!r} cannot train the mixture-of-experts model {spec.model!r}: {why}. "
                          f"Use strategy='ep' (experts split over the ranks, equal to single) or one of "
                          f"{MOE_STRATEGIES[:-1]} (experts replicated, each replica routing its own rows), "
-                         f"or a dense model such as model='gpt-tiny'")
+                         f"a pp-* pipeline (routing per microbatch), or a dense model (model='gpt-tiny')")
 
 
 def replicated(spec: TrainSpec) -> bool:

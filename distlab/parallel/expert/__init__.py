@@ -12,8 +12,8 @@ Reading order:
 ``group=dl.ep.LOCAL`` keeps every expert in this process (the single-process reference).
 """
 from .dispatch import LOCAL, AllToAll, Dispatch
-from .moe import MoE, Experts, expert_params, full_state_dict, parallelize
+from .moe import AuxLoss, MoE, Experts, expert_params, full_state_dict, parallelize, ride_balance_losses
 from .router import Router, capacity, load_balancing_loss
 
 __all__ = ["LOCAL", "AllToAll", "Dispatch", "MoE", "Experts", "expert_params", "full_state_dict",
-           "parallelize", "Router", "capacity", "load_balancing_loss"]
+           "parallelize", "Router", "capacity", "load_balancing_loss", "AuxLoss", "ride_balance_losses"]

@@ -141,3 +141,36 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             t = C.all_gather(t.contiguous(), 0, split[id(p)])
         out[name] = t.float().cpu().clone()
     return out
+
+
+class AuxLoss(torch.autograd.Function):
+    """``x`` unchanged in forward; in backward ``aux`` also receives d(total loss)/d(aux) = 1, so a loss
+    computed in the middle of a model joins the backward of the activation it rides on (Megatron-LM's
+    ``MoEAuxLossAutoScaler``). For callers that cannot add it to the final loss: a pipeline stage."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.meta = aux.shape, aux.dtype, aux.device
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, dev = ctx.meta
+        return grad, torch.ones(shape, dtype=dtype, device=dev)
+
+
+def ride_balance_losses(model: nn.Module, coef: float, share) -> list[torch.Tensor]:
+    """Make every `MoE` of ``model`` carry ``coef * share(output) * balance_loss`` into backward on its
+    output (`AuxLoss`), a forward hook each; ``share(output)``: that forward's part of the loss (rows of
+    the batch it saw). Returns the list each forward appends its (detached) term to, for reporting."""
+    values: list[torch.Tensor] = []
+
+    def hook(module: MoE, args, out: torch.Tensor) -> torch.Tensor:
+        aux = module.balance_loss * (coef * share(out))
+        values.append(aux.detach())
+        return AuxLoss.apply(out, aux)
+
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.register_forward_hook(hook)
+    return values
