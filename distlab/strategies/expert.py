@@ -70,7 +70,8 @@ def refuse_moe(spec: TrainSpec) -> None:
         from .mesh import parse
         d = parse(s, spec.options)
         if d.get("ep", 1) == 1 or any(d.get(k, 1) > 1 for k in ("tp", "pp", "cp")):
-            why = "the 3d mesh runs it only on an ep= axis (with dp), without tp, pp or cp"
+            why = ("tensor parallelism does not split experts and the mesh's pipeline loss has no "
+                   "load-balancing term (a mesh runs it only on an ep= axis with dp, where it has one)")
     elif s not in MOE_STRATEGIES and not s.startswith("pp-"):
         why = {"tp": "tensor parallelism does not split experts",
                "cp": "context parallelism routes each rank's part of a sequence on its own and its loss "
