@@ -24,6 +24,7 @@ TINY = {  # script -> arguments that make it take seconds
     "tensor_parallel": ["--ranks", "2", "--steps", "2", "--warmup", "1", "--model", "gpt-tiny"],
     "pipeline": ["--steps", "1", "--warmup", "0"],
     "checkpoint": ["--ranks", "2", "--repeats", "1", "--model", "gpt-tiny"],
+    "expert_parallel": ["--ranks", "2", "--steps", "2", "--warmup", "1", "--d-model", "32", "--experts", "4"],
 }
 
 
@@ -63,11 +64,13 @@ def test_benchmarks_check_their_own_correctness(results):
     assert pp and all(row["max_loss_diff"] < 1e-4 for row in pp)
     ckpt = json.loads((results / "checkpoint.json").read_text())["results"]
     assert all(row[side]["loaded_equal"] for row in ckpt for side in ("distlab", "torch DCP"))
+    ep = json.loads((results / "expert_parallel.json").read_text())["results"]
+    assert all(row["targets"]["losses_equal"]["met"] and row["targets"]["memory"]["met"] for row in ep)
 
 
 def test_summary_renders_a_table_for_every_result(results):
     text = _summary(results).tables()
     for title in ("Ring all-reduce", "Data parallelism", "Tensor parallelism", "Pipeline parallelism",
-                  "Checkpoints"):
+                  "Checkpoints", "Expert parallelism"):
         assert f"**{title}**" in text, title
-    assert text.count("\n|---") >= 5
+    assert text.count("\n|---") >= 6

@@ -44,6 +44,8 @@ def check(spec: TrainSpec, world_size: int) -> None:
     to cut, microbatches the batch cannot supply, data-parallel options out of range."""
     from ..models import PRESETS
     from .base import microbatch_count
+    from .expert import refuse_moe
+    refuse_moe(spec)                                          # a mixture of experts: ep, single, dp only
     o = spec.options
     if spec.strategy.startswith("3d:"):
         from .mesh import parse

@@ -21,6 +21,7 @@ from distlab.theory.context import cp_activation_bytes_per_layer, cp_bytes_per_l
 from distlab.theory.memory import MemoryBreakdown, bytes_per_param, memory, shard_numel
 from distlab.theory.moe import (MoEParams, ep_memory, ep_params_per_rank, expert_capacity, gpt_moe_params,
                                 moe_all_to_all_bytes, moe_layer_params, moe_step_all_to_all_bytes)
+from distlab.theory.moe import expected_drop_fraction
 from distlab.theory.offload import OffloadEstimate, zero2_offload, zero3_offload
 from distlab.theory.params import gpt_params, transformer_params
 from distlab.theory.pipeline import bubble, bubble_time
@@ -39,5 +40,5 @@ __all__ = [
     "GPUS", "LINKS", "MODELS", "gpu", "link", "model", "chinchilla_tokens", "mfu", "scaling_efficiency",
     "throughput", "training_flops", "training_time", "GB", "GiB", "MB", "MiB",
     "MoEParams", "ep_memory", "ep_params_per_rank", "expert_capacity", "gpt_moe_params",
-    "moe_all_to_all_bytes", "moe_layer_params", "moe_step_all_to_all_bytes",
+    "moe_all_to_all_bytes", "moe_layer_params", "moe_step_all_to_all_bytes", "expected_drop_fraction",
 ]

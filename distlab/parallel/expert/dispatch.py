@@ -81,10 +81,13 @@ class Dispatch:
     capacity: int
 
 
-def plan(expert: torch.Tensor, experts: int, capacity_factor: float, group=None) -> Dispatch:
-    """The `Dispatch` of this rank's choices ``expert`` (T, k) over ``group``: one all-gather of counts."""
+def plan(expert: torch.Tensor, experts: int, capacity_factor: float, group=None,
+         replicated: bool = False) -> Dispatch:
+    """The `Dispatch` of this rank's choices ``expert`` (T, k) over ``group``: one all-gather of counts.
+    ``replicated``: every expert is on every rank; the capacity and the dropped tokens are still those
+    of the group's whole batch, but each rank computes its own kept rows and sends nothing."""
     n, me = size(group), rank(group)
-    top_k, per_rank = expert.shape[1], experts // n
+    top_k, per_rank = expert.shape[1], experts // (1 if replicated else n)
     mine = router.counts(expert, experts)                                   # (k, E)
     every = mine[None] if n == 1 else C.all_gather(mine[None].contiguous(), 0, group)   # (n, k, E)
     tokens = int(every[:, 0].sum())
@@ -93,9 +96,13 @@ def plan(expert: torch.Tensor, experts: int, capacity_factor: float, group=None)
     flat = kept_pairs.flatten().nonzero().squeeze(1)                                  # kept t*k + c
     order = flat[expert.flatten()[flat].sort(stable=True).indices]                    # by expert
     fits = router.kept(every, cap).sum(dim=1)                                         # (n, E)
-    send = fits[me].view(n, per_rank).sum(dim=1).tolist()
-    ours = fits[:, me * per_rank:(me + 1) * per_rank]                                 # (n, E/n)
-    local_ids = torch.arange(per_rank, device=expert.device).repeat(n)
+    if replicated:                                                    # our own kept rows, all experts
+        ours = fits[me:me + 1]                                                        # (1, E)
+        send = [int(ours.sum())]
+    else:
+        send = fits[me].view(n, per_rank).sum(dim=1).tolist()
+        ours = fits[:, me * per_rank:(me + 1) * per_rank]                             # (n, E/n)
+    local_ids = torch.arange(per_rank, device=expert.device).repeat(ours.shape[0])
     local_expert = local_ids.repeat_interleave(ours.flatten())
     return Dispatch(kept_pairs, order, send, ours.sum(dim=1).tolist(), local_expert,
                     every[:, 0].sum(dim=0), tokens, cap)
@@ -105,13 +112,13 @@ def dispatch(x: torch.Tensor, d: Dispatch, group=None) -> torch.Tensor:
     """x (T, h) -> the rows this rank's experts compute (R_recv, h), received in rank order."""
     top_k = d.kept.shape[1]
     rows = x[d.order // top_k]                                       # (R_send, h) sorted by expert
-    return rows if size(group) == 1 else AllToAll.apply(rows, d.send, d.recv, group)
+    return rows if len(d.send) == 1 else AllToAll.apply(rows, d.send, d.recv, group)
 
 
 def combine(y: torch.Tensor, d: Dispatch, weight: torch.Tensor, group=None) -> torch.Tensor:
     """Expert outputs y (R_recv, h) -> (T, h): sent back, weighted by the gate, summed per token.
     A token whose every choice was dropped gets zeros (its residual connection carries it on)."""
-    back = y if size(group) == 1 else AllToAll.apply(y, d.recv, d.send, group)   # (R_send, h)
+    back = y if len(d.send) == 1 else AllToAll.apply(y, d.recv, d.send, group)   # (R_send, h)
     top_k = d.kept.shape[1]
     gate = weight.flatten()[d.order].to(back.dtype)[:, None]                    # (R_send, 1)
     out = back.new_zeros((d.kept.shape[0], back.shape[1]))
