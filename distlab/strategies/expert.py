@@ -15,10 +15,22 @@ each one's mean-loss gradient, weighted by its rows), and an expert's gradient, 
 reverse all-to-all from every rank's tokens, needs nothing more. Clipping uses the whole model's norm
 (expert shards summed over the group, replicated parameters counted once, as for tp). Checkpoints use
 the "model-parallel" format: the experts' ``shard_dims`` record the cut, so they reshard like tp blocks.
+
+With data parallelism (``options={"dp": D}``; the mesh spelling ``3d:dp=D,ep=E``, world = D x E):
+the grid is ``torch.arange(world).view(D, E)``; row d is an expert-parallel group (consecutive ranks:
+tokens travel inside it), column e the D replicas of the same experts. Every rank still takes its
+own rows of the batch (rank r part r of n), the router's counts are all-gathered over the whole world
+(`dispatch.plan`'s ``batch_group``: capacity, dropped tokens and the balance loss are the global
+batch's, as in one process), dense gradients are summed over the world and expert gradients over
+their D replicas only (each replica's experts saw the tokens of its own E ranks)::
+
+    dense (attention, router, ...)    replicated over dp x ep     all-reduce over the world
+    experts E/ep per rank             replicated over dp          all-reduce over the dp column
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from .. import models
 from ..checkpoint.state import model_parallel_state
@@ -33,21 +45,45 @@ from .loop import Plan, run, sum_losses
 
 def check(spec: TrainSpec, n: int) -> None:
     """Refuse what ``ep`` cannot run on ``n`` ranks (called before any rank starts, and in each)."""
+    dp = spec.options.get("dp", 1)
+    if not isinstance(dp, int) or dp < 1 or n % dp:
+        raise ValueError(f"dp={dp!r} must be a positive integer dividing the world size {n} "
+                         "(the expert-parallel degree is world / dp)")
+    require_rows(spec, n)
+    n //= dp
     cfg = models.PRESETS.get(spec.model)
     if cfg is None or not cfg.experts:
         moe = sorted(k for k, c in models.PRESETS.items() if c.experts)
         raise ValueError(f"strategy 'ep' splits the experts of a mixture-of-experts GPT, and {spec.model!r} "
                          f"has none: choose model= one of {moe}")
     if cfg.experts % n:
+        where = f"world_size={n}" if dp == 1 else f"ep={n} ranks"
         raise ValueError(f"{spec.model!r} has {cfg.experts} experts per layer, which cannot be split over "
-                         f"world_size={n}: choose a world_size that divides {cfg.experts}")
-    require_rows(spec, n)
+                         f"{where}: choose a{'' if dp == 1 else 'n ep'} degree that divides {cfg.experts}")
+
+
+def groups(dp: int, n: int):
+    """(ep group, dp group) of this rank on ``arange(n).view(dp, n / dp)``: its row and its column
+    (dp == 1: the world, None)."""
+    if dp == 1:
+        return None, None
+    grid, mine = torch.arange(n).view(dp, n // dp), {}
+    for axis, rows in (("ep", grid), ("dp", grid.t())):
+        for row in rows.tolist():
+            group = dist.new_group(row)
+            if rank() in row:
+                mine[axis] = group
+                C.name_group(group, axis)
+    return mine["ep"], mine["dp"]
 
 
 def train_rank(spec: TrainSpec) -> RankResult:
     n, r = world_size(), rank()
     check(spec, n)
-    model = ep.parallelize(build_model(spec))                  # experts split over the world
+    dp = spec.options.get("dp", 1)
+    ep_group, dp_group = groups(dp, n)
+    batch = dist.group.WORLD if dp > 1 else None              # counts over the whole batch
+    model = ep.parallelize(build_model(spec), ep_group, batch)  # experts split over the ep group
     optimizer = make_optimizer(model.parameters(), spec)
     params = optimizer.param_groups[0]["params"]
     experts = ep.expert_params(model)
@@ -66,14 +102,19 @@ def train_rank(spec: TrainSpec) -> RankResult:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             C.all_reduce(p.grad)
+        for p in experts if dp > 1 else ():                   # the same experts' replicas
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            C.all_reduce(p.grad, dp_group)
 
+    layout = {"ep": n // dp} | ({"dp": dp} if dp > 1 else {})
     state = model_parallel_state(model, params, model, optimizer, loss_weight=True, keeps_history=r == 0,
-                                 layout={"ep": n})
+                                 replica_group=dp_group, layout=layout)
     plan = Plan(forward, optimizer, state, sync_grads=sync_grads,
-                clip=lambda max_norm: clip_grad_norm_(params, max_norm, sharded=experts, groups=[None]))
+                clip=lambda max_norm: clip_grad_norm_(params, max_norm, sharded=experts, groups=[ep_group]))
     trained = run(spec, plan)
     losses = sum_losses(trained.losses)                        # each rank's share, summed
     full = ep.full_state_dict(model)
     expert_bytes = sum(p.numel() * p.element_size() for p in experts)
     return RankResult(losses=losses if r == 0 else None, params=full if r == 0 else None,
-                      info={"ep": n, "expert_param_bytes": expert_bytes, **trained.info})
+                      info={"ep": n // dp, "dp": dp, "expert_param_bytes": expert_bytes, **trained.info})

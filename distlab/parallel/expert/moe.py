@@ -66,7 +66,7 @@ class MoE(nn.Module):
     """
 
     def __init__(self, hidden: int, ffn: int, experts: int, top_k: int = 2, capacity_factor: float = 1.25,
-                 group=None):
+                 group=None, batch_group=None):
         super().__init__()
         n = D.size(group)
         if experts % n:
@@ -75,6 +75,7 @@ class MoE(nn.Module):
         if capacity_factor <= 0:
             raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
         self.experts, self.top_k, self.capacity_factor, self.group = experts, top_k, capacity_factor, group
+        self.batch_group = batch_group           # the ranks the batch is split over (None: ``group``)
         self.router = Router(hidden, experts, top_k)
         per_rank = experts // n
         self.local = Experts(hidden, ffn, experts, D.rank(group) * per_rank, per_rank, group)
@@ -83,7 +84,7 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor):
         """x (T, h) -> (probs (T, E), weight (T, k), `dispatch.Dispatch`): who goes where, who is dropped."""
         probs, expert, weight = self.router(x)
-        return probs, weight, D.plan(expert, self.experts, self.capacity_factor, self.group)
+        return probs, weight, D.plan(expert, self.experts, self.capacity_factor, self.group, self.batch_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -95,10 +96,11 @@ class MoE(nn.Module):
         self.balance_loss = load_balancing_loss(probs, d.first_counts, d.tokens)
         return out.view(shape)
 
-    def shard(self, group=None) -> "MoE":
-        """A new `MoE` with the same weights, its experts split over ``group`` (this rank's block copied)."""
+    def shard(self, group=None, batch_group=None) -> "MoE":
+        """A new `MoE` with the same weights, its experts split over ``group`` (this rank's block copied);
+        ``batch_group``: the ranks the batch is split over, when larger (`dispatch.plan`)."""
         new = MoE(self.router.gate.in_features, self.local.w1.shape[2], self.experts, self.top_k,
-                  self.capacity_factor, group)
+                  self.capacity_factor, group, batch_group)
         first, count = D.rank(group) * new.local.w1.shape[0], new.local.w1.shape[0]
         with torch.no_grad():
             new.router.gate.weight.copy_(self.router.gate.weight)
@@ -107,13 +109,14 @@ class MoE(nn.Module):
         return new.to(self.router.gate.weight.device, self.router.gate.weight.dtype)
 
 
-def parallelize(model: nn.Module, group=None) -> nn.Module:
+def parallelize(model: nn.Module, group=None, batch_group=None) -> nn.Module:
     """Replace every `MoE` of ``model`` (built with all experts here) by one split over ``group``, in
-    place; returns ``model``. Every other parameter stays whole: data parallel over the same ranks."""
+    place; returns ``model``. Every other parameter stays whole: data parallel over the same ranks (over
+    ``batch_group`` when the batch is split over more ranks than ``group``: expert x data parallelism)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, MoE):
-                setattr(parent, name, child.shard(group))
+                setattr(parent, name, child.shard(group, batch_group))
     return model
 
 
