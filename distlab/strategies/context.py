@@ -25,6 +25,8 @@ holding the same shards, ``grid[:, :, t]`` (the "replicas"); clipping uses the w
 """
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.distributed as dist
 
@@ -137,9 +139,16 @@ def train_rank(spec: TrainSpec) -> RankResult:
     params = rank0_copy(tp_lib.full_state_dict(model) if tp > 1 else model.state_dict())
     return RankResult(losses=losses if r == 0 else None, params=params,
                       info={"cp": n, "dp": dp, "tp": tp, "attention": ATTENTION[spec.strategy],
-                            "zigzag": zigzag, "param_bytes": sum(p.numel() * p.element_size()
-                                                                 for p in model.parameters()),
-                            **trained.info})
+                            "zigzag": zigzag, **digests(model), **trained.info})
+
+
+def digests(model) -> dict:
+    """What the invariant tests read: this rank's tensors' bytes, shapes and digests (replicas must agree)."""
+    local = dict(model.named_parameters())
+    return {"param_bytes": sum(p.numel() * p.element_size() for p in local.values()),
+            "shapes": {n: tuple(p.shape) for n, p in local.items()},
+            "digests": {n: hashlib.sha1(p.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+                        for n, p in local.items()}}
 
 
 def _criterion(spec: TrainSpec, model, tp_group):

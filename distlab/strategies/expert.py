@@ -40,6 +40,7 @@ from ..parallel.clip import clip_grad_norm_
 from ..runtime import rank, world_size
 from .base import (RankResult, TrainSpec, autocast, build_model, global_batch, loss_fn, make_optimizer,
                    require_rows)
+from .context import digests
 from .loop import Plan, run, sum_losses
 
 
@@ -59,7 +60,7 @@ def check(spec: TrainSpec, n: int) -> None:
     if cfg.experts % n:
         where = f"world_size={n}" if dp == 1 else f"ep={n} ranks"
         raise ValueError(f"{spec.model!r} has {cfg.experts} experts per layer, which cannot be split over "
-                         f"{where}: choose a{'' if dp == 1 else 'n ep'} degree that divides {cfg.experts}")
+                         f"{where}: choose {'a world_size' if dp == 1 else 'an ep degree'} that divides {cfg.experts}")
 
 
 def groups(dp: int, n: int):
@@ -117,4 +118,5 @@ def train_rank(spec: TrainSpec) -> RankResult:
     full = ep.full_state_dict(model)
     expert_bytes = sum(p.numel() * p.element_size() for p in experts)
     return RankResult(losses=losses if r == 0 else None, params=full if r == 0 else None,
-                      info={"ep": n // dp, "dp": dp, "expert_param_bytes": expert_bytes, **trained.info})
+                      info={"ep": n // dp, "dp": dp, "expert_param_bytes": expert_bytes, **digests(model),
+                            **trained.info})
