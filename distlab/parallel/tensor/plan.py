@@ -175,7 +175,8 @@ def parallelize_plan(model: nn.Module, plan: dict, group=None) -> nn.Module:
 
 def check_ties(model: nn.Module, chosen: dict) -> None:
     """A weight the plan splits must not also sit, whole, in a module the plan leaves alone."""
-    split = {id(model.get_submodule(n).weight) for n in chosen}
+    split = {id(w) for n in chosen if isinstance(w := getattr(model.get_submodule(n), "weight", None),
+                                                 torch.Tensor)}
     names = {f"{n}.weight" for n in chosen}
     for n, p in model.named_parameters(remove_duplicate=False):
         if id(p) in split and n not in names:
