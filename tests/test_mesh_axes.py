@@ -171,3 +171,14 @@ def test_parse_reads_the_new_axes():
     assert parse("3d:dp=2", {"ep": 2})["ep"] == 2
     with pytest.raises(ValueError, match="positive integer"):
         parse("3d:cp=0")
+
+
+@pytest.mark.parametrize("name, model", [("3d:cp=2,tp=2", "gpt-tiny"), ("3d:dp=2,ep=2", "gpt-moe-tiny")])
+def test_new_axes_checkpoint_and_resume_bit_for_bit(name, model, tmp_path):
+    """3 AdamW steps saving at 2; resumed from 2, losses and final parameters are bit-identical."""
+    kw = dict(model=model, steps=3, seed=0, optimizer="adamw", lr=0.01, global_batch=8,
+              checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    full = dl.train(name, world_size=4, **kw)
+    resumed = dl.train(name, world_size=4, **kw, resume=2)
+    assert resumed.losses == full.losses
+    assert all(torch.equal(v, resumed.params[k]) for k, v in full.params.items())

@@ -58,9 +58,9 @@ def check(spec: TrainSpec, n: int) -> None:
         raise ValueError(f"strategy 'ep' splits the experts of a mixture-of-experts GPT, and {spec.model!r} "
                          f"has none: choose model= one of {moe}")
     if cfg.experts % n:
-        where = f"world_size={n}" if dp == 1 else f"ep={n} ranks"
+        where, fix = (f"world_size={n}", "a world_size") if dp == 1 else (f"ep={n} ranks", "an ep degree")
         raise ValueError(f"{spec.model!r} has {cfg.experts} experts per layer, which cannot be split over "
-                         f"{where}: choose {'a world_size' if dp == 1 else 'an ep degree'} that divides {cfg.experts}")
+                         f"{where}: choose {fix} that divides {cfg.experts}")
 
 
 def groups(dp: int, n: int):
