@@ -33,7 +33,8 @@ def _assert_matches(report, ref) -> None:
 
 # -- cp: with dp, with tp (on the attention heads), ring and Ulysses ----------------------------------
 CP_MESHES = [("3d:dp=2,cp=2", 4), ("3d:cp=2,tp=2", 4), ("3d:cp=2,tp=2,attention=ulysses", 4),
-             ("3d:dp=3,cp=2", 6)]            # dp=3: micro-batches of 4 rows split 2, 1, 1
+             ("3d:dp=3,cp=2", 6),            # dp=3: micro-batches of 4 rows split 2, 1, 1
+             ("3d:dp=2,cp=2,tp=2", 8)]
 
 
 @pytest.mark.parametrize("name, world", CP_MESHES)
@@ -67,7 +68,8 @@ def test_cp_mesh_matches_single(name, world):
 
 
 # -- ep: experts over ep, the rest replicated over dp x ep --------------------------------------------
-EP_MESHES = [("3d:dp=2,ep=2", 4, {}), ("3d:dp=2,ep=2", 4, {"grad_accum": 2, "global_batch": 8})]
+EP_MESHES = [("3d:dp=2,ep=2", 4, {}), ("3d:dp=2,ep=2", 4, {"grad_accum": 2, "global_batch": 8}),
+             ("3d:dp=3,ep=2", 6, {})]
 
 
 @pytest.mark.parametrize("name, world, kw", EP_MESHES)
