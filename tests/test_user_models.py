@@ -237,3 +237,39 @@ def test_chain_cut_and_stage_errors():
     with pytest.raises(ValueError, match="stages 0 and 1"):
         dl.pp.check_stages(model, [["embed", "blocks.0", "blocks.1"],
                                    ["blocks.1", "blocks.2", "norm", "head"]])
+
+
+def _gpt_by_plan_and_by_hand():
+    """distlab's GPT split by `dl.tp.GPT_PLAN` and by `parallelize(gpt)`: the same loss and gradients as
+    the full model; the plan's extra backward all-reduces (q, k, v each their own f) counted."""
+    from distlab.models import GPT, GPTConfig, MarkovTokens
+    cfg = GPTConfig(vocab=32, seq_len=8, d_model=16, heads=4, layers=2)
+    ids, targets = MarkovTokens(cfg.vocab, cfg.seq_len).batch(0, 4)
+    torch.manual_seed(0)
+    full = GPT(cfg)
+    full.loss(ids, targets).backward()
+    out = {}
+    for kind in ("plan", "hand"):
+        torch.manual_seed(0)
+        plan = dl.tp.GPT_PLAN if kind == "plan" else None
+        model = dl.tp.parallelize(GPT(cfg), plan=plan)
+        mark = len(dl.tracer().events())
+        loss = model.loss(ids, targets)
+        loss.backward()
+        grads = dl.tp.full_grads(model)
+        worst = max(((grads[n] - p.grad).norm() / p.grad.norm()).item()
+                    for n, p in full.named_parameters() if not n.endswith("k.bias"))
+        bsh = 4 * 8 * 16 * 4                                   # b s h fp32 bytes
+        backward = [e for e in dl.tracer().events()[mark:] if e.kind == "comm" and e.name == "all_reduce"
+                    and e.args.get("phase") == "backward" and e.args.get("size") == bsh]
+        out[kind] = (abs(loss.item() - full.loss(ids, targets).item()), worst, len(backward))
+    return out
+
+
+def test_gpt_as_a_plan_equals_the_full_model():
+    for res in dl.launch(_gpt_by_plan_and_by_hand, world_size=2, output="quiet").results:
+        for kind in ("plan", "hand"):
+            assert res[kind][0] < 1e-5 and res[kind][1] < 1e-5, (kind, res)
+        # backward b s h all-reduces: per layer the plan's f for q, k, v and fc (4), by hand one shared f and
+        # fc's (2); plus the head's f once in both
+        assert (res["plan"][2], res["hand"][2]) == (4 * 2 + 1, 2 * 2 + 1), res

@@ -17,7 +17,7 @@ from .gpt import TensorParallelGPT, full_grads, full_state_dict, gather_logits, 
 from .layers import ParallelAttention, ParallelMLP
 from .linear import (ColumnParallelLinear, GatheredLinears, RowParallelLinear, check_divisible,
                      sync_replicated_grad)
-from .plan import STYLES, Colwise, Embedding, PackedColumnParallelLinear, Rowwise, parallelize_plan
+from .plan import GPT_PLAN, STYLES, Colwise, Embedding, PackedColumnParallelLinear, Rowwise, parallelize_plan
 from .regions import (copy_to_region, gather_from_sequence, gather_from_tensor, reduce_from_region,
                       reduce_scatter_to_sequence, sequence_positions, split_to_tensor)
 from .vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -27,4 +27,5 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
            "full_state_dict", "full_grads", "gather_logits", "copy_to_region", "reduce_from_region",
            "gather_from_sequence", "reduce_scatter_to_sequence", "gather_from_tensor", "split_to_tensor",
            "sequence_positions", "GatheredLinears", "sync_replicated_grad", "check_divisible",
-           "STYLES", "Colwise", "Rowwise", "Embedding", "PackedColumnParallelLinear", "parallelize_plan"]
+           "GPT_PLAN", "STYLES", "Colwise", "Rowwise", "Embedding", "PackedColumnParallelLinear",
+           "parallelize_plan"]

@@ -68,6 +68,13 @@ class Embedding:
     """Split an nn.Embedding's rows (the vocabulary)."""
 
 
+#: distlab's GPT as a plan: the same splits as `gpt.parallelize`, at a price the hand-written path avoids:
+#: q, k, v each enter with their own f (3 all-reduces backward where `ParallelAttention` shares one) and
+#: the logits are gathered (b s V) where `vocab_parallel_cross_entropy` all-reduces 3 b s numbers.
+GPT_PLAN = {"tok": "embedding", "blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise",
+            "blocks.*.attn.v": "colwise", "blocks.*.attn.proj": "rowwise", "blocks.*.mlp.fc": "colwise",
+            "blocks.*.mlp.proj": "rowwise", "head": "colwise_gather"}
+
 STYLES = {"colwise": Colwise(), "colwise_gather": Colwise(gather_output=True), "rowwise": Rowwise(),
           "rowwise_split": Rowwise(input_is_parallel=False), "embedding": Embedding()}
 
