@@ -163,6 +163,8 @@ def test_plan_errors_say_what_to_change():
         dl.tp.parallelize(TinyLM(), plan={"blocks.*.mlp": "colwise"})
     with pytest.raises(ValueError, match="'head.weight' is tied"):
         dl.tp.parallelize(TinyLM(), plan={"embed.tok": "embedding"})
+    with pytest.raises(ValueError, match="split it differently"):
+        dl.tp.parallelize(TinyLM(), plan={"embed.tok": "embedding", "head": "rowwise"})
     with pytest.raises(TypeError, match="plan="):
         dl.tp.parallelize(UserMLP())
     msg = dl.launch(_divisibility_error, world_size=2, output="quiet").results[0]

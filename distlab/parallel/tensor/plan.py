@@ -32,7 +32,8 @@ fused ``qkv`` needs ``Colwise(packed=3)``: a plain "colwise" would hand rank 0 a
 
 `full_state_dict` (``dl.tp.full_state_dict``) gathers a planned model back to full tensors, names
 unchanged. A weight tied between two planned modules split the same way (an embedding and a
-"colwise" head) stays tied to the same shard.
+"colwise" head) stays tied to the same shard. `GPT_PLAN` is distlab's GPT as a plan (``gpt.py``'s
+hand-written path is the same split with q, k, v sharing one f and a vocabulary-parallel loss).
 """
 from __future__ import annotations
 
@@ -181,11 +182,21 @@ def parallelize_plan(model: nn.Module, plan: dict, group=None) -> nn.Module:
 
 
 def check_ties(model: nn.Module, chosen: dict) -> None:
-    """A weight the plan splits must not also sit, whole, in a module the plan leaves alone."""
-    split = {id(w) for n in chosen if isinstance(w := getattr(model.get_submodule(n), "weight", None),
-                                                 torch.Tensor)}
+    """A weight the plan splits must not also sit, whole, in a module the plan leaves alone, and a tie
+    survives only between styles that keep the same row block (embedding, colwise unpacked)."""
+    owners: dict[int, list[str]] = {}
+    for n in chosen:
+        w = getattr(model.get_submodule(n), "weight", None)
+        if isinstance(w, torch.Tensor):
+            owners.setdefault(id(w), []).append(n)
     names = {f"{n}.weight" for n in chosen}
     for n, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in split and n not in names:
+        if id(p) in owners and n not in names:
             raise ValueError(f"{n!r} is tied to a weight the plan splits: name its module in the plan too, "
                              "with a style that splits it the same way (embedding / colwise)")
+    rows = (lambda style: isinstance(style, Embedding)                     # noqa: E731
+            or (isinstance(style, Colwise) and style.packed == 1))       # the same row blocks of W
+    for tied in (mods for mods in owners.values() if len(mods) > 1):
+        if not all(rows(chosen[m]) for m in tied):
+            raise ValueError(f"{tied} share one weight but their styles split it differently: give them "
+                             "'embedding' / 'colwise' (rows split the same way), or untie them")
