@@ -181,6 +181,11 @@ def parallelize_plan(model: nn.Module, plan: dict, group=None) -> nn.Module:
     return model
 
 
+def _keeps_row_blocks(style) -> bool:
+    """Whether ``style`` keeps rows [i n/t, (i+1) n/t) of the weight: the embedding and unpacked colwise."""
+    return isinstance(style, Embedding) or (isinstance(style, Colwise) and style.packed == 1)
+
+
 def check_ties(model: nn.Module, chosen: dict) -> None:
     """A weight the plan splits must not also sit, whole, in a module the plan leaves alone, and a tie
     survives only between styles that keep the same row block (embedding, colwise unpacked)."""
@@ -194,9 +199,7 @@ def check_ties(model: nn.Module, chosen: dict) -> None:
         if id(p) in owners and n not in names:
             raise ValueError(f"{n!r} is tied to a weight the plan splits: name its module in the plan too, "
                              "with a style that splits it the same way (embedding / colwise)")
-    rows = (lambda style: isinstance(style, Embedding)                     # noqa: E731
-            or (isinstance(style, Colwise) and style.packed == 1))       # the same row blocks of W
     for tied in (mods for mods in owners.values() if len(mods) > 1):
-        if not all(rows(chosen[m]) for m in tied):
+        if not all(_keeps_row_blocks(chosen[m]) for m in tied):
             raise ValueError(f"{tied} share one weight but their styles split it differently: give them "
                              "'embedding' / 'colwise' (rows split the same way), or untie them")
