@@ -116,10 +116,8 @@ def _check_before_launch(spec: TrainSpec, world_size: int) -> None:
         from .strategies.context import check
         check(spec, world_size)
     if spec.strategy.startswith("3d:"):
-        from .parallel.mesh import Mesh
-        from .strategies.mesh import parse
-        degrees = parse(spec.strategy, spec.options)
-        Mesh(degrees["dp"], degrees["tp"], degrees["pp"], world_size=world_size, groups=False)
+        from .strategies.mesh import check_world
+        check_world(spec, world_size)                    # degrees fill the world; cp= / ep= combinations
 
 
 

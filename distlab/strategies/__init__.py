@@ -7,7 +7,7 @@ named by their degrees, ``"3d:dp=2,tp=2,pp=2"``, and all share the ``"3d"`` entr
 Reading order: `base` (the spec, the data, the result), `loop` (THE step loop every strategy runs), then
 one file per family, each only building the model, the criterion and the loop's `loop.Plan`:
 `data_parallel` (single, DDP, ZeRO), `fsdp` (`dl.fully_shard`), `tensor`, `pipeline`, `context` (cp-ring,
-cp-ulysses), `expert` (ep), `mesh` (3D).
+cp-ulysses), `expert` (ep), `mesh` (3D), `mesh_axes` (its cp= and ep= axes).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def check(spec: TrainSpec, world_size: int) -> None:
     to cut, microbatches the batch cannot supply, data-parallel options out of range."""
     from ..models import PRESETS
     from .base import microbatch_count
-    from .expert import refuse_moe
+    from .moe_support import refuse_moe
     refuse_moe(spec)                                          # a mixture of experts: ep, single, dp only
     o = spec.options
     if spec.strategy.startswith("3d:"):

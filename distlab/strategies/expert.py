@@ -20,10 +20,22 @@ the "model-parallel" format: the experts' ``shard_dims`` record the cut, so they
 ``options={"experts": "replicated"}``: the alternative expert parallelism replaces, every expert on every
 rank (no all-to-all; the experts' gradients all-reduced with the rest), routed over the whole batch all
 the same, so it too equals single; lesson 11 and ``benchmarks/expert_parallel.py`` set the two side by side.
+
+With data parallelism (``options={"dp": D}``; the mesh spelling ``3d:dp=D,ep=E``, world = D x E):
+the grid is ``torch.arange(world).view(D, E)``; row d is an expert-parallel group (consecutive ranks:
+tokens travel inside it), column e the D replicas of the same experts. Every rank still takes its
+own rows of the batch (rank r part r of n), the router's counts are all-gathered over the whole world
+(`dispatch.plan`'s ``batch_group``: capacity, dropped tokens and the balance loss are the global
+batch's, as in one process), dense gradients are summed over the world and expert gradients over
+their D replicas only (each replica's experts saw the tokens of its own E ranks)::
+
+    dense (attention, router, ...)    replicated over dp x ep     all-reduce over the world
+    experts E/ep per rank             replicated over dp          all-reduce over the dp column
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from .. import models
 from ..checkpoint.state import model_parallel_state
@@ -34,53 +46,42 @@ from ..parallel.data.buckets import bucketize
 from ..runtime import rank, world_size
 from .base import (RankResult, TrainSpec, autocast, build_model, global_batch, loss_fn, make_optimizer,
                    require_rows)
+from .context import digests
 from .loop import Plan, run, sum_losses
 
 
 def check(spec: TrainSpec, n: int) -> None:
     """Refuse what ``ep`` cannot run on ``n`` ranks (called before any rank starts, and in each)."""
+    dp = spec.options.get("dp", 1)
+    if not isinstance(dp, int) or dp < 1 or n % dp:
+        raise ValueError(f"dp={dp!r} must be a positive integer dividing the world size {n} "
+                         "(the expert-parallel degree is world / dp)")
+    require_rows(spec, n)
+    n //= dp
     cfg = models.PRESETS.get(spec.model)
     if cfg is None or not cfg.experts:
         moe = sorted(k for k, c in models.PRESETS.items() if c.experts)
         raise ValueError(f"strategy 'ep' splits the experts of a mixture-of-experts GPT, and {spec.model!r} "
                          f"has none: choose model= one of {moe}")
     if not replicated(spec) and cfg.experts % n:
+        where, fix = (f"world_size={n}", "a world_size") if dp == 1 else (f"ep={n} ranks", "an ep degree")
         raise ValueError(f"{spec.model!r} has {cfg.experts} experts per layer, which cannot be split over "
-                         f"world_size={n}: choose a world_size that divides {cfg.experts}")
-    require_rows(spec, n)
+                         f"{where}: choose {fix} that divides {cfg.experts}")
 
 
-#: Strategies that train a mixture-of-experts model, and how. The data-parallel ones replicate the experts
-#: and each replica routes its own rows (capacity and balance loss per replica, as DeepSpeed with ep=1);
-#: ``ep`` splits them and routes over the whole batch, so it equals ``single`` on the same global batch.
-MOE_STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp", "ep")
-#: and the pipelines (pp-*), which route per microbatch: as single with grad_accum x microbatches.
-
-
-def refuse_moe(spec: TrainSpec) -> None:
-    """Refuse a mixture-of-experts model under a strategy that would silently train it wrong (called
-    before any rank starts): tensor parallelism does not split experts, context parallelism routes a
-    part of each sequence and its loss carries no load-balancing term, and the 3d mesh (whose pipeline
-    criterion has none either) runs it only on an ep= axis."""
-    cfg = models.PRESETS.get(spec.model)
-    if cfg is None or not cfg.experts:
-        return
-    s, why = spec.strategy, None
-    if s.startswith("3d:"):
-        from .mesh import parse
-        d = parse(s, spec.options)
-        if d.get("ep", 1) == 1 or any(d.get(k, 1) > 1 for k in ("tp", "pp", "cp")):
-            why = ("tensor parallelism does not split experts and the mesh's pipeline loss has no "
-                   "load-balancing term (a mesh runs it only on an ep= axis with dp, where it has one)")
-    elif s not in MOE_STRATEGIES and not s.startswith("pp-"):
-        why = {"tp": "tensor parallelism does not split experts",
-               "cp": "context parallelism routes each rank's part of a sequence on its own and its loss "
-                     "has no load-balancing term"}.get(s[:2], "it has no mixture-of-experts support")
-    if why:
-        raise ValueError(f"strategy {s!r} cannot train the mixture-of-experts model {spec.model!r}: {why}. "
-                         f"Use strategy='ep' (experts split over the ranks, equal to single) or one of "
-                         f"{MOE_STRATEGIES[:-1]} (experts replicated, each replica routing its own rows), "
-                         f"a pp-* pipeline (routing per microbatch), or a dense model (model='gpt-tiny')")
+def groups(dp: int, n: int):
+    """(ep group, dp group) of this rank on ``arange(n).view(dp, n / dp)``: its row and its column
+    (dp == 1: the world, None)."""
+    if dp == 1:
+        return None, None
+    grid, mine = torch.arange(n).view(dp, n // dp), {}
+    for axis, rows in (("ep", grid), ("dp", grid.t())):
+        for row in rows.tolist():
+            group = dist.new_group(row)
+            if rank() in row:
+                mine[axis] = group
+                C.name_group(group, axis)
+    return mine["ep"], mine["dp"]
 
 
 def replicated(spec: TrainSpec) -> bool:
@@ -110,12 +111,15 @@ def train_rank(spec: TrainSpec) -> RankResult:
     n, r = world_size(), rank()
     check(spec, n)
     copies = replicated(spec)
-    model = ep.parallelize(build_model(spec), replicate=copies)   # experts split over the world (or not)
+    dp = spec.options.get("dp", 1)
+    ep_group, dp_group = groups(dp, n)
+    batch = dist.group.WORLD if dp > 1 else None              # counts over the whole batch
+    model = ep.parallelize(build_model(spec), ep_group, replicate=copies, batch_group=batch)
     optimizer = make_optimizer(model.parameters(), spec)
     params = optimizer.param_groups[0]["params"]
     experts = [] if copies else ep.expert_params(model)
     dense = [p for p in params if all(p is not e for e in experts)]
-    sync_grads = grad_sync(dense, float(spec.options.get("bucket_mb", 25.0)))
+    sync_dense = grad_sync(dense, float(spec.options.get("bucket_mb", 25.0)))
     criterion = loss_fn(spec)
 
     def forward(step: int, micro: int) -> torch.Tensor:
@@ -125,14 +129,23 @@ def train_rank(spec: TrainSpec) -> RankResult:
             ce = criterion(model(xs), ys)
         return (ce * xs.shape[0] / x.shape[0] + model.aux_loss()) / spec.grad_accum
 
+    def sync_grads() -> None:
+        sync_dense()                                           # dense: summed over the world
+        for p in experts if dp > 1 else ():                   # the same experts' replicas
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            C.all_reduce(p.grad, dp_group)
+
+    layout = {"ep": 1 if copies else n // dp} | ({"dp": dp} if dp > 1 else {})
     state = model_parallel_state(model, params, model, optimizer, loss_weight=True, keeps_history=r == 0,
-                                 layout={"ep": 1 if copies else n})
+                                 replica_group=dp_group, layout=layout)
     plan = Plan(forward, optimizer, state, sync_grads=sync_grads,
-                clip=lambda max_norm: clip_grad_norm_(params, max_norm, sharded=experts, groups=[None]))
+                clip=lambda max_norm: clip_grad_norm_(params, max_norm, sharded=experts, groups=[ep_group]))
     trained = run(spec, plan)
     losses = sum_losses(trained.losses)                        # each rank's share, summed
     full = ep.full_state_dict(model)
     expert_bytes = sum(p.numel() * p.element_size() for p in ep.expert_params(model))
     return RankResult(losses=losses if r == 0 else None, params=full if r == 0 else None,
-                      info={"ep": 1 if copies else n, "experts": "replicated" if copies else "split",
-                            "expert_param_bytes": expert_bytes, **trained.info})
+                      info={"ep": 1 if copies else n // dp, "dp": dp,
+                            "experts": "replicated" if copies else "split",
+                            "expert_param_bytes": expert_bytes, **digests(model), **trained.info})

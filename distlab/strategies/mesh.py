@@ -34,6 +34,10 @@ default 2), ``balance`` ("layers" or "params"), ``zero`` (0: DDP, 1: ZeRO-1 over
 
 The steps run in `distlab.strategies.loop`; clipping is `distlab.parallel.clip` over the tp group
 (replicated parameters counted once), then the pp group.
+
+More axes: ``cp=`` (context parallelism, with dp and tp; ``attention=ring|ulysses``, ``zigzag``) and
+``ep=`` (expert parallelism, with dp), e.g. ``"3d:dp=2,cp=2"``, ``"3d:cp=2,tp=2"``, ``"3d:dp=2,ep=2"``:
+what composes and what is refused is in `distlab.strategies.mesh_axes`.
 """
 from __future__ import annotations
 
@@ -63,11 +67,12 @@ from .base import (
     optimizer_class,
     optimizer_kwargs,
 )
+from . import mesh_axes
 from .loop import Plan, run, sum_losses
 from .tensor import sharded_params
 
-INT_OPTIONS = ("dp", "tp", "pp", "microbatches", "virtual", "zero")
-OPTIONS = INT_OPTIONS + ("schedule", "balance", "sequence_parallel", "sp", "bucket_mb")
+INT_OPTIONS = ("dp", "tp", "pp", "microbatches", "virtual", "zero", "cp", "ep")
+OPTIONS = INT_OPTIONS + ("schedule", "balance", "sequence_parallel", "sp", "bucket_mb", "attention", "zigzag")
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 LAYOUT = ("dp", "tp", "pp", "zero", "virtual", "balance", "sequence_parallel")   # what a rank holds
 
@@ -86,7 +91,8 @@ def parse(strategy: str, options: dict | None = None) -> dict:
                              "e.g. '3d:dp=2,tp=2,pp=2'")
         found[key] = value.strip()
     found.update(options or {})
-    out = {"dp": 1, "tp": 1, "pp": 1, "zero": 0, "schedule": "1f1b", "balance": "layers", "bucket_mb": 25.0}
+    out = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero": 0, "schedule": "1f1b", "balance": "layers",
+           "bucket_mb": 25.0}
     for key, value in found.items():
         if key not in OPTIONS:
             continue                                  # options meant for other strategies are ignored
@@ -97,6 +103,8 @@ def parse(strategy: str, options: dict | None = None) -> dict:
                 raise ValueError(f"{strategy!r}: {key}={value!r} must be an integer") from None
         elif key in ("sequence_parallel", "sp"):
             key, value = "sequence_parallel", str(value).lower() in ("1", "true", "yes")
+        elif key == "zigzag":
+            value = str(value).lower() in ("1", "true", "yes")
         elif key == "bucket_mb":
             value = float(value)
         out[key] = value
@@ -104,7 +112,19 @@ def parse(strategy: str, options: dict | None = None) -> dict:
         raise ValueError(f"schedule={out['schedule']!r}: choose one of {SCHEDULES}")
     if out["zero"] not in (0, 1):
         raise ValueError(f"zero={out['zero']}: the mesh supports DDP (zero=0) or ZeRO-1 (zero=1) over dp")
+    for axis in ("cp", "ep"):
+        if out[axis] < 1:
+            raise ValueError(f"{axis}={out[axis]}: every mesh degree must be a positive integer")
     return out
+
+
+def check_world(spec: TrainSpec, world_size: int) -> None:
+    """Before any rank starts: the degrees fill ``world_size`` and (cp=, ep=) the combination is built."""
+    opts = parse(spec.strategy, spec.options)
+    if opts["cp"] > 1 or opts["ep"] > 1:
+        mesh_axes.check(spec, opts, world_size)
+    else:
+        Mesh(opts["dp"], opts["tp"], opts["pp"], world_size=world_size, groups=False)
 
 
 def axis_of(event) -> str:
@@ -130,6 +150,8 @@ def _digest(t: torch.Tensor) -> str:
 
 def train_rank(spec: TrainSpec) -> RankResult:
     opts = parse(spec.strategy, spec.options)
+    if opts["cp"] > 1 or opts["ep"] > 1:                  # cp= / ep= axes: see mesh_axes
+        return mesh_axes.train_rank(spec, opts)
     if spec.model == "mlp":
         raise ValueError("the 3d mesh shards a GPT (heads, MLP, vocabulary) and pipelines its blocks: "
                          "choose a GPT preset such as model='gpt-tiny'")

@@ -308,7 +308,7 @@ code("""
 from distlab.strategies.mesh import axis_of
 
 def comm_or_wait(event):
-    """A receive is mostly waiting for the sender: draw it as waiting, not as traffic."""
+    \"\"\"A receive is mostly waiting for the sender: draw it as waiting, not as traffic.\"\"\"
     return "waiting for a pp message" if event.name == "recv" else axis_of(event)
 
 step_start = {r: {e.args["step"]: e.start for e in trace.select("mark", rank=r, name="step")} for r in range(8)}

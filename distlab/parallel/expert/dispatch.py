@@ -82,26 +82,34 @@ class Dispatch:
 
 
 def plan(expert: torch.Tensor, experts: int, capacity_factor: float, group=None,
-         replicated: bool = False) -> Dispatch:
+         replicated: bool = False, batch_group=None) -> Dispatch:
     """The `Dispatch` of this rank's choices ``expert`` (T, k) over ``group``: one all-gather of counts.
+
     ``replicated``: every expert is on every rank; the capacity and the dropped tokens are still those
-    of the group's whole batch, but each rank computes its own kept rows and sends nothing."""
+    of the group's whole batch, but each rank computes its own kept rows and sends nothing.
+    ``batch_group``: the ranks the batch is split over, when larger than ``group`` (expert x data
+    parallelism, ``3d:dp=D,ep=E``; ``group`` must be a run of consecutive ranks of it). The counts are
+    all-gathered over it, so the capacity, the dropped tokens and the balance statistics are those of
+    the whole batch, as in one process, while tokens still travel inside ``group`` only."""
     n, me = size(group), rank(group)
+    parts = group if batch_group is None else batch_group
+    mine_at = rank(parts)                                                   # my part of the batch
+    first = mine_at - me                                                    # the part of group rank 0
     top_k, per_rank = expert.shape[1], experts // (1 if replicated else n)
     mine = router.counts(expert, experts)                                   # (k, E)
-    every = mine[None] if n == 1 else C.all_gather(mine[None].contiguous(), 0, group)   # (n, k, E)
+    every = mine[None] if size(parts) == 1 else C.all_gather(mine[None].contiguous(), 0, parts)  # (P, k, E)
     tokens = int(every[:, 0].sum())
     cap = router.capacity(tokens, experts, top_k, capacity_factor)
-    kept_pairs = router.slots(expert, experts, router.offsets(every)[me]) < cap       # (T, k)
+    kept_pairs = router.slots(expert, experts, router.offsets(every)[mine_at]) < cap   # (T, k)
     flat = kept_pairs.flatten().nonzero().squeeze(1)                                  # kept t*k + c
     order = flat[expert.flatten()[flat].sort(stable=True).indices]                    # by expert
-    fits = router.kept(every, cap).sum(dim=1)                                         # (n, E)
+    fits = router.kept(every, cap).sum(dim=1)                                         # (P, E)
     if replicated:                                                    # our own kept rows, all experts
-        ours = fits[me:me + 1]                                                        # (1, E)
+        ours = fits[mine_at:mine_at + 1]                                              # (1, E)
         send = [int(ours.sum())]
     else:
-        send = fits[me].view(n, per_rank).sum(dim=1).tolist()
-        ours = fits[:, me * per_rank:(me + 1) * per_rank]                             # (n, E/n)
+        send = fits[mine_at].view(n, per_rank).sum(dim=1).tolist()
+        ours = fits[first:first + n, me * per_rank:(me + 1) * per_rank]               # (n, E/n)
     local_ids = torch.arange(per_rank, device=expert.device).repeat(ours.shape[0])
     local_expert = local_ids.repeat_interleave(ours.flatten())
     return Dispatch(kept_pairs, order, send, ours.sum(dim=1).tolist(), local_expert,

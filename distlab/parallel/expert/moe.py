@@ -69,7 +69,7 @@ class MoE(nn.Module):
     """
 
     def __init__(self, hidden: int, ffn: int, experts: int, top_k: int = 2, capacity_factor: float = 1.25,
-                 group=None, replicate: bool = False):
+                 group=None, replicate: bool = False, batch_group=None):
         super().__init__()
         n = 1 if replicate else D.size(group)
         if experts % n:
@@ -79,6 +79,7 @@ class MoE(nn.Module):
             raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
         self.experts, self.top_k, self.capacity_factor, self.group = experts, top_k, capacity_factor, group
         self.replicate = replicate
+        self.batch_group = batch_group           # the ranks the batch is split over (None: ``group``)
         self.router = Router(hidden, experts, top_k)
         per_rank = experts // n
         first = 0 if replicate else D.rank(group) * per_rank
@@ -88,7 +89,8 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor):
         """x (T, h) -> (probs (T, E), weight (T, k), `dispatch.Dispatch`): who goes where, who is dropped."""
         probs, expert, weight = self.router(x)
-        return probs, weight, D.plan(expert, self.experts, self.capacity_factor, self.group, self.replicate)
+        return probs, weight, D.plan(expert, self.experts, self.capacity_factor, self.group, self.replicate,
+                                     self.batch_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -100,11 +102,12 @@ class MoE(nn.Module):
         self.balance_loss = load_balancing_loss(probs, d.first_counts, d.tokens)
         return out.view(shape)
 
-    def shard(self, group=None, replicate: bool = False) -> "MoE":
+    def shard(self, group=None, replicate: bool = False, batch_group=None) -> "MoE":
         """A new `MoE` with the same weights, its experts split over ``group`` (this rank's block copied),
-        or, ``replicate``, all of them here and routed over ``group``."""
+        or, ``replicate``, all of them here and routed over ``group``; ``batch_group``: the ranks the
+        batch is split over, when larger (`dispatch.plan`)."""
         new = MoE(self.router.gate.in_features, self.local.w1.shape[2], self.experts, self.top_k,
-                  self.capacity_factor, group, replicate)
+                  self.capacity_factor, group, replicate, batch_group)
         count = new.local.w1.shape[0]
         first = 0 if replicate else D.rank(group) * count
         with torch.no_grad():
@@ -114,14 +117,15 @@ class MoE(nn.Module):
         return new.to(self.router.gate.weight.device, self.router.gate.weight.dtype)
 
 
-def parallelize(model: nn.Module, group=None, replicate: bool = False) -> nn.Module:
+def parallelize(model: nn.Module, group=None, replicate: bool = False, batch_group=None) -> nn.Module:
     """Replace every `MoE` of ``model`` (built with all experts here) by one split over ``group``, in
-    place; returns ``model``. Every other parameter stays whole: data parallel over the same ranks.
+    place; returns ``model``. Every other parameter stays whole: data parallel over the same ranks (over
+    ``batch_group`` when the batch is split over more ranks than ``group``: expert x data parallelism).
     ``replicate``: keep every expert on every rank instead, routed over ``group`` (`MoE`)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, MoE):
-                setattr(parent, name, child.shard(group, replicate))
+                setattr(parent, name, child.shard(group, replicate, batch_group))
     return model
 
 
