@@ -227,10 +227,12 @@ What each design buys with its costs:
 | state dict, checkpoints | unflatten first | a shard is a slice of the named tensor |
 
 FSDP2 pays copies (cheap on a GPU next to the all-gather, and hidden by prefetch) to make sharding invisible
-to everything else: any optimizer, per-parameter learning rates, frozen layers, a state dict by name. On a GPU
-its allocations come from a separate stream-ordered pool, which is how torch's FSDP2 keeps them from
-fragmenting the caching allocator (and avoids FSDP1's `recordStream`); on our CPUs we count them, we cannot
-show fragmentation itself.
+to everything else: any optimizer, per-parameter learning rates, frozen layers, a state dict by name. (distlab's
+copy-out copies a padded parameter twice, a reshape of the strided rows and then a clone into an exact-size
+tensor: the `clone` above; torch copies once, with `split_with_sizes_copy`.) Many allocations of many sizes
+are what fragments a GPU's caching allocator; torch's FSDP2 frees them with explicit stream synchronisation
+instead of FSDP1's `recordStream`, which keeps its memory use deterministic. On our CPUs we count the
+allocations; fragmentation itself needs a GPU allocator to show.
 
 ## 2. A step on a timeline: one all-gather per unit, each way, and one reduce-scatter
 
@@ -447,8 +449,7 @@ plt.show()
 md("""
 At scale the slow links carry 2 (R-1)/R · Ψ/8 per GPU under HSDP against (for plain FSDP, whose rings span
 nodes) up to 3 (N-1)/N · Ψ: about 12x less, and in one all-reduce per unit instead of a gather before every
-layer's forward and backward. Meta trained Llama 3 405B with FSDP-style sharding inside groups and data
-parallelism across them for the same reason (Dubey et al. 2024, Sec. 3.3).
+layer's forward and backward. The price is memory: model states divided by S = 8, not by N.
 
 ## What to remember
 
