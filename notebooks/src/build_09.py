@@ -212,7 +212,7 @@ storages = res["storages_per_unit"]
 print(f"separate storages holding block 0 while it computes: FSDP1 {storages['FSDP1 (flat)']}, "
       f"FSDP2 {storages['FSDP2 (per param)']} (one per parameter: {len(res['shapes']['FSDP2 (per param)'][0])})")
 assert storages["FSDP1 (flat)"] == 1 and storages["FSDP2 (per param)"] == len(res["shapes"]["FSDP2 (per param)"][0])
-assert res["shard_is_a_parameter"] and res["cut_mid_row"] > 0
+assert res["shard_is_a_parameter"]                 # FSDP2's shards: plain nn.Parameters of whole rows
 """)
 md("""
 What each design buys with its costs:
@@ -464,9 +464,10 @@ layer's forward and backward. The price is memory: model states divided by S = 8
 * HSDP `mesh=(R, S)`: gathers and reduce-scatters inside S ranks, one all-reduce of a 1/S shard across R
   replicas: `dl.theory.fsdp_volume` gives the bytes on each link, measured here to within 1%.
 
-**Try it**: set `N1 = 4` in section 1 (the model's 64- and 256-row parameters then divide evenly: FSDP2's padding
-vanishes), or add `"hsdp 4x1": {"mesh": (4, 1)}` to `CONFIGS` (pure replication: DDP, every byte an all-reduce
-across replicas).
+**Try it**: set `N1 = 4` in section 1 (the model's 32-, 64- and 256-row parameters then divide evenly: FSDP2's
+padding vanishes, and with it most of the gap in gathered bytes), or add `"reshard_after_forward": False` to the
+`"hsdp 2x2"` configuration and pass `reshard_after_forward=False` to `dl.theory.fsdp_volume` in section 5: the
+shard link loses a third of its bytes, the replicate link keeps all of its own.
 """)
 
 nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
