@@ -133,6 +133,32 @@ def checkpoint() -> list[str]:
             "|---|---|---|---|---|---|", *rows, ""]
 
 
+def fsdp() -> list[str]:
+    d = _load("fsdp")
+    if not d:
+        return []
+    rows = []
+    for r in d["results"]:
+        for config, v in r["configs"].items():
+            if not v["ran"]:
+                why = "; ".join(v["errors"].values())
+                rows.append(f"| {r['world_size']} | {config} | could not run: {why} | | | | |")
+                continue
+            ours, theirs = v["dl.fully_shard"], v["torch fully_shard"]
+            rows.append(f"| {r['world_size']} | {config} | {_ms(ours['median_step_s'])} | "
+                        f"{_ms(theirs['median_step_s'])} | {v['time_ratio_dl_over_torch']:.2f}x | "
+                        f"{v['memory_ratio_dl_over_torch']:.2f}x | {v['max_rel_loss_diff']:.1e} |")
+    return [f"**FSDP2** ({d['meta']['model']}, AdamW, each block then the root, reshard after forward, "
+            "one unit prefetched: `dl.fully_shard` vs `torch.distributed.fsdp.fully_shard`; "
+            "`benchmarks/fsdp.py`). "
+            "Targets: step time <= 1.1x torch's, model-state memory per rank <= torch's, losses equal."
+            f"{_load_note(d['meta'])}", "",
+            "| ranks | precision | distlab step | torch step | time ratio | model-state memory ratio "
+            "| max loss diff |",
+            "|---|---|---|---|---|---|---|", *rows, ""]
+
+
+
 def expert_parallel() -> list[str]:
     d = _load("expert_parallel")
     if not d:
@@ -160,6 +186,7 @@ def expert_parallel() -> list[str]:
 def tables() -> str:
     parts = launch_latency() + allreduce() + data_parallel() + tensor_parallel() + pipeline() + checkpoint()
     parts += expert_parallel()
+    parts += fsdp()
     return "\n".join(parts).rstrip() + "\n"
 
 
