@@ -82,10 +82,10 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
         from .runtime import tracer
         from .trace import Trace
         tr = tracer()
-        mark = len(tr.export())
+        mark, t0 = len(tr.export()), tr.now()
         result = train_rank(spec)
         _print_notes([result])
-        trace = Trace.merge({0: tr.export()[mark:]})
+        trace = Trace.merge({0: tr.export()[mark:]}).shifted(-t0)       # starts at 0, as a launch's does
         return Report(spec, 1, result.losses, result.params, None, [result.info.get("memory", {})],
                       [result.info.get("comm", {})], [result], time.perf_counter() - start, trace)
     if world_size < 1:
