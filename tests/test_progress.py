@@ -69,6 +69,36 @@ def test_off_where_nobody_watches_and_forced_by_the_environment(capsys, monkeypa
     assert "step/s" not in capsys.readouterr().err
 
 
+def test_a_terminal_gets_the_bar_by_default():
+    """The CLI with stderr on a terminal (a pseudo-terminal 100 columns wide) draws the bar unasked."""
+    import fcntl
+    import os
+    import pty
+    import select
+    import struct
+    import subprocess
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k != "DISTLAB_PROGRESS"}
+    command = [sys.executable, "-m", "distlab.cli", "train", "--steps", "3", "--global-batch", "4"]
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=slave, env=env, timeout=300)
+    os.close(slave)
+    err = b""
+    while select.select([master], [], [], 0.5)[0]:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:                                  # EIO: the terminal's other end is closed
+            break
+        if not chunk:
+            break
+        err += chunk
+    os.close(master)
+    assert done.returncode == 0 and b"step    2" in done.stdout    # the report still goes to stdout
+    assert frames(err.decode(errors="replace"))[-1][:2] == (3, 3)
+
+
 RUN_IN_KERNEL = """
 import distlab as dl
 report = dl.train("single", model="gpt-tiny", steps=2, global_batch=4)

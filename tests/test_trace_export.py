@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 
 import distlab as dl
 from distlab.trace import COUNT_UNITS, Event, Trace
@@ -42,6 +43,7 @@ def check_chrome(chrome: dict) -> list[dict]:
         else:                                                      # a counter: numbers of one unit
             assert ev["args"] and all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                       for v in ev["args"].values()), ev
+            assert re.fullmatch(r".+ \([a-z]+\)", ev["name"]), f"{ev['name']}: a counter names its unit"
             unit = ev["name"].rsplit("(", 1)[1].rstrip(")")
             assert all(COUNT_UNITS.get(k, "bytes") == unit for k in ev["args"]), ev
     assert {(x["pid"], x["tid"]) for x in xs} <= named_threads   # every track has a name
