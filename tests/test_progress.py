@@ -99,6 +99,20 @@ def test_a_terminal_gets_the_bar_by_default():
     assert frames(err.decode(errors="replace"))[-1][:2] == (3, 3)
 
 
+def test_under_torchrun_rank_zero_alone_draws_the_bar():
+    import os
+    import subprocess
+
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DISTLAB_PROGRESS": "1"}
+    done = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "distlab.cli", "train",
+                           "--strategy", "ddp", "--world-size", "2", "--steps", "3", "--global-batch", "8"],
+                          capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.count("| 0/3 [") == 1                     # one bar opened: rank 0's
+    assert frames(done.stderr)[-1][:2] == (3, 3) and done.stdout.count("ddp on 2 rank(s)") == 1
+
+
 RUN_IN_KERNEL = """
 import distlab as dl
 report = dl.train("single", model="gpt-tiny", steps=2, global_batch=4)
