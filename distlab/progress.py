@@ -14,7 +14,7 @@ The bar lives in the parent, the process that owns the notebook cell or the term
 as a real widget; ranks only send small messages. Rank 0 drives the step count; the loss shown
 is the one sent by the lowest rank that holds one (rank 0 in data parallelism: the loss of its part
 of the batch; the last stage in a pipeline). A run in this very process (``single``, or rank 0
-under torchrun) feeds a bar here directly.
+under torchrun, which then shows only its own loss) feeds a bar here directly.
 
 When a bar is shown (``progress=None``, the default): when a person is watching. That is a notebook
 cell run from a front end that can answer ``input()`` (JupyterLab, Notebook, VS Code), or a

@@ -216,9 +216,9 @@ class Trace:
         category is spread over *lanes*: an event goes on the first lane whose open events all
         contain it, else on a new lane::
 
-            comm    |== all_reduce ==========================|      one lane: everything nests
-                      |- send -|  |- send -|
-            comm 2       |- recv -|  |- recv -|                     what would have crossed a send
+            comm    |== bucket all_reduce ===============|  |- step 2 -|
+                       |- step 0 -|                             inside the bucket: same lane
+            comm 2           |- step 1 -|                       crosses step 0: the next lane
 
         Memory samples become counters (``ph: "C"``), one counter name per unit; marks are instants.
         """
