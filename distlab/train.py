@@ -88,7 +88,7 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
         with bar_here(shown_by_default() if progress is None else progress):
             result = train_rank(spec)
         _print_notes([result])
-        trace = Trace.merge({0: tr.export()[mark:]}).shifted(-t0)       # starts at 0, as a launch's does
+        trace = Trace.merge({0: tr.export()[mark:]}).shifted(-t0)   # 0: the run starts, as in a launch
         return Report(spec, 1, result.losses, result.params, None, [result.info.get("memory", {})],
                       [result.info.get("comm", {})], [result], time.perf_counter() - start, trace)
     if world_size < 1:
