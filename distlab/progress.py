@@ -90,7 +90,12 @@ class ProgressBar:
         if rank != 0:
             return
         if self.bar is None:
-            from tqdm.auto import tqdm
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:                            # a declared dependency, but never cost a run
+                print("distlab: no progress bar without tqdm: pip install tqdm", file=sys.stderr)
+                self.enabled = False
+                return
             self.bar = tqdm(total=total, initial=max(step - 1, 0), unit=label, dynamic_ncols=True)
         self.bar.set_postfix(self._shown(), refresh=False)
         self.bar.update(step - self.bar.n)

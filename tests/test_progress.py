@@ -113,6 +113,12 @@ def test_under_torchrun_rank_zero_alone_draws_the_bar():
     assert frames(done.stderr)[-1][:2] == (3, 3) and done.stdout.count("ddp on 2 rank(s)") == 1
 
 
+def test_without_tqdm_the_run_goes_on_and_says_what_to_install(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)           # import fails
+    report = dl.train("ddp", world_size=2, model="gpt-tiny", steps=2, global_batch=8, progress=True)
+    assert len(report.losses) == 2 and "pip install tqdm" in capsys.readouterr().err
+
+
 RUN_IN_KERNEL = """
 import distlab as dl
 report = dl.train("single", model="gpt-tiny", steps=2, global_batch=4)
