@@ -58,6 +58,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra strategy option (value parsed as JSON when it can be)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write losses, bytes and memory here")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a bar with step, loss and it/s on stderr (default: when stderr is a terminal)")
 
 
 def _options(args) -> dict:
@@ -98,7 +100,7 @@ def _run_train(args) -> int:
     report = train(args.strategy, world_size=world, model=args.model, steps=args.steps,
                    seed=args.seed, global_batch=args.global_batch, lr=args.lr, optimizer=args.optimizer,
                    weight_decay=args.weight_decay, grad_accum=args.grad_accum, precision=args.precision,
-                   clip=args.clip, options=_options(args))
+                   clip=args.clip, options=_options(args), progress=args.progress)
     if os.environ.get("RANK", "0") != "0":       # under torchrun every rank has the report: one prints it
         return 0
     print(f"{args.strategy} on {report.world_size} rank(s), {args.model}, global batch {args.global_batch}")
