@@ -207,8 +207,24 @@ def test_train_refuses_what_it_cannot_split():
     with pytest.raises(ValueError, match="dividing the world size 4"):
         context.check(TrainSpec("cp-ring", options={"dp": 3}), 4)
     assert context.check(TrainSpec("cp-ring", options={"dp": 2}), 8) == (2, 4, True)
-    with pytest.raises(ValueError, match="multiple of 2 x cp = 6"):        # before any rank starts
-        dl.train("cp-ring", world_size=3)
+    with pytest.raises(ValueError, match="zigzag=True"):
+        context.check(TrainSpec("cp-ring", options={"zigzag": "yes"}), 2)
+    # before any rank starts: dl.train raises in this process, launching nothing
+    import importlib
+    launch_module = importlib.import_module("distlab.launch")
+    real, launched = launch_module.launch, []
+    launch_module.launch = lambda *a, **k: launched.append(a) or real(*a, **k)
+    try:
+        for strategy, world, kw, message in [
+                ("cp-ring", 3, {}, "multiple of 2 x cp = 6"),                  # zig-zag: 32 tokens, 6 chunks
+                ("cp-ring", 3, {"zigzag": False}, "multiple of cp = 3"),
+                ("cp-ulysses", 8, {}, "4 heads over 8 ranks"),                 # gpt-tiny: 4 heads
+                ("cp-ulysses", 2, {"precision": "bf16-mixed"}, "precision='fp32'")]:
+            with pytest.raises(ValueError, match=message):
+                dl.train(strategy, world_size=world, **kw)
+    finally:
+        launch_module.launch = real
+    assert launched == []
 
 
 # -- theory: the formulas of dl.theory.context against the papers and against the trace ----------------
@@ -255,3 +271,34 @@ def test_context_parallel_runs_checkpoint_and_resume_bit_for_bit(strategy, tmp_p
     dl.train(strategy, world_size=2, steps=2, seed=0, checkpoint_dir=str(tmp_path), checkpoint_every=2)
     resumed = dl.train(strategy, world_size=2, steps=4, seed=0, checkpoint_dir=str(tmp_path), resume=True)
     assert resumed.losses == full.losses
+
+
+# -- overlap: the next K/V block is in flight while the held one is computed on -----------------------
+def _overlap() -> list[str]:
+    """Time stamps of every block computation (forward and backward) beside the ring_shift events: a K/V
+    hop posted before the compute and waited after spans at least one block computation."""
+    import importlib
+    ra = importlib.import_module("distlab.parallel.context.ring_attention")
+    tr, stamps = dl.tracer(), []
+
+    def stamped(f):
+        def call(*args):
+            stamps.append(tr.now())
+            return f(*args)
+        return call
+    for name in ("block_forward", "block_backward"):
+        setattr(ra, name, stamped(getattr(ra, name)))
+    n = dl.world_size()
+    q, k, v = (torch.randn(1, 2, 4 * n, 4, requires_grad=True) for _ in range(3))
+    mark = len(tr.events())
+    dl.cp.ring_attention(q, k, v).sum().backward()
+    hops = [e for e in tr.events()[mark:] if e.kind == "comm" and e.name == "ring_shift"]
+    # recorded when waited: forward n-1 K/V hops; backward per step a K/V hop then a dK/dV hop, one dK/dV last
+    kv = hops[:n - 1] + hops[n - 1:-1:2]
+    assert len(hops) == 3 * n - 2 and len(kv) == 2 * (n - 1)
+    return [f"rank {dl.rank()}: K/V hop {i} overlaps no block computation"
+            for i, e in enumerate(kv) if not any(e.start < t < e.end for t in stamps)]
+
+
+def test_ring_attention_overlaps_the_next_block_with_compute():
+    assert [p for res in dl.launch(_overlap, world_size=3, timeout=120).results for p in res] == []
