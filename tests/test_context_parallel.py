@@ -105,11 +105,27 @@ def _traced() -> None:
     dl.cp.ulysses_attention(q, k, v).sum().backward()
 
 
+def _saved_bytes() -> list[str]:
+    """What one GPT layer saves for backward per rank under dl.cp, against `cp_saved_bytes_per_layer`."""
+    from distlab.memory import measure_layer
+    n, bad = dl.world_size(), []
+    for attention in ("ring", "ulysses"):
+        for s in (4 * n, 8 * n):
+            torch.manual_seed(0)
+            cfg = dl.models.GPTConfig(vocab=16, seq_len=s, d_model=4 * n, heads=2 * n, layers=1)
+            gpt = dl.cp.parallelize(dl.models.GPT(cfg), attention=attention)
+            got = measure_layer(gpt.blocks[0], torch.randn(2, s // n, 4 * n))
+            want = dl.theory.cp_saved_bytes_per_layer(s, 2, 4 * n, 2 * n, cp=n)
+            if got != want:
+                bad.append(f"rank {dl.rank()}: {attention} s={s} saves {got} bytes, formula {want}")
+    return bad
+
+
 def _everything() -> dict:
     _traced()
     dl.tracer().enabled = False
     problems = [p for i, case in enumerate(CASES) for p in _case(*case, seed=i)]
-    return {"attention": problems, "layout": _layouts(), "errors": _bad_input()}
+    return {"attention": problems, "layout": _layouts(), "errors": _bad_input(), "memory": _saved_bytes()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,6 +146,12 @@ def test_split_and_unsplit(n):
 @pytest.mark.parametrize("n", WORLDS)
 def test_bad_input_is_explained(n):
     assert [p for res in _run(n).results for p in res["errors"]] == []
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_saved_activations_per_rank_equal_the_formula(n):
+    """Measured by saved-tensor hooks, to the byte: linear in s/n, no s x s matrix kept."""
+    assert [p for res in _run(n).results for p in res["memory"]] == []
 
 
 @pytest.mark.parametrize("n", WORLDS)
@@ -263,6 +285,13 @@ def test_cp_formulas_follow_the_papers():
         cp_bytes_per_layer("ulysses", 3 * 1024, b, h, 3, heads=32)
     with pytest.raises(ValueError, match="attention must be one of"):
         cp_bytes_per_layer("stripes", s, b, h, 2)
+    # the saved bytes under dl.cp: Korthikanti's 16 h per token (fp32, no dropout), the fp32 output and
+    # log-sum-exp in place of the a s^2 b softmax, LayerNorm stats; 1/c of it per rank, linear in s
+    from distlab.theory import cp_saved_bytes_per_layer
+    assert cp_saved_bytes_per_layer(s, b, h, a, cp=4) == 4 * s // 4 * b * (17 * h + a) + 16 * s // 4 * b
+    assert cp_saved_bytes_per_layer(2 * s, b, h, a, cp=8) == cp_saved_bytes_per_layer(s, b, h, a, cp=4)
+    with pytest.raises(ValueError, match="divide seq_len"):
+        cp_saved_bytes_per_layer(10, b, h, a, cp=4)
 
 
 @pytest.mark.parametrize("strategy", ["cp-ring", "cp-ulysses"])
