@@ -121,11 +121,28 @@ def _saved_bytes() -> list[str]:
     return bad
 
 
+def _flops() -> list[str]:
+    """Forward matmul FLOPs counted by torch's FlopCounterMode against `ring_attention_flops`."""
+    from torch.utils.flop_counter import FlopCounterMode
+    n, r, bad = dl.world_size(), dl.rank(), []
+    for causal in (True, False):
+        for zigzag in (True, False):
+            q, k, v = (torch.randn(2, 3, 4, 5) for _ in range(3))              # s = 4n, h = 3 x 5
+            with FlopCounterMode(display=False) as counter:
+                dl.cp.ring_attention(q, k, v, causal=causal, zigzag=zigzag)
+            want = dl.theory.ring_attention_flops(4 * n, 2, 15, n, causal=causal, zigzag=zigzag)[r]
+            if counter.get_total_flops() != want:
+                bad.append(f"rank {r} causal={causal} zigzag={zigzag}: {counter.get_total_flops()} FLOPs, "
+                           f"formula {want}")
+    return bad
+
+
 def _everything() -> dict:
     _traced()
     dl.tracer().enabled = False
     problems = [p for i, case in enumerate(CASES) for p in _case(*case, seed=i)]
-    return {"attention": problems, "layout": _layouts(), "errors": _bad_input(), "memory": _saved_bytes()}
+    return {"attention": problems, "layout": _layouts(), "errors": _bad_input(), "memory": _saved_bytes(),
+            "flops": _flops()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -152,6 +169,16 @@ def test_bad_input_is_explained(n):
 def test_saved_activations_per_rank_equal_the_formula(n):
     """Measured by saved-tensor hooks, to the byte: linear in s/n, no s x s matrix kept."""
     assert [p for res in _run(n).results for p in res["memory"]] == []
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_ring_attention_flops_per_rank_equal_the_formula(n):
+    """Counted per rank: zig-zag evens out the causal work, contiguous gives rank r r+1 block pairs."""
+    assert [p for res in _run(n).results for p in res["flops"]] == []
+    s = 24 * n
+    assert dl.theory.ring_attention_flops(s, 1, 8, n) == [4 * (s // (2 * n)) ** 2 * 8 * (2 * n + 1)] * n
+    assert dl.theory.ring_attention_flops(s, 1, 8, n, zigzag=False) == [
+        4 * (s // n) ** 2 * 8 * (r + 1) for r in range(n)]
 
 
 @pytest.mark.parametrize("n", WORLDS)

@@ -79,3 +79,27 @@ def cp_saved_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, heads:
         raise ValueError(f"cp={cp} must be >= 1 and divide seq_len={seq_len}")
     tokens = seq_len // cp * micro_batch
     return 4 * tokens * (17 * hidden + heads) + 2 * 2 * tokens * 4
+
+
+def ring_attention_flops(seq_len: int, micro_batch: int, hidden: int, cp: int, causal: bool = True,
+                         zigzag: bool = True) -> list[int]:
+    """Forward matmul FLOPs of ring attention on each rank: the causal load (im)balance.
+
+    The sequence is cut into n chunks (contiguous) or 2n (zig-zag: rank r holds chunks r and 2n-1-r) of
+    length c; a rank computes one (query chunk a, key chunk b) pair for every b <= a (every b when not
+    causal; `dl.cp` skips the pairs wholly in the future and computes a diagonal pair whole, then masks).
+    Each pair costs q k^T and P v, 2 c^2 d FLOPs each per head: 4 b c^2 h in all (h = heads x d).
+
+        contiguous   rank r: r + 1 pairs of c = s/n      -> the last rank works n times the first
+        zig-zag      rank r: 2n + 1 pairs of c = s/2n    -> the same on every rank
+    """
+    if cp < 1 or seq_len % (2 * cp if zigzag else cp):
+        raise ValueError(f"seq_len={seq_len} must split into {'2 x ' if zigzag else ''}cp={cp} equal chunks")
+    parts = 2 * cp if zigzag else cp
+    c = seq_len // parts
+    flops = []
+    for r in range(cp):
+        mine = [r, parts - 1 - r] if zigzag else [r]
+        pairs = sum(1 for a in mine for b in range(parts) if not causal or b <= a)
+        flops.append(4 * micro_batch * c * c * hidden * pairs)
+    return flops
