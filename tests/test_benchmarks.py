@@ -24,6 +24,9 @@ TINY = {  # script -> arguments that make it take seconds
     "tensor_parallel": ["--ranks", "2", "--steps", "2", "--warmup", "1", "--model", "gpt-tiny"],
     "pipeline": ["--steps", "1", "--warmup", "0"],
     "checkpoint": ["--ranks", "2", "--repeats", "1", "--model", "gpt-tiny"],
+    "all_to_all": ["--ranks", "2", "--sizes", "4K,1M", "--budget", "0.05", "--min-reps", "2",
+                   "--max-reps", "3"],
+    "context_parallel": ["--ranks", "2", "--seq", "64", "--repeats", "2"],
 }
 
 
@@ -63,11 +66,14 @@ def test_benchmarks_check_their_own_correctness(results):
     assert pp and all(row["max_loss_diff"] < 1e-4 for row in pp)
     ckpt = json.loads((results / "checkpoint.json").read_text())["results"]
     assert all(row[side]["loaded_equal"] for row in ckpt for side in ("distlab", "torch DCP"))
+    cp = json.loads((results / "context_parallel.json").read_text())
+    assert all(row["max_abs_error_vs_full"] < 1e-4 for row in cp["results"] if row["impl"].startswith("dl"))
+    assert cp["torch_context_parallel"]["runs"] or all(cp["torch_context_parallel"]["why_not"].values())
 
 
 def test_summary_renders_a_table_for_every_result(results):
     text = _summary(results).tables()
     for title in ("Ring all-reduce", "Data parallelism", "Tensor parallelism", "Pipeline parallelism",
-                  "Checkpoints"):
+                  "Checkpoints", "All-to-all", "Context parallelism"):
         assert f"**{title}**" in text, title
     assert text.count("\n|---") >= 5
