@@ -44,8 +44,9 @@ def qkv(seq, heads, head_dim, seed=0):
 def torch_cp(mesh, q, k, v, dout):
     """torch's context-parallel attention forward and backward (raises where it does not run)."""
     from torch.distributed.tensor.experimental import context_parallel
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    with context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2]):
+    q, k, v, dout = (t.clone() for t in (q, k, v, dout))
+    with context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2]):   # sharded in place
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         out.backward(dout)
     return out
