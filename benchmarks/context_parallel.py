@@ -20,6 +20,7 @@ Target (issue 10): at most 1.2x torch's context-parallel time where it runs. Wri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -41,26 +42,35 @@ def qkv(seq, heads, head_dim, seed=0):
     return [torch.randn(1, heads, seq, head_dim, generator=g) for _ in range(4)]      # q, k, v, dout
 
 
-def torch_cp(mesh, q, k, v, dout):
-    """torch's context-parallel attention forward and backward (raises where it does not run)."""
+def torch_cp(mesh, q, k, v, dout, kernel=None):
+    """torch's context-parallel attention forward and backward (raises where it does not run).
+    ``kernel``: an SDPA backend to force (torch.nn.attention.SDPBackend), or None for torch's choice."""
     from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import sdpa_kernel
     q, k, v, dout = (t.clone() for t in (q, k, v, dout))
-    with context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2]):   # sharded in place
-        q, k, v = (t.requires_grad_() for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    chosen = contextlib.nullcontext() if kernel is None else sdpa_kernel(kernel)
+    with chosen, context_parallel(mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2]):   # in place
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]      # the buffers are restored on exit
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True)
         out.backward(dout)
     return out
 
 
 def try_torch_cp(seq, heads, head_dim):
-    """(runs, reason): whether torch's context_parallel runs here, and why not."""
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh(dl.device().type, (dl.world_size(),))
-        torch_cp(mesh, *qkv(seq, heads, head_dim))
-        return mesh, None
-    except Exception as e:                    # noqa: BLE001 - recorded, not hidden
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    """(mesh, kernel, None) where torch's context_parallel runs here, with torch's SDPA choice or the
+    math kernel forced; else (None, None, why not: each attempt's error)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.attention import SDPBackend
+    mesh = init_device_mesh(dl.device().type, (dl.world_size(),))
+    errors = []
+    for kernel in (None, SDPBackend.MATH):
+        try:
+            torch_cp(mesh, *qkv(seq, heads, head_dim), kernel=kernel)
+            return mesh, kernel, None
+        except Exception as e:                # noqa: BLE001 - recorded, not hidden
+            name = "default SDPA kernel" if kernel is None else "math SDPA kernel"
+            errors.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+    return None, None, " | ".join(errors)
 
 
 def dl_attention(kind, q, k, v, dout):
@@ -76,11 +86,11 @@ def measure(seq, heads, head_dim, repeats):
     """Inside each rank: correctness against full attention, then the timed repeats."""
     dl.tracer().enabled = False
     q, k, v, dout = qkv(seq, heads, head_dim)
-    mesh, reason = try_torch_cp(seq, heads, head_dim)
+    mesh, kernel, reason = try_torch_cp(seq, heads, head_dim)
     impls = {"dl ring": lambda: dl_attention("ring", q, k, v, dout),
              "dl ulysses": lambda: dl_attention("ulysses", q, k, v, dout)}
     if mesh is not None:
-        impls["torch context_parallel"] = lambda: torch_cp(mesh, q, k, v, dout)
+        impls["torch context_parallel"] = lambda: torch_cp(mesh, q, k, v, dout, kernel)
     full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     errors = {}
     for name in ("dl ring", "dl ulysses"):

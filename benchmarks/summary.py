@@ -166,10 +166,9 @@ def context_parallel() -> list[str]:
         met = "met" if d["target"]["met"] else "**not met**"
         target = f"Target: <= 1.2x torch's context_parallel, {met}."
     else:
-        why = next(iter(d["torch_context_parallel"]["why_not"].values()), "") or ""
-        target = (f"torch's `context_parallel` does not run here ({why.split(':')[0]}: no CPU/gloo path), "
-                  f"so the target (<= 1.2x its time) cannot be checked; compared with single-process "
-                  f"attention instead.")
+        target = (f"torch's `context_parallel` does not run on {m['backend']}/CPU (its SDPA kernels have no "
+                  f"CPU sharding rule: `why_not` in the JSON), so the target (<= 1.2x its time) cannot be "
+                  f"checked; compared with single-process attention instead.")
     return [f"**Context parallelism** (causal attention forward + backward, s = {m['seq']}, "
             f"{m['heads']} heads x "
             f"{m['head_dim']}; ring attention (zig-zag) and Ulysses from `dl.cp`; "

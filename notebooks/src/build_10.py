@@ -322,7 +322,8 @@ attention (causal or not, no communication); a second all-to-all swaps back:
     (B, H, s/c, D)  --all-to-all-->  (B, H/c, s, D)  --attention-->  (B, H/c, s, D)  --all-to-all-->  (B, H, s/c, D)
 
 The all-to-all ([all_to_all.py](../distlab/comm/all_to_all.py)) is c − 1 steps of pairwise exchange: at step
-t rank r sends its block for rank r + t. The first one carries q, k and v together (3 tensors), the second the
+t rank r sends its block for rank r + t and receives from rank r − t (all steps posted at once, then completed in
+step order, so no step waits for the previous one's round trip). The first one carries q, k and v together (3 tensors), the second the
 output (1 tensor). We trace one forward on 4 ranks and tabulate, for each all-to-all, the bytes rank i sent to
 rank j.
 """)
