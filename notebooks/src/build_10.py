@@ -488,6 +488,10 @@ do without zig-zag? In section 5, replace `seq = 32 * n` by `seq = 128` (fixed s
 again.
 """)
 
+from distlab.exercises.student import exercise_cells  # noqa: E402
+
+cells += exercise_cells(['all_to_all', 'merge_attention'])
+
 nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                                "language": "python"}})
 out = Path(__file__).resolve().parents[1] / "10_long_context.ipynb"
