@@ -77,7 +77,8 @@ def strip_source(source: str, markdown: bool = False) -> str:
         marker = line.strip()
         if marker == BEGIN:
             indent = line[: len(line) - len(line.lstrip())]
-            stub = [f"{indent}YOUR ANSWER HERE"] if markdown else [f"{indent}# YOUR CODE HERE", f"{indent}{STUB}"]
+            stub = ["YOUR ANSWER HERE"] if markdown else ["# YOUR CODE HERE", STUB]
+            stub = [indent + line for line in stub]
             out += stub
             skipping = END
         elif marker == HIDDEN_BEGIN:
