@@ -2,8 +2,11 @@
 #   make lab    create .venv, install distlab with the lesson extras, open JupyterLab on notebooks/
 #   make test   create .venv, install distlab with the test extras, lint, run the whole suite (pytest + strict nbval)
 #
-# TORCH picks the PyTorch build. The default is the CPU build this project is developed on; for a GPU
-# machine pass the CUDA build you want, e.g.  make lab TORCH="torch==2.13.0 --index-url <your CUDA wheel index>"
+# TORCH picks the PyTorch build. By default: on a machine with NVIDIA GPUs (nvidia-smi found), PyPI's default
+# wheel (the CUDA build); without, the CPU build from PyTorch's CPU index, a few hundred MB instead of several GB,
+# when that index answers within 3 s (else PyPI's default, as on machines whose pip config already provides a
+# CPU wheel). Override with any pip arguments, e.g.
+#   make lab TORCH="torch==2.13.0 --index-url <the CUDA wheel index for your driver>"
 
 PYTHON ?= python3
 # extra JupyterLab arguments, e.g.  make lab LAB_ARGS="--no-browser --port=8890"
@@ -11,7 +14,15 @@ LAB_ARGS ?=
 # Jupyter refuses to run as root unless told; on a fresh root machine (a container, a cloud VM) say so
 ROOT_ARGS := $(if $(filter 0,$(shell id -u)),--allow-root,)
 VENV   ?= .venv
-TORCH  ?= torch==2.13.0
+TORCH_VERSION ?= 2.13.0
+CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+NVIDIA_SMI ?= nvidia-smi
+ifeq ($(origin TORCH), undefined)
+TORCH := $(shell if command -v $(NVIDIA_SMI) >/dev/null 2>&1; then echo "torch==$(TORCH_VERSION)"; \
+	elif $(PYTHON) -c "import urllib.request as u; u.urlopen('$(CPU_INDEX)/torch/', timeout=3)" 2>/dev/null; \
+	then echo "torch==$(TORCH_VERSION) --index-url $(CPU_INDEX) --extra-index-url https://pypi.org/simple"; \
+	else echo "torch==$(TORCH_VERSION)"; fi)
+endif
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
