@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import distlab as dl
-from distlab.exercises import comm, pieces
+from distlab.exercises import comm, parallel, pieces
 
 # -- planted mistakes: communication ------------------------------------------------------------
 
@@ -264,6 +264,126 @@ PLANTED = {
     "atomic_save": [(save_in_place, "torn"), (save_delete_first, "torn"),
                     (save_never_renamed, "a normal save")],
 }
+
+
+# -- planted mistakes: ZeRO and tensor parallelism ------------------------------------------------
+def zero1_by_all_reduce(param, grad, lr):
+    dist.all_reduce(grad)
+    return param.sub_(lr * grad / dist.get_world_size())
+
+
+def zero1_sum_not_average(param, grad, lr):
+    return parallel.zero1_step(param, grad * dist.get_world_size(), lr)
+
+
+def zero1_no_gather(param, grad, lr):
+    n, r = dist.get_world_size(), dist.get_rank()
+    c = -(-param.numel() // n)
+    mine = torch.empty(c)
+    dist.reduce_scatter_tensor(mine, torch.nn.functional.pad(grad, (0, c * n - grad.numel())))
+    flat = torch.nn.functional.pad(param, (0, c * n - param.numel()))
+    flat[r * c:(r + 1) * c] -= lr * mine / n                  # only this rank's chunk is ever updated
+    return param.copy_(flat[:param.numel()])
+
+
+def gather_keeps_padding(shard, numel):
+    full = torch.empty(shard.numel() * dist.get_world_size())
+    dist.all_gather_into_tensor(full, shard)
+    return full
+
+
+def gather_reversed(shard, numel):
+    n = dist.get_world_size()
+    full = torch.empty(shard.numel() * n)
+    dist.all_gather_into_tensor(full, shard)
+    return torch.cat(list(full.chunk(n))[::-1])[:numel]
+
+
+def gather_own_only(shard, numel):
+    return torch.nn.functional.pad(shard, (0, max(numel - shard.numel(), 0)))[:numel]
+
+
+class _F(torch.autograd.Function):                   # a correct f, to plant mistakes around it
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class _G(torch.autograd.Function):                   # a correct g
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _ReduceBothWays(torch.autograd.Function):      # g that also all-reduces in backward
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+def tp_no_f(x, w1, w2):                              # dL/dX is only this rank's part
+    return _G.apply(torch.nn.functional.gelu(x @ w1) @ w2)
+
+
+def tp_g_all_reduces_backward(x, w1, w2):
+    return _ReduceBothWays.apply(torch.nn.functional.gelu(_F.apply(x) @ w1) @ w2)
+
+
+def tp_plain_all_reduce(x, w1, w2):                  # dist.all_reduce has no backward: no gradient flows
+    z = torch.nn.functional.gelu(x @ w1) @ w2
+    out = z.detach().clone()
+    dist.all_reduce(out)
+    return out + 0 * z
+
+
+def ce_without_max(logits, targets, vocab_start):
+    total = logits.exp().sum(-1)
+    dist.all_reduce(total)
+    local = targets - vocab_start
+    mine = (local >= 0) & (local < logits.shape[-1])
+    picked = torch.zeros_like(total)
+    picked[mine] = logits[mine, local[mine]]
+    dist.all_reduce(picked)
+    return (total.log() - picked).mean()
+
+
+def ce_unmasked(logits, targets, vocab_start):
+    return torch.nn.functional.cross_entropy(logits, (targets - vocab_start).clamp(0, logits.shape[-1] - 1))
+
+
+def ce_summed(logits, targets, vocab_start):
+    return parallel.vocab_parallel_cross_entropy(logits, targets, vocab_start) * targets.numel()
+
+
+PLANTED.update({
+    "zero1_step": [(zero1_by_all_reduce, "called all_reduce"), (zero1_sum_not_average, "expected"),
+                   (zero1_no_gather, "expected")],
+    "gather_full": [(gather_keeps_padding, "shape"), (gather_reversed, "expected"),
+                    (gather_own_only, "expected")],
+    "tp_mlp": [(tp_no_f, "dL/dX"), (tp_g_all_reduces_backward, "dL/dX"), (tp_plain_all_reduce, "dL/dX")],
+    "vocab_parallel_cross_entropy": [(ce_without_max, "scaled by"), (ce_unmasked, "expected"),
+                                     (ce_summed, "expected")],
+})
 
 
 def test_there_are_exercises_for_the_lessons_and_every_one_has_planted_mistakes():

@@ -7,14 +7,15 @@
     dl.exercises.task("ring_all_reduce")        # what to write
 
 Reading order: harness.py (how a check runs: ranks, cases, the first difference, hangs explained),
-then the exercises by lesson: comm.py (send/recv up to the ring and all-to-all), pieces.py (the
+then the exercises by lesson: comm.py (send/recv up to the ring and all-to-all), parallel.py (the
+ZeRO-1 step, gathering a padded shard, Megatron's f and g, vocabulary-parallel cross-entropy), pieces.py (the
 schedule, the mesh, buckets, the router, online softmax, an atomic write: no communication).
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from distlab.exercises import comm, pieces  # noqa: F401  (importing registers the exercises)
+from distlab.exercises import comm, parallel, pieces  # noqa: F401  (importing registers the exercises)
 from distlab.exercises.harness import REGISTRY, Exercise, ExerciseNotPassed, Result, check
 
 __all__ = ["check", "names", "reference", "task", "Exercise", "ExerciseNotPassed", "Result"]

@@ -327,6 +327,10 @@ doubles, and the activations double in every column (the global batch stays 8, s
 instead of 2).
 """)
 
+from distlab.exercises.student import exercise_cells  # noqa: E402
+
+cells += exercise_cells(['zero1_step', 'gather_full'])
+
 nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                                "language": "python"}})
 out = Path(__file__).resolve().parents[1] / "03_zero.ipynb"

@@ -417,6 +417,10 @@ md("""
 **Try it**: set `T = 2` in section 3, or a bigger `B`: the measured bytes follow the formula exactly.
 """)
 
+from distlab.exercises.student import exercise_cells  # noqa: E402
+
+cells += exercise_cells(['tp_mlp', 'vocab_parallel_cross_entropy'])
+
 nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                                "language": "python"}})
 out = Path(__file__).resolve().parents[1] / "04_tensor_parallel.ipynb"
