@@ -44,7 +44,7 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 import cloudpickle
 import multiprocessing as mp
 
-from . import _child
+from . import _child, _torchrun
 from ._supervisor import EXIT_SECONDS, RankStatus, Supervisor, interrupts_deferred, shutdown
 from .progress import ProgressBar
 from .trace import Trace
@@ -384,7 +384,7 @@ def _launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout) -> Ru
         local = int(os.environ.get("LOCAL_RANK", 0))
         if backend == "nccl":
             torch.cuda.set_device(local)
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        _torchrun.init_process_group(backend, timeout)      # a store prefix per attempt: --max-restarts
         atexit.register(_leave_process_group)
     n, me = dist.get_world_size(), dist.get_rank()
     tracer = runtime._enter(me, n, int(os.environ.get("LOCAL_RANK", 0)), dist.get_backend())
