@@ -63,11 +63,13 @@ def test_benchmarks_check_their_own_correctness(results):
     assert pp and all(row["max_loss_diff"] < 1e-4 for row in pp)
     ckpt = json.loads((results / "checkpoint.json").read_text())["results"]
     assert all(row[side]["loaded_equal"] for row in ckpt for side in ("distlab", "torch DCP"))
+    stall = json.loads((results / "checkpoint.json").read_text())["stall"]    # sync and async runs agree
+    assert stall["params_equal"] and len(stall["async_stall_s"]) == len(stall["sync_write_s"]) > 0
 
 
 def test_summary_renders_a_table_for_every_result(results):
     text = _summary(results).tables()
     for title in ("Ring all-reduce", "Data parallelism", "Tensor parallelism", "Pipeline parallelism",
-                  "Checkpoints"):
+                  "Checkpoints", "Checkpoint stall"):
         assert f"**{title}**" in text, title
     assert text.count("\n|---") >= 5
