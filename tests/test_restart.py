@@ -125,3 +125,28 @@ def test_a_launch_after_a_dead_rank_forgets_its_descriptors(no_leaks):
 
 def _ok():
     return torch.zeros(100_000)
+
+
+def test_cli_flags_reach_train(monkeypatch, capsys):
+    """``--max-restarts``, ``--shrink [SIZES]`` and ``--async-save`` arrive in `dl.train` as max_restarts,
+    shrink and the async_save option; the restarts are printed."""
+    from distlab import cli, restart
+    seen = {}
+
+    def fake_train(*args, **kwargs):
+        seen.update(kwargs)
+        report = dl.train("single", steps=1)
+        report.restarts = [restart.Restart(1, 3, 2, "killed", 5, 4, 1, 0.5, 2)]
+        return report
+
+    monkeypatch.setattr(importlib.import_module("distlab.train"), "train", fake_train)
+    base = ["train", "--strategy", "ddp", "--world-size", "3", "--checkpoint-dir", "ck",
+            "--checkpoint-every", "2"]
+    cli.main([*base, "--max-restarts", "2", "--shrink", "2,1", "--async-save"])
+    assert seen["max_restarts"] == 2 and seen["shrink"] == [2, 1] and seen["options"]["async_save"] is True
+    out = capsys.readouterr().out
+    assert "restart 1: 3 -> 2 ranks, resumed from step 4, lost 1 step(s) and 0.50 s" in out
+    cli.main([*base, "--max-restarts", "1", "--shrink"])
+    assert seen["shrink"] is True
+    with pytest.raises(SystemExit, match="--shrink expects world sizes"):
+        cli.main(["train", "--strategy", "ddp", "--max-restarts", "1", "--shrink", "two"])

@@ -47,7 +47,12 @@ What can go wrong, and what happens then:
 
 Fault injection (for tests and lessons): ``fail_at_step=s`` kills ``fail_rank`` (default: the last
 rank) with SIGKILL, either at the start of step s (``fail_in="step"``) or in the middle of saving
-checkpoint s, after its shard is written but before the commit (``fail_in="save"``).
+checkpoint s, after its shard is written but before the commit (``fail_in="save"``); on the first
+attempt only (not after a restart by torchrun, TORCHELASTIC_RESTART_COUNT > 0, or by ``dl.train``).
+
+``async_save=True``: the state is copied to CPU memory at the step boundary and the same `store.save`
+runs in a background thread (`background`); ``heartbeat=True`` (set by ``dl.train``'s restarts,
+`distlab.restart`): rank 0 records its last finished step in ``.heartbeat.json``, to count lost steps.
 """
 from __future__ import annotations
 
@@ -190,8 +195,8 @@ class Checkpointer:
                    "loss_weight": self.state.loss_weight}
             hook = self._hook if (self.fail_in == "save" and done == self.fail_at) else None
             meta = {"strategy": self.spec.strategy, "format": self.state.format, "spec": self._facts()}
-            if self.run_id is None:
-                self.run_id = _broadcast(uuid.uuid4().hex if rank() == 0 else None)
+            if self.run_id is None:          # only rank 0's counts: store.save hands it to every rank
+                self.run_id = uuid.uuid4().hex
             kw = dict(replicated=replicated, group=self.state.replica_group, keep_last=self.keep_last,
                       meta=meta, hook=hook, run_id=self.run_id)
             if self.writer is None:
