@@ -150,3 +150,28 @@ def test_cli_flags_reach_train(monkeypatch, capsys):
     assert seen["shrink"] is True
     with pytest.raises(SystemExit, match="--shrink expects world sizes"):
         cli.main(["train", "--strategy", "ddp", "--max-restarts", "1", "--shrink", "two"])
+
+
+def test_when_every_attempt_fails_the_last_error_carries_the_restarts(tmp_path, capfd):
+    """No processes: a stand-in launch that always fails. The last attempt's LaunchError is raised with
+    ``.restarts`` (one per relaunch), each attempt after the first asked to resume and freed of faults."""
+    from distlab import restart
+    from distlab.strategies import TrainSpec
+    spec = TrainSpec("ddp", steps=4, options={"checkpoint_dir": str(tmp_path), "checkpoint_every": 2,
+                                              "fail_at_step": 1})
+    seen = []
+
+    def always_fails(s, n):
+        seen.append((n, dict(s.options)))
+        raise dl.LaunchError("rank 1 failed:\n\nrank 1 was killed by SIGKILL", rank=1,
+                             failures={1: "rank 1 was killed by SIGKILL"})
+
+    with pytest.raises(dl.LaunchError) as err:
+        restart.run(spec, restart.plan(spec, 3, 2, True), always_fails)
+    assert [n for n, _ in seen] == [3, 2, 1]
+    assert seen[0][1]["fail_at_step"] == 1 and seen[0][1]["heartbeat"] is True
+    assert all("fail_at_step" not in o and o["resume"] is False for _, o in seen[1:])   # nothing saved yet
+    assert [(r.attempt, r.world_size, r.next_world_size, r.resumed_from) for r in err.value.restarts] == [
+        (1, 3, 2, 0), (2, 2, 1, 0)]
+    assert err.value.restarts[0].reason == "rank 1 was killed by SIGKILL"
+    assert capfd.readouterr().err.count("distlab: restart") == 2
