@@ -16,7 +16,13 @@ same batch (so Adam's moments exist): distlab `dl.ZeRO(stage=3)` + AdamW, and to
 
 Time: each repeat from a barrier to the slowest rank's end, both sides alternating which goes first; the
 median over repeats. Bytes: the files on disk. Both loads are checked: the parameters after loading equal
-the ones saved. Writes <out>.json and <out>.png.
+the ones saved.
+
+The training stall per save, synchronous vs asynchronous (``async_save``: a copy into CPU memory at the
+step boundary, the write in a background thread): ``dl.train("zero3", ...)`` with ``checkpoint_every``,
+once each way on the same settings; per save, the slowest rank's time inside the loop's checkpoint
+(the stall) and, synchronous, the whole save. Target: the median async stall at most 25% of the median
+sync save time (gpt-small). Both runs must end with equal parameters. Writes <out>.json and <out>.png.
 """
 from __future__ import annotations
 
@@ -152,11 +158,32 @@ def summarise(per_rank: list[dict], n: int) -> dict:
     return row
 
 
-def plot(rows: list[dict], path: str, model: str) -> None:
+def measure_stall(model: str, n: int, steps: int, every: int, root: str) -> dict:
+    """Per save, the slowest rank's stall (sync and async) and sync save time, from `dl.train`'s
+    ``info["checkpoint_io"]``; the medians and the 25% target."""
+    runs = {}
+    for mode in ("sync", "async"):
+        runs[mode] = dl.train("zero3", world_size=n, model=model, steps=steps, global_batch=2 * n,
+                              timeout=1800, checkpoint_dir=os.path.join(root, f"stall_{mode}"),
+                              checkpoint_every=every, async_save=(mode == "async"))
+    io = {mode: [r.info["checkpoint_io"] for r in run.results] for mode, run in runs.items()}
+    per_save = {f"{mode}_{key}": [max(per_rank) for per_rank in zip(*(rank[key] for rank in io[mode]))]
+                for mode in io for key in ("stall_s", "write_s")}      # per save: the slowest rank
+    row = {"world_size": n, "model": model, "strategy": "zero3", "steps": steps, "checkpoint_every": every,
+           **per_save, **{f"median_{k}": statistics.median(v) for k, v in per_save.items()},
+           "params_equal": all(torch.equal(v, runs["async"].params[k])
+                               for k, v in runs["sync"].params.items())}
+    ratio = row["median_async_stall_s"] / row["median_sync_write_s"]
+    row["target"] = {"what": "median async stall <= 25% of the median sync save time", "limit": 0.25,
+                     "ratio_async_stall_over_sync_save": ratio, "met": ratio <= 0.25}
+    return row
+
+
+def plot(rows: list[dict], path: str, model: str, stall: dict | None = None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    fig, axes = plt.subplots(1, 3 if stall else 2, figsize=(13.5 if stall else 9, 3.4))
     width = 0.38
     for ax, key, title in ((axes[0], "median_save_s", "save"), (axes[1], "median_load_s", "load")):
         for i, name in enumerate(SIDES):
@@ -166,6 +193,16 @@ def plot(rows: list[dict], path: str, model: str) -> None:
         ax.set_ylabel("ms (slowest rank, median)")
         ax.set_title(f"{title}: ZeRO-3 / FSDP2 state of {model}")
         ax.legend(fontsize=8)
+    if stall:
+        bars = [("sync save", stall["median_sync_write_s"]), ("sync stall", stall["median_sync_stall_s"]),
+                ("async stall", stall["median_async_stall_s"]), ("async write\n(background)",
+                                                                 stall["median_async_write_s"])]
+        axes[2].bar([b[0] for b in bars], [b[1] * 1e3 for b in bars], color=["C0", "C0", "C2", "C7"])
+        axes[2].axhline(0.25 * stall["median_sync_write_s"] * 1e3, color="k", ls="--", lw=0.8,
+                        label="target: 25% of the sync save")
+        axes[2].set_ylabel("ms per save (slowest rank, median)")
+        axes[2].set_title(f"training stall per save: {stall['model']} zero3, {stall['world_size']} ranks")
+        axes[2].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -179,6 +216,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--stall-steps", type=int, default=16, help="steps of each dl.train run for the stall")
+    p.add_argument("--stall-every", type=int, default=4, help="checkpoint_every for the stall")
     p.add_argument("--out", default=default_out("checkpoint"))
     a = p.parse_args(argv)
     rows, backend, started = [], None, time.time()
@@ -196,11 +235,21 @@ def main(argv=None):
                       f"loaded state equal to saved: {res['loaded_equal']}", flush=True)
             if not all(row[name]["loaded_equal"] for name in SIDES):
                 raise SystemExit("a load did not restore what was saved: the timings would mean nothing")
+        n = int(a.ranks.split(",")[0])
+        stall = measure_stall(a.model, n, a.stall_steps, a.stall_every, root)
+        print(f"N={n} stall per save: sync {stall['median_sync_stall_s'] * 1e3:.1f} ms (save "
+              f"{stall['median_sync_write_s'] * 1e3:.1f} ms), async "
+              f"{stall['median_async_stall_s'] * 1e3:.1f} ms "
+              f"(background write {stall['median_async_write_s'] * 1e3:.1f} ms); async stall / sync save = "
+              f"{stall['target']['ratio_async_stall_over_sync_save']:.2f}, target <= 0.25 met: "
+              f"{stall['target']['met']}", flush=True)
+        if not stall["params_equal"]:
+            raise SystemExit("sync and async runs ended with different parameters")
     meta = {**machine_facts(started, backend), "model": a.model, "repeats": a.repeats, "dtype": "float32",
             "optimizer": "AdamW",
             "statistic": "median over repeats of the slowest rank's time, barrier to barrier",
             "bytes": "all files of one checkpoint on disk"}
-    write(a.out, {"meta": meta, "results": rows}, lambda png: plot(rows, png, a.model))
+    write(a.out, {"meta": meta, "results": rows, "stall": stall}, lambda png: plot(rows, png, a.model, stall))
 
 
 if __name__ == "__main__":

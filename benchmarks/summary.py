@@ -225,11 +225,30 @@ def context_parallel() -> list[str]:
             "|---|---|---|---|---|---|", *rows, ""]
 
 
+def checkpoint_stall() -> list[str]:
+    d = _load("checkpoint")
+    s = d.get("stall") if d else None
+    if not s:
+        return []
+    t = s["target"]
+    return [f"**Checkpoint stall** (training time lost per save, {s['model']} {s['strategy']} on "
+            f"{s['world_size']} ranks, `dl.train(..., async_save=True)` vs synchronous, slowest rank, "
+            f"median of {len(s['sync_stall_s'])} saves; `benchmarks/checkpoint.py`). Target: async stall <= "
+            f"{t['limit']:.0%} of the sync save.{_load_note(d['meta'])}", "",
+            "| sync save (= its stall) | async stall | async write (background) | async stall / sync save "
+            "| met |",
+            "|---|---|---|---|---|",
+            f"| {_ms(s['median_sync_write_s'])} | {_ms(s['median_async_stall_s'])} | "
+            f"{_ms(s['median_async_write_s'])} | {t['ratio_async_stall_over_sync_save']:.2f} | "
+            f"{'yes' if t['met'] else 'no'} |", ""]
+
+
 def tables() -> str:
     parts = launch_latency() + allreduce() + data_parallel() + tensor_parallel() + pipeline() + checkpoint()
     parts += expert_parallel()
     parts += fsdp()
     parts += all_to_all() + context_parallel()
+    parts += checkpoint_stall()
     return "\n".join(parts).rstrip() + "\n"
 
 

@@ -4,11 +4,15 @@
     distlab train --strategy ddp --world-size 2 --comm ring --bucket-mb 0.1 --json out.json
     distlab train --strategy zero2 --world-size 4 --steps 100 --checkpoint-dir ck --checkpoint-every 10 \
                   --resume
+    distlab train --strategy zero2 --world-size 4 --steps 100 --checkpoint-dir ck --checkpoint-every 10 \
+                  --max-restarts 2 --shrink --async-save
     distlab strategies
 
 Under torchrun the same command runs on every rank (``--world-size`` must equal torchrun's) and
 rank 0 prints; after a failure, the same command with ``--resume`` continues from the latest
-complete checkpoint.
+complete checkpoint, and ``torchrun --max-restarts K ... --resume`` does that on its own (each attempt
+meets under its own store prefix: `distlab._torchrun`). Without torchrun, ``--max-restarts K`` relaunches
+the ranks itself (`distlab.restart`).
 
 ``train`` runs `dl.train` and prints the loss of every step, then bytes sent per rank per step and
 each rank's peak memory by category. Other subcommands may be added by other modules.
@@ -55,6 +59,12 @@ def _train_parser(sub) -> None:
                    help="keep only the newest N checkpoints")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest complete checkpoint (from scratch when there is none)")
+    p.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background (training stalls only for a copy to CPU memory)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="relaunch a failed run from its newest checkpoint up to K times")
+    p.add_argument("--shrink", nargs="?", const="auto", default=None, metavar="SIZES",
+                   help="restart on one rank fewer each time, or on the given world sizes (e.g. 3,2)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra strategy option (value parsed as JSON when it can be)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write losses, bytes and memory here")
@@ -82,6 +92,8 @@ def _options(args) -> dict:
             opts[key] = getattr(args, key)
     if args.resume:
         opts["resume"] = True
+    if args.async_save:
+        opts["async_save"] = True
     for item in args.option:
         if "=" not in item:
             raise SystemExit(f"--option expects KEY=VALUE, got {item!r}")
@@ -93,6 +105,18 @@ def _options(args) -> dict:
     return opts
 
 
+def _restart_args(args) -> dict:
+    """``max_restarts`` and ``shrink`` for `dl.train` from ``--max-restarts`` and ``--shrink [SIZES]``."""
+    out = {"max_restarts": args.max_restarts} if args.max_restarts else {}
+    if args.shrink is not None:
+        try:
+            out["shrink"] = True if args.shrink == "auto" else [int(n) for n in args.shrink.split(",")]
+        except ValueError:
+            raise SystemExit(f"--shrink expects world sizes like 3,2 (or nothing), "
+                             f"got {args.shrink!r}") from None
+    return out
+
+
 def _run_train(args) -> int:
     from .train import train
     world = args.world_size if args.world_size is not None else (
@@ -100,7 +124,8 @@ def _run_train(args) -> int:
     report = train(args.strategy, world_size=world, model=args.model, steps=args.steps,
                    seed=args.seed, global_batch=args.global_batch, lr=args.lr, optimizer=args.optimizer,
                    weight_decay=args.weight_decay, grad_accum=args.grad_accum, precision=args.precision,
-                   clip=args.clip, options=_options(args), progress=args.progress)
+                   clip=args.clip, options=_options(args), progress=args.progress,
+                   **_restart_args(args))
     if os.environ.get("RANK", "0") != "0":       # under torchrun every rank has the report: one prints it
         return 0
     print(f"{args.strategy} on {report.world_size} rank(s), {args.model}, global batch {args.global_batch}")
@@ -110,6 +135,9 @@ def _run_train(args) -> int:
         peak = mem.get("peak", {})
         parts = "  ".join(f"{k} {v / 2**20:.3f}" for k, v in peak.items())
         print(f"rank {r}: sent {comm.get('sent_per_step', 0) / 2**20:.3f} MiB/step   peak MiB: {parts}")
+    for r in getattr(report, "restarts", []):
+        print(f"restart {r.attempt}: {r.world_size} -> {r.next_world_size} ranks, resumed from step "
+              f"{r.resumed_from}, lost {r.lost_steps} step(s) and {r.lost_seconds:.2f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"strategy": args.strategy, "world_size": report.world_size, "losses": report.losses,

@@ -44,7 +44,7 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 import cloudpickle
 import multiprocessing as mp
 
-from . import _child
+from . import _child, _torchrun
 from ._supervisor import EXIT_SECONDS, RankStatus, Supervisor, interrupts_deferred, shutdown
 from .progress import ProgressBar, bar_here, shown_by_default
 from .trace import Trace
@@ -276,7 +276,7 @@ class _Rendezvous:
 # forked rank closes the parent-side descriptors of every launch still running (their pipes' read
 # ends and process sentinels), so no rank holds another launch's pipes.
 _STARTING = threading.Lock()
-_LIVE_FDS: set[int] = set()
+_LIVE_FDS: dict[int, int] = {}       # descriptor -> id() of the RankStatus it belongs to
 
 
 def _start_ranks(ctx, spec: _child.RankSpec, rendezvous: _Rendezvous, ranks: list[RankStatus],
@@ -294,14 +294,15 @@ def _start_ranks(ctx, spec: _child.RankSpec, rendezvous: _Rendezvous, ranks: lis
                                       f"{spec.world_size} started): use fewer ranks or a larger timeout",
                                       unfinished=list(range(spec.world_size)))
                 keep = {out_w.fileno(), res_w.fileno()}
-                close_in_child = [fd for fd in all_fds if fd not in keep] + sorted(_LIVE_FDS) if fork else []
+                close_in_child = [fd for fd in all_fds + sorted(_LIVE_FDS) if fd not in keep] if fork else []
                 if fork and rank != 0:
                     close_in_child.append(rendezvous.fd_for_rank0)
                 proc = ctx.Process(target=_child.main, args=(rank, spec, out_w, res_w, close_in_child),
                                    name=f"distlab-rank-{rank}")
                 ranks.append(RankStatus(rank, proc, out_r, res_r))
                 proc.start()
-                _LIVE_FDS.update((out_r.fileno(), res_r.fileno(), proc.sentinel))
+                fds = (out_r.fileno(), res_r.fileno(), proc.sentinel)
+                _LIVE_FDS.update(dict.fromkeys(fds, id(ranks[-1])))
         finally:
             for rank, ((out_r, out_w), (res_r, res_w)) in enumerate(pipes):
                 out_w.close()                      # the parent keeps only the read ends of started ranks
@@ -315,12 +316,9 @@ def _start_ranks(ctx, spec: _child.RankSpec, rendezvous: _Rendezvous, ranks: lis
 def _forget(ranks: list[RankStatus]) -> None:
     """This launch's descriptors are about to close: later ranks of other launches need not close them."""
     with _STARTING:
-        for r in ranks:
-            if r.process._popen is not None:
-                _LIVE_FDS.discard(r.process.sentinel)
-            for conn in (r.out_conn, r.result_conn):
-                if not conn.closed:
-                    _LIVE_FDS.discard(conn.fileno())
+        mine = {id(r) for r in ranks}      # by owner: a pipe closed mid-launch no longer knows its number
+        for fd in [fd for fd, owner in _LIVE_FDS.items() if owner in mine]:
+            del _LIVE_FDS[fd]
 
 
 def _collect(ranks: list[RankStatus], supervisor: Supervisor, output: str, timeout: float,
@@ -386,7 +384,7 @@ def _launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout, progr
         local = int(os.environ.get("LOCAL_RANK", 0))
         if backend == "nccl":
             torch.cuda.set_device(local)
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        _torchrun.init_process_group(backend, timeout)      # a store prefix per attempt: --max-restarts
         atexit.register(_leave_process_group)
     n, me = dist.get_world_size(), dist.get_rank()
     tracer = runtime._enter(me, n, int(os.environ.get("LOCAL_RANK", 0)), dist.get_backend())

@@ -10,7 +10,9 @@
 Checkpoints (every strategy; see `distlab.checkpoint`): ``checkpoint_dir=..., checkpoint_every=k``
 saves every k steps and at the end (``keep_last=n`` keeps the newest n); ``resume=True`` continues from
 the newest checkpoint that verifies, bit-exact (a damaged newer one is skipped, and named);
-``fail_at_step=s`` kills a rank on purpose (lessons, tests).
+``fail_at_step=s`` kills a rank on purpose (lessons, tests). ``async_save=True`` writes checkpoints in
+the background (`distlab.checkpoint.background`). ``max_restarts=k`` relaunches a failed run from its
+newest checkpoint up to k times, on fewer ranks with ``shrink`` (`distlab.restart`; ``report.restarts``).
 
 A strategy is a ``train_rank(spec)`` function (`distlab.strategies`), run on every rank by
 `dl.launch`; ``single`` runs right here on one process and is the reference every strategy must match
@@ -55,6 +57,7 @@ class Report:
         return self.run.trace if self.run is not None else self._single_trace
 
     _single_trace: object = field(default=None, repr=False)
+    restarts: list = field(default_factory=list)      # `distlab.restart.Restart`, one per relaunch
 
     def __repr__(self) -> str:
         last = f"{self.losses[-1]:.4f}" if self.losses else "-"
@@ -66,7 +69,8 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
           seed: int = 0, *, global_batch: int = 16, lr: float = 1e-3, optimizer: str = "adamw",
           weight_decay: float = 0.0, grad_accum: int = 1, precision: str = "fp32",
           clip: float | None = None, options: dict | None = None, output: str = "quiet",
-          timeout: float = 300.0, progress: bool | None = None, **more_options) -> Report:
+          timeout: float = 300.0, progress: bool | None = None, max_restarts: int = 0, shrink=False,
+          **more_options) -> Report:
     """Train ``model`` with ``strategy`` on ``world_size`` ranks; extra keywords go to ``options``
     (e.g. ``bucket_mb=1, overlap=False, comm="ring"`` for DDP; ``prefetch=True`` for ZeRO-3).
     ``progress``: a bar with step, loss and it/s (None: when a person watches, see `distlab.progress`)."""
@@ -77,6 +81,9 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
     _check_before_launch(spec, world_size)
     check_strategy(spec, world_size)                    # pipeline stages, microbatches, options
     checkpointing.check_options(spec.options)           # resume=..., a writable checkpoint_dir
+    if max_restarts or shrink:                          # refused before any rank starts
+        from . import restart
+        sizes = restart.plan(spec, world_size, max_restarts, shrink)
     start = time.perf_counter()
     if strategy == "single":
         if world_size != 1:
@@ -93,7 +100,19 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
                       [result.info.get("comm", {})], [result], time.perf_counter() - start, trace)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if max_restarts or shrink:
+        for n in sorted(set(sizes[1:])):                 # every restart's layout, before any rank starts
+            _check_before_launch(spec, n)
+            check_strategy(spec, n)
+        return restart.run(spec, sizes, lambda s, n: _launched(train_rank, s, n, output, timeout, progress))
+    return _launched(train_rank, spec, world_size, output, timeout, progress)
+
+
+def _launched(train_rank, spec: TrainSpec, world_size: int, output: str, timeout: float,
+              progress: bool | None) -> Report:
+    """One launch of ``train_rank`` on ``world_size`` ranks, and its `Report`."""
     from .launch import launch
+    start, strategy = time.perf_counter(), spec.strategy
     run = launch(train_rank, world_size=world_size, args=(spec,), output=output, timeout=timeout,
                  progress=progress)
     results: list[RankResult] = run.results

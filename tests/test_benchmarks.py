@@ -76,11 +76,14 @@ def test_benchmarks_check_their_own_correctness(results):
     cp = json.loads((results / "context_parallel.json").read_text())
     assert all(row["max_abs_error_vs_full"] < 1e-4 for row in cp["results"] if row["impl"].startswith("dl"))
     assert cp["torch_context_parallel"]["runs"] or all(cp["torch_context_parallel"]["why_not"].values())
+    stall = json.loads((results / "checkpoint.json").read_text())["stall"]    # sync and async runs agree
+    assert stall["params_equal"] and len(stall["async_stall_s"]) == len(stall["sync_write_s"]) > 0
 
 
 def test_summary_renders_a_table_for_every_result(results):
     text = _summary(results).tables()
     for title in ("Ring all-reduce", "Data parallelism", "Tensor parallelism", "Pipeline parallelism",
-                  "Checkpoints", "Expert parallelism", "FSDP2", "All-to-all", "Context parallelism"):
+                  "Checkpoints", "Expert parallelism", "FSDP2", "All-to-all", "Context parallelism",
+                  "Checkpoint stall"):
         assert f"**{title}**" in text, title
     assert text.count("\n|---") >= 6

@@ -12,7 +12,8 @@
 Files: `store` (the on-disk format and the atomic commit), `state` (what a training rank hands over:
 its own and its replicated state in one of three formats, and how to restore them), `training` (the
 checkpoint side of the training loop: save, resume, fault injection with ``fail_at_step``), `reshard`
-(a checkpoint rebuilt into one tensor per name and cut again for another world size or layout). The
+(a checkpoint rebuilt into one tensor per name and cut again for another world size or layout),
+`background` (``async_save``: snapshot at the step boundary, the same commit written in a thread). The
 checkpoint layer knows formats, never strategy names: each strategy builds its `state.RankState`.
 """
 from .reshard import consolidate

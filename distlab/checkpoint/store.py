@@ -62,20 +62,20 @@ def _replica_writer(group) -> int:
     return dist.get_global_rank(group, 0)
 
 
-def _all_gather(obj) -> list:
+def _all_gather(obj, pg=None) -> list:
     _, n = _rank_world()
     if n == 1:
         return [obj]
     out = [None] * n
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=pg)
     return out
 
 
-def _broadcast(obj):
+def _broadcast(obj, pg=None):
     if _rank_world()[1] == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=pg)
     return box[0]
 
 
@@ -157,7 +157,7 @@ def _step_dir(directory, step: int | str) -> Path:
 # -- saving ----------------------------------------------------------------------------------------
 def save(directory, step: int, state: dict, *, replicated: dict | None = None, group=None,
          keep_last: int | None = None, meta: dict | None = None,
-         hook: Callable[[str], None] | None = None, run_id: str | None = None) -> Path:
+         hook: Callable[[str], None] | None = None, run_id: str | None = None, pg=None) -> Path:
     """Save checkpoint ``step``; call on every rank (a collective). Returns the ``step_N`` path.
 
     ``state``: what this rank alone owns (its ZeRO shards, its loss history), written by every rank.
@@ -167,6 +167,8 @@ def save(directory, step: int, state: dict, *, replicated: dict | None = None, g
     "prepared", "written" and (rank 0) "committing": a place to inject faults in tests and lessons.
     ``run_id`` (default: rank 0 draws a fresh one) goes into the manifest and into every shard, so a
     shard from another run or another save is refused on load even where its step and rank match.
+    ``pg``: the process group of the save's own collectives (default: the default group; a background
+    save passes a group of its own, so its collectives never interleave with training's).
     """
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 (or None to keep all), got {keep_last}")
@@ -184,7 +186,7 @@ def save(directory, step: int, state: dict, *, replicated: dict | None = None, g
         for stale in directory.glob("*.tmp"):
             shutil.rmtree(stale, ignore_errors=True)      # earlier interrupted saves
         tmp.mkdir()
-    run_id = _broadcast((run_id or uuid.uuid4().hex) if r == 0 else None)   # and a barrier: .tmp exists
+    run_id = _broadcast((run_id or uuid.uuid4().hex) if r == 0 else None, pg)   # a barrier: .tmp exists
     _call(hook, "prepared")
 
     payload = {"step": step, "rank": r, "world_size": n, "run_id": run_id, "state": _compact(state)}
@@ -199,7 +201,7 @@ def save(directory, step: int, state: dict, *, replicated: dict | None = None, g
              "has_replicated": "replicated" in payload,
              "replicated_from": writer if replicated is not None else None}
     _call(hook, "written")
-    entries = _all_gather(entry)                           # barrier: every shard is on disk
+    entries = _all_gather(entry, pg)                       # barrier: every shard is on disk
 
     verdict = None
     if r == 0:
@@ -209,7 +211,7 @@ def save(directory, step: int, state: dict, *, replicated: dict | None = None, g
                               keep_last)
         except Exception as err:                           # tell the others instead of leaving them waiting
             verdict = f"{type(err).__name__}: {err}"
-    verdict = _broadcast(verdict)
+    verdict = _broadcast(verdict, pg)
     if verdict is not None:
         raise CheckpointError(f"saving step {step} to {directory} failed on rank 0: {verdict}")
     return directory / f"step_{step}"
@@ -257,6 +259,21 @@ def _compact(obj, memo: dict | None = None):
         return {k: _compact(v, memo) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(_compact(v, memo) for v in obj)
+    return obj
+
+
+def snapshot(obj, memo: dict | None = None):
+    """A CPU copy of every tensor in ``obj`` (containers rebuilt), owned by nobody else: what an
+    asynchronous save writes while training goes on changing the originals in place."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in memo:
+            memo[id(obj)] = obj.detach().to("cpu", copy=True)
+        return memo[id(obj)]
+    if isinstance(obj, dict):
+        return {k: snapshot(v, memo) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(snapshot(v, memo) for v in obj)
     return obj
 
 

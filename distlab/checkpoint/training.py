@@ -47,13 +47,20 @@ What can go wrong, and what happens then:
 
 Fault injection (for tests and lessons): ``fail_at_step=s`` kills ``fail_rank`` (default: the last
 rank) with SIGKILL, either at the start of step s (``fail_in="step"``) or in the middle of saving
-checkpoint s, after its shard is written but before the commit (``fail_in="save"``).
+checkpoint s, after its shard is written but before the commit (``fail_in="save"``); on the first
+attempt only (not after a restart by torchrun, TORCHELASTIC_RESTART_COUNT > 0, or by ``dl.train``).
+
+``async_save=True``: the state is copied to CPU memory at the step boundary and the same `store.save`
+runs in a background thread (`background`); ``heartbeat=True`` (set by ``dl.train``'s restarts,
+`distlab.restart`): rank 0 records its last finished step in ``.heartbeat.json``, to count lost steps.
 """
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import signal
+import time
 import uuid
 from pathlib import Path
 
@@ -62,10 +69,12 @@ import torch.distributed as dist
 
 from ..runtime import rank, tracer, world_size
 from . import reshard, store
+from .background import BackgroundWriter
 from .state import RankState
 
 OPTIONS = ("checkpoint_dir", "checkpoint_every", "keep_last", "resume",
-           "fail_at_step", "fail_rank", "fail_in")
+           "fail_at_step", "fail_rank", "fail_in", "async_save", "heartbeat")
+HEARTBEAT = ".heartbeat.json"     # with heartbeat=True: rank 0's last finished step (dl.train's restarts)
 # the directory locks this process holds (a failed run in a notebook keeps its frames, and its lock,
 # alive: the next run in the same process takes the lock over)
 _HELD: dict[str, int] = {}
@@ -94,8 +103,7 @@ class Checkpointer:
         self.fail_at, self.fail_in = o.get("fail_at_step"), o.get("fail_in", "step")
         self.fail_rank = o.get("fail_rank", world_size() - 1)
         self.saved: list[int] = []
-        if self.directory is None and (self.every or self.resume_from or self.keep_last):
-            raise ValueError("checkpoint_every, keep_last and resume need checkpoint_dir=... (a directory)")
+        self.stall_s: list[float] = []
         if self.every is not None and (int(self.every) != self.every or self.every < 1):
             raise ValueError(f"checkpoint_every must be a positive integer, got {self.every!r}")
         if self.fail_at is not None:
@@ -104,6 +112,8 @@ class Checkpointer:
         self.run_id: str | None = None
         self.note: str | None = None
         self._lock = lock(self.directory) if self.directory is not None and rank() == 0 else None
+        self.heartbeat = bool(o.get("heartbeat")) and rank() == 0
+        self.writer = BackgroundWriter() if o.get("async_save") and self.every else None
 
     def _check_fault_injection(self) -> None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -121,7 +131,7 @@ class Checkpointer:
         if self.resume_from is False or self.resume_from is None:
             return 0, []
         if self.resume_from in (True, "latest"):
-            step, problem, note = _broadcast(_newest_verified(self.directory) if rank() == 0 else None)
+            step, problem, note = _broadcast(newest_verified(self.directory) if rank() == 0 else None)
             if problem:
                 raise store.CheckpointError(problem)
             self.note = note                                 # dl.train prints it, and the report keeps it
@@ -164,40 +174,58 @@ class Checkpointer:
 
     # -- during training -----------------------------------------------------------------------
     def before_step(self, step: int) -> None:
-        if self.fail_in == "step" and step == self.fail_at and rank() == self.fail_rank:
+        if self.fail_in == "step" and step == self.fail_at and rank() == self.fail_rank and _first_attempt():
             _die()
 
     def after_step(self, done: int, losses: list[float]) -> None:
-        """Save after ``done`` completed steps when it is a multiple of ``checkpoint_every`` or the end."""
+        """Save after ``done`` completed steps when it is a multiple of ``checkpoint_every`` or the end
+        (in the background with ``async_save``: the step pays only for a copy into CPU memory)."""
+        if self.heartbeat:
+            _beat(self.directory, done)
         if self.directory is None or self.every is None:
             return
         if done % self.every and done != self.spec.steps:
             return
-        with tracer().span("checkpoint", cat="io", step=done):
+        t0 = time.perf_counter()
+        with tracer().span("checkpoint", cat="io", step=done, mode="async" if self.writer else "sync"):
+            if self.writer is not None:
+                self.writer.wait()                        # one save in flight at a time
             own, replicated = self.state.capture()
             own = {**own, "losses": torch.tensor(losses, dtype=torch.float64),
                    "loss_weight": self.state.loss_weight}
             hook = self._hook if (self.fail_in == "save" and done == self.fail_at) else None
             meta = {"strategy": self.spec.strategy, "format": self.state.format, "spec": self._facts()}
-            if self.run_id is None:
-                self.run_id = _broadcast(uuid.uuid4().hex if rank() == 0 else None)
-            store.save(self.directory, done, own, replicated=replicated, group=self.state.replica_group,
-                       keep_last=self.keep_last, meta=meta, hook=hook, run_id=self.run_id)
+            if self.run_id is None:          # only rank 0's counts: store.save hands it to every rank
+                self.run_id = uuid.uuid4().hex
+            kw = dict(replicated=replicated, group=self.state.replica_group, keep_last=self.keep_last,
+                      meta=meta, hook=hook, run_id=self.run_id)
+            if self.writer is None:
+                store.save(self.directory, done, own, **kw)
+            else:                                         # a private copy: training goes on changing ours
+                kw["replicated"] = store.snapshot(replicated)
+                self.writer.submit(store.save, self.directory, done, store.snapshot(own), **kw)
+        self.stall_s.append(time.perf_counter() - t0)
         self.saved.append(done)
 
     def _hook(self, stage: str) -> None:
-        if stage == "written" and rank() == self.fail_rank:
+        if stage == "written" and rank() == self.fail_rank and _first_attempt():
             _die()
 
     def summary(self, start: int) -> dict:
-        """What to add to the rank's ``info``: ``{"checkpoint": {"resumed_from", "saved"}}`` (the end of
-        training: the directory is free for the next run)."""
+        """What to add to the rank's ``info``: ``{"checkpoint": {"resumed_from", "saved"}, "checkpoint_io":
+        {"mode", "stall_s", "write_s"}}`` (seconds per save: training stalled, writing took) (the end of
+        training: the directory is free for the next run). Waits for a background save still in flight."""
+        if self.writer is not None:
+            self.writer.wait()
         if self._lock is not None:
             _HELD.pop(str(Path(self.directory).resolve()), None)
             os.close(self._lock)
             self._lock = None
         note = {"note": self.note} if self.note else {}
-        return {"checkpoint": {"resumed_from": start or None, "saved": list(self.saved), **note}}
+        write_s = self.writer.write_s if self.writer is not None else self.stall_s
+        return {"checkpoint": {"resumed_from": start or None, "saved": list(self.saved), **note},
+                "checkpoint_io": {"mode": "async" if self.writer is not None else "sync",
+                                  "stall_s": list(self.stall_s), "write_s": list(write_s)}}
 
 
 class NoCheckpoints:
@@ -221,6 +249,28 @@ def for_spec(spec, state: RankState) -> Checkpointer | NoCheckpoints:
     return Checkpointer(spec, state) if requested(spec.options) else NoCheckpoints()
 
 
+def _first_attempt() -> bool:
+    """Planted faults fire on the first attempt only: not after torchrun's restarts (dl.train's restarts
+    drop ``fail_at_step`` themselves)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+def _beat(directory, done: int) -> None:
+    """Record ``done`` finished steps in ``directory/.heartbeat.json`` (atomically: write, then rename)."""
+    path = Path(directory) / HEARTBEAT
+    part = path.with_name(HEARTBEAT + ".part")
+    part.write_text(json.dumps({"step": done, "time": time.time()}))
+    os.replace(part, path)
+
+
+def heartbeat(directory) -> dict | None:
+    """The last heartbeat in ``directory`` ({"step", "time"}), or None."""
+    try:
+        return json.loads((Path(directory) / HEARTBEAT).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _die() -> None:
     """Die the way a preempted or crashed node does: no exception, no cleanup, no goodbye."""
     os.kill(os.getpid(), signal.SIGKILL)
@@ -235,7 +285,7 @@ def _broadcast(obj):
     return box[0]
 
 
-def _newest_verified(directory) -> tuple[int | None, str | None, str | None]:
+def newest_verified(directory) -> tuple[int | None, str | None, str | None]:
     """(step to resume from, refusal, note) for ``resume=True``: the newest checkpoint that verifies.
     A damaged newer one is skipped with a note; step folders of which none verifies are a refusal
     (starting from scratch would silently overwrite them); no step folder at all is a fresh start."""
@@ -260,6 +310,10 @@ def _newest_verified(directory) -> tuple[int | None, str | None, str | None]:
 
 def check_options(options: dict) -> None:
     """What can be checked about the checkpoint options before any rank starts."""
+    if options.get("checkpoint_dir") is None and any(
+            options.get(k) for k in ("checkpoint_every", "keep_last", "resume", "async_save", "heartbeat")):
+        raise ValueError("checkpoint_every, keep_last, resume, async_save and heartbeat need "
+                         "checkpoint_dir=... (a directory)")
     resume = options.get("resume", False)
     ok = resume in (True, False, None, "latest") or (
         isinstance(resume, int) and not isinstance(resume, bool) and resume >= 0)

@@ -14,8 +14,11 @@ can put a prediction beside a measurement. One idea per module:
   throughput   6 N D FLOPs, MFU, training time, scaling efficiency
   presets      GPT-3 / Llama models, GPUs, interconnects
   planner      "fits on" verdicts, the cheapest configuration, the decision guide
+  checkpoint   Young's and Daly's optimal checkpoint interval, the wall time it buys
 """
 from distlab.theory.activations import activation_bytes_per_layer, pipeline_in_flight
+from distlab.theory.checkpoint import (checkpointed_wall_time, daly_interval, interval_steps, waste_fraction,
+                                       young_interval)
 from distlab.theory.comm import (algbw, busbw, comm_time, dp_volume, fsdp_volume, pp_volume, tp_volume,
                                  zero_volume)
 from distlab.theory.context import (cp_activation_bytes_per_layer, cp_bytes_per_layer,
@@ -45,4 +48,5 @@ __all__ = [
     "MoEParams", "ep_memory", "ep_params_per_rank", "expert_capacity", "gpt_moe_params",
     "moe_all_to_all_bytes", "moe_layer_params", "moe_step_all_to_all_bytes", "expected_drop_fraction",
     "fsdp_volume", "fsdp_padding",
+    "young_interval", "daly_interval", "waste_fraction", "checkpointed_wall_time", "interval_steps",
 ]
