@@ -72,8 +72,7 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
                      lr=lr, optimizer=optimizer, weight_decay=weight_decay, grad_accum=grad_accum,
                      precision=precision, clip=clip, options={**(options or {}), **more_options})
     train_rank = load(strategy)
-    _check_before_launch(spec, world_size)
-    check_strategy(spec, world_size)                    # pipeline stages, microbatches, options
+    check_strategy(spec, world_size)          # options (TypeError, did-you-mean), then the layout: per family
     checkpointing.check_options(spec.options)           # resume=..., a writable checkpoint_dir
     start = time.perf_counter()
     if strategy == "single":
@@ -100,27 +99,6 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
     params = next((r.params for r in results if r.params is not None), None)
     return Report(spec, world_size, holder.losses, params, run, [r.info.get("memory", {}) for r in results],
                   [r.info.get("comm", {}) for r in results], results, time.perf_counter() - start)
-
-
-def _check_before_launch(spec: TrainSpec, world_size: int) -> None:
-    """Layouts that cannot work on ``world_size`` ranks fail here, before any rank starts: a 3D mesh whose
-    degrees do not multiply to it, an fsdp ``hsdp`` degree that does not divide it, a context- or
-    expert-parallel run whose sequence, heads or experts do not split over it."""
-    if spec.strategy == "fsdp":
-        from .strategies.fsdp import options
-        options(spec, world_size)
-    if spec.strategy == "ep":
-        from .strategies.expert import check
-        check(spec, world_size)
-    if spec.strategy in ("cp-ring", "cp-ulysses"):
-        from .strategies.context import check
-        check(spec, world_size)
-    if spec.strategy.startswith("3d:"):
-        from .parallel.mesh import Mesh
-        from .strategies.mesh import parse
-        degrees = parse(spec.strategy, spec.options)
-        Mesh(degrees["dp"], degrees["tp"], degrees["pp"], world_size=world_size, groups=False)
-
 
 
 def _print_notes(results: list[RankResult]) -> None:

@@ -35,6 +35,7 @@ from .data_parallel import LocalOptimizer
 from .loop import Plan, run, sum_losses
 
 ATTENTION = {"cp-ring": "ring", "cp-ulysses": "ulysses"}
+OPTIONS = {name: ("dp", "zigzag", "bucket_mb") for name in ATTENTION}
 
 
 def check(spec: TrainSpec, world: int) -> tuple[int, int, bool]:
@@ -50,6 +51,8 @@ def check(spec: TrainSpec, world: int) -> tuple[int, int, bool]:
     if spec.model not in PRESETS:
         raise ValueError(f"{spec.strategy} splits the sequence of a GPT: choose a GPT preset such as "
                          f"model='gpt-tiny', not {spec.model!r}")
+    if spec.precision != "fp32":
+        raise ValueError(f"{spec.strategy} runs in fp32 here: pass precision='fp32'")
     zigzag = bool(spec.options.get("zigzag", spec.strategy == "cp-ring"))
     check_length(PRESETS[spec.model].seq_len, n, zigzag, what=f"{spec.model}'s sequence length")
     heads = PRESETS[spec.model].heads
@@ -74,8 +77,6 @@ def cp_group(dp: int, cp: int):
 def train_rank(spec: TrainSpec) -> RankResult:
     world, r = world_size(), rank()
     dp, n, zigzag = check(spec, world)
-    if spec.precision != "fp32":
-        raise ValueError(f"{spec.strategy} runs in fp32 here: pass precision='fp32'")
     d, group = cp_group(dp, n)
     model = cp_lib.parallelize(build_model(spec), attention=ATTENTION[spec.strategy], group=group,
                                zigzag=zigzag)

@@ -22,6 +22,7 @@ import torch
 
 from .. import models
 from ..checkpoint.state import model_parallel_state
+from ..memory import replica_memory
 from ..parallel import collectives as C
 from ..parallel import expert as ep
 from ..parallel.clip import clip_grad_norm_
@@ -29,6 +30,9 @@ from ..runtime import rank, world_size
 from .base import (RankResult, TrainSpec, autocast, build_model, global_batch, loss_fn, make_optimizer,
                    require_rows)
 from .loop import Plan, run, sum_losses
+
+
+OPTIONS = {"ep": ()}
 
 
 def check(spec: TrainSpec, n: int) -> None:
@@ -70,7 +74,8 @@ def train_rank(spec: TrainSpec) -> RankResult:
     state = model_parallel_state(model, params, model, optimizer, loss_weight=True, keeps_history=r == 0,
                                  layout={"ep": n})
     plan = Plan(forward, optimizer, state, sync_grads=sync_grads,
-                clip=lambda max_norm: clip_grad_norm_(params, max_norm, sharded=experts, groups=[None]))
+                clip=lambda max_norm: clip_grad_norm_(params, max_norm, sharded=experts, groups=[None]),
+                memory=replica_memory(model, optimizer))
     trained = run(spec, plan)
     losses = sum_losses(trained.losses)                        # each rank's share, summed
     full = ep.full_state_dict(model)
