@@ -5,7 +5,7 @@
     distlab train --strategy zero2 --world-size 4 --steps 100 --checkpoint-dir ck --checkpoint-every 10 \
                   --resume
     distlab strategies                       every strategy name and the options it takes
-    distlab lessons DIR                      copy the lessons (Jupyter notebooks) into DIR
+    distlab lessons DIR                      copy the lessons (Jupyter notebooks) into DIR/notebooks
     distlab --version
 
 Under torchrun the same command runs on every rank (``--world-size`` must equal torchrun's) and
@@ -177,6 +177,15 @@ def _strategies() -> int:
     return 0
 
 
+def _lessons(args) -> int:
+    from .lessons import copy
+    copied = copy(args.dir, force=args.force)
+    root = copied[0].parent.parent
+    print(f"copied {len(copied)} lessons to {copied[0].parent}; the code they explain is {root / 'distlab'}\n"
+          f"open them with: jupyter lab {root}   (pip install distlab[lab] for JupyterLab and the widgets)")
+    return 0
+
+
 def _error(err: Exception) -> int:
     """One line on stderr for what went wrong and what to do: 2 for bad input, 1 for a failed rank."""
     from .launch import LaunchError
@@ -198,13 +207,18 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     sub.add_parser("strategies", help="list the strategy names train accepts, and their options")
+    lessons = sub.add_parser("lessons", help="copy the lessons (Jupyter notebooks) into DIR/notebooks")
+    lessons.add_argument("dir", metavar="DIR", help="where to put them (created if need be)")
+    lessons.add_argument("--force", action="store_true", help="overwrite lessons already there")
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
             return _run_train(args)
         if args.command == "strategies":
             return _strategies()
-    except (ValueError, TypeError, CheckpointError, LaunchError) as err:
+        if args.command == "lessons":
+            return _lessons(args)
+    except (ValueError, TypeError, OSError, CheckpointError, LaunchError) as err:
         if getattr(args, "traceback", False):
             raise
         return _error(err)

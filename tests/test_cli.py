@@ -194,3 +194,74 @@ def test_the_cli_reports_real_bytes_and_memory(strategy, world, capsys, monkeypa
     assert "step    1  loss" in err and ("sent 0.000" not in err or world == 1)
     for r in range(world):
         assert f"rank {r}: sent" in err and "peak MiB: params" in err
+
+
+# -- item 7: the lessons and the widgets for a pip user ------------------------------------------------
+LESSONS = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+def _links_resolve(folder: Path) -> None:
+    """Every ``](../distlab/...)`` link of every lesson in ``folder`` opens a file."""
+    import re
+    for nb in folder.glob("*.ipynb"):
+        for target in re.findall(r"\]\((\.\./distlab/[^)#\s]+)", nb.read_text()):
+            assert (folder / target).is_file(), (nb.name, target)
+
+
+def test_distlab_lessons_copies_them_out_with_the_code_they_link(tmp_path, capsys):
+    assert len(LESSONS) >= 9
+    assert main(["lessons", str(tmp_path / "mine")]) == 0
+    out = tmp_path / "mine" / "notebooks"
+    assert sorted(p.name for p in out.iterdir()) == LESSONS
+    assert all((out / n).read_bytes() == (ROOT / "notebooks" / n).read_bytes() for n in LESSONS)
+    _links_resolve(out)
+    assert "jupyter lab" in capsys.readouterr().out
+    assert main(["lessons", str(tmp_path / "mine")]) == 2              # never overwrites silently
+    assert "--force" in capsys.readouterr().err
+    assert main(["lessons", str(tmp_path / "mine"), "--force"]) == 0
+
+
+def test_a_built_wheel_carries_the_lessons_and_finds_them_installed(tmp_path):
+    """Build the wheel from a copy of the project (pip wheel --no-deps), list it, install it into a fresh
+    prefix and run `distlab lessons` from there, away from any checkout."""
+    import shutil
+    import zipfile
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "distlab", src / "distlab", ignore=shutil.ignore_patterns("__pycache__"))
+    (src / "notebooks").mkdir()
+    for name in LESSONS:
+        shutil.copy(ROOT / "notebooks" / name, src / "notebooks" / name)
+    for path in ROOT.iterdir():                       # pyproject.toml, README.md, LICENSE, ...
+        if path.is_file():
+            shutil.copy(path, src / path.name)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "w"), str(src)],
+                   check=True, capture_output=True, timeout=300)
+    wheel = next((tmp_path / "w").glob("distlab-*.whl"))
+    listed = zipfile.ZipFile(wheel).namelist()
+    data = sorted(n.rsplit("/", 1)[1] for n in listed if "/data/share/distlab/lessons/" in n)
+    assert data == LESSONS, listed
+    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--prefix", str(tmp_path / "env"),
+                    str(wheel)], check=True, capture_output=True, timeout=300)
+    site = next((tmp_path / "env").glob("lib/python*/site-packages"))
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import distlab.lessons as L; "
+            "assert L.__file__.startswith(sys.argv[1]), L.__file__; print(L.source()); "
+            "from distlab.cli import main; sys.exit(main(['lessons', sys.argv[2]]))")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("PYTHONPATH", None)
+    run = subprocess.run([sys.executable, "-c", code, str(site), str(tmp_path / "out")], capture_output=True,
+                         text=True, env=env, cwd=tmp_path, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[0] == str((tmp_path / "env" / "share" / "distlab" / "lessons").resolve())
+    assert sorted(p.name for p in (tmp_path / "out" / "notebooks").iterdir()) == LESSONS
+    _links_resolve(tmp_path / "out" / "notebooks")
+
+
+def test_widgets_without_ipywidgets_say_how_to_get_them(monkeypatch):
+    """Simulate an environment without ipywidgets: importing it fails; dl.widgets names the extra."""
+    for name in [n for n in sys.modules if n == "distlab.widgets" or n.startswith("distlab.widgets.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "ipywidgets", None)          # `import ipywidgets` raises ImportError
+    monkeypatch.delitem(vars(dl), "widgets", raising=False)       # the lazy attribute, if already loaded
+    with pytest.raises(ImportError, match=r"pip install distlab\[lab\]"):
+        assert dl.widgets is None                                  # never reached
