@@ -111,7 +111,7 @@ def test_cli_errors_are_one_line_with_exit_status_2(argv, says, capsys, no_launc
     assert len(err.strip().splitlines()) == 1
 
 
-def test_cli_as_a_process_bad_input_and_a_failed_rank(tmp_path):
+def test_cli_as_a_process_bad_input_is_one_line():
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
     def cli(*argv):
@@ -121,11 +121,16 @@ def test_cli_as_a_process_bad_input_and_a_failed_rank(tmp_path):
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.startswith("distlab: error: strategy 'ddp' has no option 'buket_mb' (did you mean")
     assert "Traceback" not in bad.stderr
-    # a rank that fails at run time: one line naming it, exit status 1
-    failed = cli("train", "--strategy", "ddp", "--world-size", "2", "--steps", "2",
-                 "--checkpoint-dir", str(tmp_path), "--option", "fail_at_step=1", "--option", "fail_rank=1")
-    assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr
-    assert failed.stderr.startswith("distlab: error: rank 1 failed")
+
+
+def test_a_rank_that_fails_is_one_line_naming_it_with_exit_status_1(tmp_path, capsys):
+    argv = ["train", "--strategy", "ddp", "--world-size", "2", "--steps", "2", "--checkpoint-dir",
+            str(tmp_path), "--option", "fail_at_step=1", "--option", "fail_rank=1"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("distlab: error: rank 1 failed") and "Traceback" not in err, err
+    with pytest.raises(TypeError, match="buket_mb"):             # --traceback: the whole story
+        main(["train", "--strategy", "ddp", "--option", "buket_mb=1", "--traceback"])
 
 
 def test_cli_version_help_and_strategies(capsys):
