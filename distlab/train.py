@@ -67,7 +67,8 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
           clip: float | None = None, options: dict | None = None, output: str = "quiet",
           timeout: float = 300.0, **more_options) -> Report:
     """Train ``model`` with ``strategy`` on ``world_size`` ranks; extra keywords go to ``options``
-    (e.g. ``bucket_mb=1, overlap=False, comm="ring"`` for DDP; ``prefetch=True`` for ZeRO-3)."""
+    (e.g. ``bucket_mb=1, overlap=False, comm="ring"`` for DDP; ``prefetch=True`` for ZeRO-3). An option
+    the strategy does not read is a TypeError naming those it does (`distlab.strategies.options`)."""
     spec = TrainSpec(strategy=strategy, model=model, steps=steps, seed=seed, global_batch=global_batch,
                      lr=lr, optimizer=optimizer, weight_decay=weight_decay, grad_accum=grad_accum,
                      precision=precision, clip=clip, options={**(options or {}), **more_options})

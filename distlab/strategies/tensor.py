@@ -41,6 +41,7 @@ def check_shards(spec: TrainSpec, t: int, sequence_parallel: bool, who: str) -> 
 
 
 def check(spec: TrainSpec, world: int) -> None:
+    """Refuse, before any rank starts, a model that ``world`` tensor-parallel ranks cannot split."""
     sp = spec.strategy == "tp-sp" or bool(spec.options.get("sequence_parallel", False))
     check_shards(spec, world, sp, spec.strategy)
 
