@@ -171,7 +171,8 @@ def _strategies() -> int:
     from .strategies import CHECKPOINT_OPTIONS, names, options
     for name in names():
         own = [o for o in options(name) if o not in CHECKPOINT_OPTIONS]
-        print(f"{name:<20} {', '.join(own) or '-'}")
+        note = "  (ddp's, read and ignored: one process)" if name == "single" else ""
+        print(f"{name:<20} {', '.join(own) or '-'}{note}")
     print(f"\nevery strategy also takes {', '.join(CHECKPOINT_OPTIONS)}; pass options as "
           "--option KEY=VALUE (or the flags of `distlab train --help`)")
     return 0
