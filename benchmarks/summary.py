@@ -133,8 +133,60 @@ def checkpoint() -> list[str]:
             "|---|---|---|---|---|---|", *rows, ""]
 
 
+def fsdp() -> list[str]:
+    d = _load("fsdp")
+    if not d:
+        return []
+    rows = []
+    for r in d["results"]:
+        for config, v in r["configs"].items():
+            if not v["ran"]:
+                why = "; ".join(v["errors"].values())
+                rows.append(f"| {r['world_size']} | {config} | could not run: {why} | | | | |")
+                continue
+            ours, theirs = v["dl.fully_shard"], v["torch fully_shard"]
+            rows.append(f"| {r['world_size']} | {config} | {_ms(ours['median_step_s'])} | "
+                        f"{_ms(theirs['median_step_s'])} | {v['time_ratio_dl_over_torch']:.2f}x | "
+                        f"{v['memory_ratio_dl_over_torch']:.2f}x | {v['max_rel_loss_diff']:.1e} |")
+    return [f"**FSDP2** ({d['meta']['model']}, AdamW, each block then the root, reshard after forward, "
+            "one unit prefetched: `dl.fully_shard` vs `torch.distributed.fsdp.fully_shard`; "
+            "`benchmarks/fsdp.py`). "
+            "Targets: step time <= 1.1x torch's, model-state memory per rank <= torch's, losses equal."
+            f"{_load_note(d['meta'])}", "",
+            "| ranks | precision | distlab step | torch step | time ratio | model-state memory ratio "
+            "| max loss diff |",
+            "|---|---|---|---|---|---|---|", *rows, ""]
+
+
+
+def expert_parallel() -> list[str]:
+    d = _load("expert_parallel")
+    if not d:
+        return []
+    rows = []
+    for r in d["results"]:
+        ep, rep = r["ep"], r["replicated"]
+        met = "met" if all(v["met"] is not False for v in r["targets"].values()) else "**not met**"
+        sent = [sum(x["sent_per_step"].values()) / 2**20 for x in (ep, rep)]
+        rows.append(f"| {r['world_size']} | {_ms(ep['median_step_s'])} | {_ms(rep['median_step_s'])} | "
+                    f"{r['time_ratio_ep_over_replicated']:.2f}x | {max(ep['memory_per_rank']) / 2**20:.1f} / "
+                    f"{max(rep['memory_per_rank']) / 2**20:.1f} MiB | {sent[0]:.2f} / {sent[1]:.2f} MiB | "
+                    f"{r['max_rel_loss_diff']:.1e} | {met} |")
+    m = d["meta"]["model"]
+    return [f"**Expert parallelism** (MoE GPT h={m['d_model']}, E={m['experts']}, k={m['top_k']}, "
+            f"{m['layers']} layers; `dl.ep` experts split by all-to-all vs every expert replicated and "
+            f"all-reduced, same routing; `benchmarks/expert_parallel.py`). Targets: losses equal, ep memory "
+            f"per rank = `dl.theory.ep_memory` within 1%, ep faster where the theory says it sends fewer "
+            f"bytes.{_load_note(d['meta'])}", "",
+            "| ranks | ep step | replicated step | ratio | model states per rank (ep / replicated) "
+            "| sent per rank per step (ep / replicated) | max loss diff | targets |",
+            "|---|---|---|---|---|---|---|---|", *rows, ""]
+
+
 def tables() -> str:
     parts = launch_latency() + allreduce() + data_parallel() + tensor_parallel() + pipeline() + checkpoint()
+    parts += expert_parallel()
+    parts += fsdp()
     return "\n".join(parts).rstrip() + "\n"
 
 

@@ -28,6 +28,7 @@ _LAZY = {
     "viz": (".viz", None),
     "widgets": (".widgets", None),
     "checkpoint": (".checkpoint", None),
+    "exercises": (".exercises", None),
     "tp": (".parallel.tensor", None),
     "pp": (".parallel.pipeline", None),
     "ep": (".parallel.expert", None),

@@ -81,6 +81,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--json", default=None, metavar="PATH",
                    help="also write settings, losses, step times, bytes and memory here ('-': stdout, "
                         "the table then goes to stderr)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a bar with step, loss and it/s on stderr (default: when stderr is a terminal)")
     p.add_argument("--traceback", action="store_true", help="on an error, show the full traceback")
 
 
@@ -122,7 +124,7 @@ def _run_train(args) -> int:
     report = train(args.strategy, world_size=world, model=args.model, steps=args.steps,
                    seed=args.seed, global_batch=args.global_batch, lr=args.lr, optimizer=args.optimizer,
                    weight_decay=args.weight_decay, grad_accum=args.grad_accum, precision=args.precision,
-                   clip=args.clip, options=_options(args))
+                   clip=args.clip, options=_options(args), progress=args.progress)
     if os.environ.get("RANK", "0") != "0":       # under torchrun every rank has the report: one prints it
         return 0
     out = sys.stderr if args.json == "-" else sys.stdout     # stdout is the JSON's, then

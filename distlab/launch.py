@@ -46,7 +46,7 @@ import multiprocessing as mp
 
 from . import _child
 from ._supervisor import EXIT_SECONDS, RankStatus, Supervisor, interrupts_deferred, shutdown
-from .progress import ProgressBar
+from .progress import ProgressBar, bar_here, shown_by_default
 from .trace import Trace
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -184,12 +184,13 @@ def _spawn_payload(fn, args, kwargs) -> bytes:
 # -- the launch ---------------------------------------------------------------------------------
 def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | None = None,
            backend: str = "auto", start_method: str = "auto", timeout: float = 300.0,
-           output: str = "ordered", host: str = "127.0.0.1") -> Run:
+           output: str = "ordered", host: str = "127.0.0.1", progress: bool | None = None) -> Run:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return a `Run`.
 
     ``timeout`` bounds the whole launch and every collective inside it (the process group's own
     timeout), so a hang ends in a `LaunchError` naming the ranks that never finished. ``host`` is
     where the rendezvous listens: loopback unless you give an address other machines can reach.
+    ``progress``: a bar for what ranks report with ``dl.progress`` (None: if a person watches).
     """
     _check_inputs(fn, world_size, output, timeout)
     kwargs = dict(kwargs or {})
@@ -205,7 +206,7 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
                              f"world_size={world_size}: pass world_size={launched} (torchrun decides how "
                              f"many processes run), or "
                              f"change torchrun's --nproc-per-node / --nnodes")
-        return _launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout)
+        return _launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout, progress)
 
     backend = resolve_backend(backend, world_size)
     method = resolve_start_method(start_method)
@@ -224,10 +225,9 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
                 payload=(fn, tuple(args), kwargs) if method == "fork" else
                 _spawn_payload(fn, tuple(args), kwargs))
             _start_ranks(mp.get_context(method), spec, rendezvous, ranks, deadline)
-        bar = ProgressBar(enabled=(output != "quiet"))
-        supervisor = Supervisor(ranks, deadline, live=(output == "live"), on_progress=bar.update)
-        supervisor.run()
-        bar.close()
+        with ProgressBar(shown_by_default() if progress is None else progress) as bar:
+            supervisor = Supervisor(ranks, deadline, live=(output == "live"), on_progress=bar.update)
+            supervisor.run()
     finally:
         _forget(ranks)
         shutdown(ranks)
@@ -373,7 +373,7 @@ def _leave_process_group() -> None:
             pass
 
 
-def _launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout) -> Run:
+def _launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout, progress=None) -> Run:
     """Already one of N processes (torchrun): run here, gather every rank's result to all."""
     import torch
     import torch.distributed as dist
@@ -392,7 +392,8 @@ def _launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout) -> Ru
     tracer = runtime._enter(me, n, int(os.environ.get("LOCAL_RANK", 0)), dist.get_backend())
     dist.barrier()
     tracer.reset_epoch()
-    value = fn(*args, **kwargs)
+    with bar_here(me == 0 and (shown_by_default() if progress is None else progress)):
+        value = fn(*args, **kwargs)
     gathered: list = [None] * n
     dist.all_gather_object(gathered, (value, tracer.export()))
     return Run(results=[g[0] for g in gathered], trace=Trace.merge([g[1] for g in gathered]),

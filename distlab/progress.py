@@ -1,79 +1,128 @@
-"""Progress of a long launch, drawn as a bar in the notebook that started it.
+"""Progress of a training run: a tqdm bar (step, loss, it/s) where the person who started it looks.
 
-Inside a rank, ``dl.progress(step, total)`` sends a small message up the rank's result pipe
-(rank 0 only, at most ten times a second, always the last step). The parent's supervisor hands
-it to a `ProgressBar`, which shows an ipywidgets bar in Jupyter, a one-line counter on a
-terminal, and nothing otherwise. The bar is displayed with a fixed initial state, so the stored
-notebook output does not depend on timing.
+    report = dl.train("zero2", world_size=4, steps=200)        # a bar in the cell, or on the terminal
+    report = dl.train("zero2", world_size=4, progress=False)   # none
+
+How a step reaches the bar::
+
+    rank 0 ──("progress", 0, step, total, label, {})────────┐   result pipe, at most 10 a second
+    rank p-1 ─("progress", p-1, step, total, label, {loss})─┤   (and always the last step)
+                                                            v
+    parent: Supervisor ── on_progress ──> ProgressBar ──> tqdm.auto: a widget in Jupyter, text on a terminal
+
+The bar lives in the parent, the process that owns the notebook cell or the terminal, so it renders
+as a real widget; ranks only send small messages. Rank 0 drives the step count; the loss shown
+is the one sent by the lowest rank that holds one (rank 0 in data parallelism: the loss of its part
+of the batch; the last stage in a pipeline). A run in this very process (``single``, or rank 0
+under torchrun, which then shows only its own loss) feeds a bar here directly.
+
+When a bar is shown (``progress=None``, the default): when a person is watching. That is a notebook
+cell run from a front end that can answer ``input()`` (JupyterLab, Notebook, VS Code), or a
+terminal (stderr a TTY). Notebooks executed by machines (nbval, nbconvert, papermill) run their
+cells with ``allow_stdin=False`` and get no bar, so stored lesson outputs stay deterministic;
+neither do pipes, files or pytest's captured output. ``DISTLAB_PROGRESS=1`` (or ``0``) forces it.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import pickle
 import sys
 import time
 
 _MIN_INTERVAL = 0.1
-_channel = {"conn": None, "last": 0.0}
+# conn: a rank's result pipe (set by `_attach` in a launched rank); sink: a bar in this process
+_channel = {"conn": None, "sink": None, "last": 0.0}
 
 
 def _attach(conn) -> None:
     """Called in a rank started by `launch`: progress goes up this connection."""
-    _channel.update(conn=conn, last=0.0)
+    _channel.update(conn=conn, sink=None, last=0.0)
 
 
-def progress(step: int, total: int, label: str = "step") -> None:
-    """Report that ``step`` of ``total`` units are done (call it on every rank; rank 0 reports)."""
+def progress(step: int, total: int, label: str = "step", **postfix: float) -> None:
+    """Report that ``step`` of ``total`` units are done, with values to show beside the count
+    (``loss=2.31``). Call it on every rank: rank 0 reports the count; any other rank reports only when
+    it has ``postfix`` values (the pipeline's last stage holds the loss)."""
     from .runtime import rank
 
-    conn = _channel["conn"]
-    if conn is None or rank() != 0:
+    conn, sink, me = _channel["conn"], _channel["sink"], rank()
+    if (conn is None and sink is None) or (me != 0 and not postfix):
         return
     now = time.monotonic()
     if step < total and now - _channel["last"] < _MIN_INTERVAL:
         return
     _channel["last"] = now
-    conn.send_bytes(pickle.dumps(("progress", int(step), int(total), str(label))))
+    message = (int(step), int(total), str(label), {k: float(v) for k, v in postfix.items()})
+    if sink is not None:
+        sink(me, *message)
+    else:
+        conn.send_bytes(pickle.dumps(("progress", me, *message)))
 
 
-def _in_notebook() -> bool:
-    shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
-    return type(shell).__name__ == "ZMQInteractiveShell"
+def shown_by_default() -> bool:
+    """Whether a person is watching: see the module docstring (``DISTLAB_PROGRESS`` overrides)."""
+    forced = os.environ.get("DISTLAB_PROGRESS", "").strip().lower()
+    if forced in ("0", "1", "false", "true", "no", "yes", "off", "on"):
+        return forced in ("1", "true", "yes", "on")
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if type(shell).__name__ == "ZMQInteractiveShell":
+        # ipykernel records the running request's allow_stdin: True from a person's front end
+        return bool(getattr(getattr(shell, "kernel", None), "_allow_stdin", False))
+    return sys.stderr is not None and sys.stderr.isatty()
 
 
 class ProgressBar:
-    """Parent side: created lazily on the first progress message of a launch."""
+    """Parent side: a tqdm bar opened on rank 0's first message, closed at the end of the launch."""
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
-        self._bar = None
-        self._text = None
-        self._terminal = False
+        self.bar = None
+        self.postfix: dict[str, float] = {}
+        self._from: int | None = None                  # the rank whose values are shown
 
-    def update(self, step: int, total: int, label: str) -> None:
+    def update(self, rank: int, step: int, total: int, label: str, postfix: dict) -> None:
         if not self.enabled:
             return
-        if self._bar is None and self._text is None and not self._terminal:
-            self._open(total, label)
-        if self._bar is not None:
-            self._bar.max = max(total, 1)
-            self._bar.value = step
-            self._text.value = f"{label} {step}/{total}"
-        elif self._terminal:
-            print(f"\r{label} {step}/{total}", end="", file=sys.stderr, flush=True)
-
-    def _open(self, total: int, label: str) -> None:
-        if _in_notebook():
+        if postfix and (self._from is None or rank <= self._from):
+            self._from, self.postfix = rank, dict(postfix)
+        if rank != 0:
+            return
+        if self.bar is None:
             try:
-                import ipywidgets as widgets
-                from IPython.display import display
-            except ImportError:
+                from tqdm.auto import tqdm
+            except ImportError:                            # a declared dependency, but never cost a run
+                print("distlab: no progress bar without tqdm: pip install tqdm", file=sys.stderr)
+                self.enabled = False
                 return
-            self._bar = widgets.IntProgress(value=0, min=0, max=max(total, 1))
-            self._text = widgets.Label(value=f"{label} 0/{total}")
-            display(widgets.HBox([self._bar, self._text]))
-        elif sys.stderr.isatty():
-            self._terminal = True
+            self.bar = tqdm(total=total, initial=max(step - 1, 0), unit=label, dynamic_ncols=True)
+        self.bar.set_postfix(self._shown(), refresh=False)
+        self.bar.update(step - self.bar.n)
+
+    def _shown(self) -> dict[str, str]:
+        return {k: f"{v:.4f}" for k, v in self.postfix.items()}
+
+    def __enter__(self) -> "ProgressBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
-        if self._terminal:
-            print(file=sys.stderr)
+        if self.bar is not None:
+            self.bar.set_postfix(self._shown(), refresh=False)   # the last step's loss may come last
+            self.bar.close()
+            self.bar = None
+
+
+@contextlib.contextmanager
+def bar_here(enabled: bool):
+    """A bar in this process fed directly by `progress` (``single``; rank 0 under torchrun)."""
+    previous = _channel["sink"]
+    with ProgressBar(enabled) as bar:
+        _channel.update(sink=bar.update if enabled else None, last=0.0)
+        try:
+            yield bar
+        finally:
+            _channel["sink"] = previous

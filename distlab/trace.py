@@ -201,30 +201,102 @@ class Trace:
             total += cur_end - cur_start
         return total
 
+    def shifted(self, seconds: float) -> "Trace":
+        """The same events ``seconds`` later (negative: earlier), e.g. to start a trace at 0."""
+        return Trace(Event(e.rank, e.kind, e.name, e.start + seconds, e.end + seconds, e.args)
+                     for e in self.events)
+
     # -- Chrome trace-event format (opens in Perfetto / chrome://tracing) -------------------
     def to_chrome(self) -> dict:
-        """Trace-event JSON: one process per rank, compute and comm on separate threads."""
-        out = []
-        tid_of = {"compute": 0, "comm": 1}
-        for r in self.ranks:
-            out.append({"ph": "M", "name": "process_name", "pid": r, "args": {"name": f"rank {r}"}})
-            out.append({"ph": "M", "name": "thread_name", "pid": r, "tid": 0, "args": {"name": "compute"}})
-            out.append({"ph": "M", "name": "thread_name", "pid": r, "tid": 1, "args": {"name": "comm"}})
+        """Trace-event JSON: one process per rank, its compute and comm spans on tracks that nest.
+
+        The format draws complete events (``ph: "X"``) of one track (pid, tid) as a stack, so two
+        of them must be disjoint or one inside the other. Operations in flight together (a ring's
+        send beside its receive, a pipeline's overlapped transfers) only partly overlap, so each
+        category is spread over *lanes*: an event goes on the first lane whose open events all
+        contain it, else on a new lane::
+
+            comm    |== bucket all_reduce ===============|  |- step 2 -|
+                       |- step 0 -|                             inside the bucket: same lane
+            comm 2           |- step 1 -|                       crosses step 0: the next lane
+
+        Memory samples become counters (``ph: "C"``), one counter name per unit; marks are instants.
+        """
+        out, tracks = [], {}
         for e in self.events:
             args = {k: v for k, v in e.args.items() if isinstance(v, (int, float, str, bool, type(None)))}
             if e.kind == "memory":
-                out.append({"ph": "C", "name": "memory", "pid": e.rank, "ts": e.start * 1e6, "args": args})
+                out += _counters(e)
             elif e.kind == "mark":
                 out.append({"ph": "i", "s": "p", "name": e.name, "pid": e.rank, "tid": 0,
                             "ts": e.start * 1e6, "args": args})
             else:
+                ts = e.start * 1e6
                 out.append({"ph": "X", "name": e.name, "cat": e.cat, "pid": e.rank,
-                            "tid": tid_of.get("comm" if e.kind == "comm" else "compute", 0),
-                            "ts": e.start * 1e6, "dur": max(e.duration, 0.0) * 1e6, "args": args})
-        return {"traceEvents": out, "displayTimeUnit": "ms"}
+                            "ts": ts, "dur": max(e.end * 1e6 - ts, 0.0), "args": args})
+                tracks.setdefault((e.rank, "comm" if e.kind == "comm" else "compute"), []).append(out[-1])
+        meta = []
+        for r in self.ranks:
+            meta.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0,
+                         "args": {"name": f"rank {r}"}})
+            for category in ("compute", "comm"):
+                meta += _lanes(r, category, tracks.get((r, category), []))
+        return {"traceEvents": meta + out, "displayTimeUnit": "ms"}
 
     def save_chrome(self, path: str) -> str:
         """Write trace-event JSON to ``path`` (open it at ui.perfetto.dev); returns the path."""
         with open(path, "w") as f:
             json.dump(self.to_chrome(), f)
         return path
+
+
+# -- helpers of the Chrome export ---------------------------------------------------------------
+_CATEGORY_TID = {"compute": 0, "comm": 1}   # lane k of a category is tid 2k + this (lane 0: tids 0, 1)
+# Memory samples are bytes by category, except these keys (their unit): the pipeline's stash counts
+# the microbatches it holds beside their bytes.
+COUNT_UNITS = {"microbatches": "microbatches"}
+# Labels that name a series of their own (sampled after every pipeline action); every other label
+# is a moment of the memory ledger ("forward", "step") and feeds the one "memory" series.
+OWN_SERIES = ("pipeline stash",)
+
+
+def _lanes(rank: int, category: str, events: list[dict]) -> list[dict]:
+    """Give each X event of one rank's ``category`` a tid so that every tid's events nest; returns
+    the thread metadata naming the lanes used (at least lane 0)."""
+    lanes: list[list[float]] = []                   # per lane: ends of its open events, outermost first
+    for x in sorted(events, key=lambda x: (x["ts"], -(x["ts"] + x["dur"]))):
+        k = _fitting_lane(lanes, x["ts"], x["ts"] + x["dur"])
+        lanes[k].append(x["ts"] + x["dur"])
+        x["tid"] = 2 * k + _CATEGORY_TID[category]
+    meta = []
+    for k in range(max(1, len(lanes))):
+        tid = 2 * k + _CATEGORY_TID[category]
+        name = category if k == 0 else f"{category} {k + 1}"
+        meta.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}})
+        meta.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid,
+                     "args": {"sort_index": 1000 * _CATEGORY_TID[category] + k}})
+    return meta
+
+
+def _fitting_lane(lanes: list[list[float]], start: float, end: float) -> int:
+    """The first lane where [start, end] nests (a new one if none): events are visited by start, so
+    a lane's open events that ended by ``start`` are closed for good."""
+    for k, open_ends in enumerate(lanes):
+        while open_ends and open_ends[-1] <= start:
+            open_ends.pop()
+        if not open_ends or end <= open_ends[-1]:   # empty, or its innermost open event contains it
+            return k
+    lanes.append([])
+    return len(lanes) - 1
+
+
+def _counters(e: Event) -> list[dict]:
+    """One memory sample as counter events, one per unit: ``memory (bytes)``, ``pipeline stash
+    (microbatches)``; each counter's args are its series (params, grads, ...)."""
+    series = e.name if e.name in OWN_SERIES else "memory"
+    by_unit: dict[str, dict] = {}
+    for key, value in e.args.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            by_unit.setdefault(COUNT_UNITS.get(key, "bytes"), {})[key] = value
+    return [{"ph": "C", "name": f"{series} ({unit})", "pid": e.rank, "tid": 0, "ts": e.start * 1e6,
+             "args": values} for unit, values in sorted(by_unit.items())]

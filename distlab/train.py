@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .checkpoint import training as checkpointing
+from .progress import bar_here, shown_by_default
 from .strategies import RankResult, TrainSpec, load
 from .strategies import check as check_strategy
 
@@ -65,10 +66,11 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
           seed: int = 0, *, global_batch: int = 16, lr: float = 1e-3, optimizer: str = "adamw",
           weight_decay: float = 0.0, grad_accum: int = 1, precision: str = "fp32",
           clip: float | None = None, options: dict | None = None, output: str = "quiet",
-          timeout: float = 300.0, **more_options) -> Report:
+          timeout: float = 300.0, progress: bool | None = None, **more_options) -> Report:
     """Train ``model`` with ``strategy`` on ``world_size`` ranks; extra keywords go to ``options``
     (e.g. ``bucket_mb=1, overlap=False, comm="ring"`` for DDP; ``prefetch=True`` for ZeRO-3). An option
-    the strategy does not read is a TypeError naming those it does (`distlab.strategies.options`)."""
+    the strategy does not read is a TypeError naming those it does (`distlab.strategies.options`).
+    ``progress``: a bar with step, loss and it/s (None: when a person watches, see `distlab.progress`)."""
     spec = TrainSpec(strategy=strategy, model=model, steps=steps, seed=seed, global_batch=global_batch,
                      lr=lr, optimizer=optimizer, weight_decay=weight_decay, grad_accum=grad_accum,
                      precision=precision, clip=clip, options={**(options or {}), **more_options})
@@ -82,16 +84,18 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
         from .runtime import tracer
         from .trace import Trace
         tr = tracer()
-        mark = len(tr.export())
-        result = train_rank(spec)
+        mark, t0 = len(tr.export()), tr.now()
+        with bar_here(shown_by_default() if progress is None else progress):
+            result = train_rank(spec)
         _print_notes([result])
-        trace = Trace.merge({0: tr.export()[mark:]})
+        trace = Trace.merge({0: tr.export()[mark:]}).shifted(-t0)   # 0: the run starts, as in a launch
         return Report(spec, 1, result.losses, result.params, None, [result.info.get("memory", {})],
                       [result.info.get("comm", {})], [result], time.perf_counter() - start, trace)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     from .launch import launch
-    run = launch(train_rank, world_size=world_size, args=(spec,), output=output, timeout=timeout)
+    run = launch(train_rank, world_size=world_size, args=(spec,), output=output, timeout=timeout,
+                 progress=progress)
     results: list[RankResult] = run.results
     _print_notes(results)
     holder = next((r for r in results if r.losses is not None), None)

@@ -24,6 +24,8 @@ TINY = {  # script -> arguments that make it take seconds
     "tensor_parallel": ["--ranks", "2", "--steps", "2", "--warmup", "1", "--model", "gpt-tiny"],
     "pipeline": ["--steps", "1", "--warmup", "0"],
     "checkpoint": ["--ranks", "2", "--repeats", "1", "--model", "gpt-tiny"],
+    "expert_parallel": ["--ranks", "2", "--steps", "2", "--warmup", "1", "--d-model", "32", "--experts", "4"],
+    "fsdp": ["--ranks", "2", "--steps", "2", "--warmup", "1", "--rows", "2", "--model", "gpt-tiny"],
 }
 
 
@@ -50,7 +52,7 @@ def results(tmp_path_factory) -> Path:
 def test_benchmark_writes_json_and_plot(name, results):
     document = json.loads((results / f"{name}.json").read_text())
     assert (results / f"{name}.png").stat().st_size > 1000
-    if name in ("data_parallel", "tensor_parallel", "checkpoint", "allreduce"):
+    if name in ("data_parallel", "tensor_parallel", "checkpoint", "allreduce", "fsdp"):
         assert document["meta"]["torch"] and "load_average" in document["meta"]
 
 
@@ -63,11 +65,16 @@ def test_benchmarks_check_their_own_correctness(results):
     assert pp and all(row["max_loss_diff"] < 1e-4 for row in pp)
     ckpt = json.loads((results / "checkpoint.json").read_text())["results"]
     assert all(row[side]["loaded_equal"] for row in ckpt for side in ("distlab", "torch DCP"))
+    ep = json.loads((results / "expert_parallel.json").read_text())["results"]
+    assert all(row["targets"]["losses_equal"]["met"] and row["targets"]["memory"]["met"] for row in ep)
+    fsdp = json.loads((results / "fsdp.json").read_text())["results"]
+    assert all(c["ran"] and all(t["met"] for k, t in c["targets"].items() if k.startswith("losses"))
+               for row in fsdp for c in row["configs"].values())
 
 
 def test_summary_renders_a_table_for_every_result(results):
     text = _summary(results).tables()
     for title in ("Ring all-reduce", "Data parallelism", "Tensor parallelism", "Pipeline parallelism",
-                  "Checkpoints"):
+                  "Checkpoints", "Expert parallelism", "FSDP2"):
         assert f"**{title}**" in text, title
-    assert text.count("\n|---") >= 5
+    assert text.count("\n|---") >= 6

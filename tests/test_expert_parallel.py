@@ -168,6 +168,41 @@ def test_train_ep_matches_single(world, batch, accum):
     assert report.comm[0]["sent_by_op"]["all_to_all"] > 0
 
 
+@pytest.mark.parametrize("strategy, world, micro", [("pp-1f1b", 2, 4), ("pp-gpipe", 4, 4), ("pp-zb-h1", 2, 2),
+                                                    ("pp-interleaved", 2, 2)])
+def test_pipelines_add_every_stage_balance_loss(strategy, world, micro):
+    """A pipeline routes each microbatch on its own, so it is single with grad_accum x microbatches; the
+    balance losses of the MoE layers on every stage join the backward and the reported loss: losses and
+    parameters within 1e-5 of that single run (without the stages' terms, as before this was fixed, the
+    parameters differ by over 1e-4 relative), the reported loss above the cross-entropy alone."""
+    kw = dict(SGD, steps=2, global_batch=8, clip=0.5)
+    ref = dl.train("single", grad_accum=2 * micro, **kw)
+    report = dl.train(strategy, world_size=world, grad_accum=2, options={"microbatches": micro}, **kw)
+    assert report.losses == pytest.approx(ref.losses, rel=1e-5)
+    for name, want in ref.params.items():
+        assert (report.params[name] - want).norm() <= 1e-5 * want.norm() + 1e-7, name
+    model = dl.models.build("gpt-moe-tiny", 0)             # step 0's cross-entropy alone, per microbatch
+    x, y = dl.models.dataset_for("gpt-moe-tiny", 0).batch(0, 8)
+    ce = sum(torch.nn.functional.cross_entropy(model(a).flatten(0, 1), b.flatten()).item()
+             for a, b in zip(x.chunk(2 * micro), y.chunk(2 * micro))) / (2 * micro)
+    assert report.losses[0] - ce >= 2 * 0.01 * (1 - 1e-6)  # aux_coef x 2 layers x a balance loss >= 1
+
+
+def test_replicated_experts_match_single_with_no_all_to_all():
+    """options={"experts": "replicated"} on 3 ranks (4 experts do not split over 3: no need here): every
+    expert on every rank, routed over the whole batch, equals single; no all-to-all, all experts held."""
+    kw = dict(SGD, global_batch=7, clip=0.5)
+    ref = dl.train("single", **kw)
+    report = dl.train("ep", world_size=3, options={"experts": "replicated"}, **kw)
+    assert report.losses == pytest.approx(ref.losses, rel=1e-5)
+    for name, want in ref.params.items():
+        assert (report.params[name] - want).norm() <= 1e-5 * want.norm() + 1e-7, name
+    assert all(r.info["expert_param_bytes"] == _theory_params().experts * 4 for r in report.results)
+    assert "all_to_all" not in report.comm[0]["sent_by_op"]
+    with pytest.raises(ValueError, match="choose 'split'"):
+        dl.train("ep", world_size=2, model="gpt-moe-tiny", options={"experts": "copies"})
+
+
 def test_ep_checkpoint_resumes_exactly_and_reshards(tmp_path):
     """Model-parallel format: 3 steps saving at 2; resumed from 2 it ends bit-identical; the same
     checkpoint (experts joined along dim 0, Adam state too) resumed by single and by ep on 4 ranks
@@ -188,7 +223,14 @@ def test_ep_checkpoint_resumes_exactly_and_reshards(tmp_path):
             assert (other.params[name] - want).norm() <= 1e-5 * want.norm() + 1e-7, name
 
 
-def test_bad_input_says_what_to_change():
+def test_bad_input_says_what_to_change(monkeypatch):
+    """Experts that do not split over the world, a dense model for ep, top_k > experts, a capacity factor
+    <= 0: clear errors; the first two before any rank starts."""
+    import importlib
+
+    def no_launch(*a, **k):
+        raise AssertionError("a rank was started")
+    monkeypatch.setattr(importlib.import_module("distlab.launch"), "launch", no_launch)
     with pytest.raises(ValueError, match="divides 4"):
         dl.train("ep", world_size=3, model="gpt-moe-tiny")
     with pytest.raises(ValueError, match="gpt-moe-tiny"):
@@ -200,6 +242,22 @@ def test_bad_input_says_what_to_change():
     with pytest.raises(ValueError, match="capacity_factor"):
         dl.ep.MoE(8, 16, 4, capacity_factor=0, group=dl.ep.LOCAL)
     assert math.isfinite(dl.ep.capacity(10, 4, 2, 1.25))
+
+
+@pytest.mark.parametrize("strategy, world", [("tp", 2), ("tp-sp", 2), ("cp-ring", 2), ("cp-ulysses", 2),
+                                             ("3d:dp=1,tp=2,pp=1", 2), ("3d:dp=1,tp=1,pp=2", 2),
+                                             ("3d:dp=2,tp=1,pp=1", 2)])
+def test_strategies_without_moe_support_refuse_it_before_launch(strategy, world, monkeypatch):
+    """tp does not split experts, cp's and the 3d mesh's losses carry no load-balancing term: a clear
+    error naming the strategies that do run MoE, raised in this process (no rank is started)."""
+    import importlib
+
+    def no_launch(*a, **k):
+        raise AssertionError("a rank was started")
+    monkeypatch.setattr(importlib.import_module("distlab.launch"), "launch", no_launch)
+    with pytest.raises(ValueError, match=r"cannot train the mixture-of-experts model 'gpt-moe-tiny'.*"
+                                         r"strategy='ep'.*'ddp'"):
+        dl.train(strategy, world_size=world, model="gpt-moe-tiny", steps=1, global_batch=8)
 
 
 # -- theory (`dl.theory.moe`) against the model and the papers' formulas ----------------------------
@@ -225,3 +283,22 @@ def test_theory_counts_the_moe_gpt_parameters():
     assert dl.theory.ep_memory(p, 1) == 16 * p.total and dl.theory.ep_memory(p, 4) < dl.theory.ep_memory(p, 2)
     for tokens, experts, k, cf in [(13, 4, 1, 1.0), (13, 4, 2, 0.75), (64, 8, 2, 1.25)]:
         assert dl.theory.expert_capacity(tokens, experts, k, cf) == router.capacity(tokens, experts, k, cf)
+
+
+def test_expected_drop_fraction_by_hand_and_by_sampling():
+    """T = 4 tokens, E = 2, k = 1, capacity 2: L ~ Binomial(4, 1/2) drops (L - 2) when L > 2, so each expert
+    drops 1 * 4/16 + 2 * 1/16 = 6/16 on average and the fraction is 2 * 6/16 / 4 = 3/16. Against uniform
+    random top-2 routing of 512 tokens over 8 experts, 200 draws: within 0.005 of the sampled mean."""
+    assert dl.theory.expected_drop_fraction(4, 2, 1, 1.0) == pytest.approx(3 / 16)
+    assert dl.theory.expected_drop_fraction(10, 4, 4, 1.0) == 0.0          # k = E: all fit at capacity T
+    g = torch.Generator().manual_seed(0)
+    T, E_, k, cf = 512, 8, 2, 1.0
+    cap = router.capacity(T, E_, k, cf)
+    drops = []
+    for _ in range(200):
+        choice = torch.rand(T, E_, generator=g).topk(k, dim=1).indices          # k distinct, uniform
+        load = torch.bincount(choice.flatten(), minlength=E_)
+        drops.append((load - cap).clamp(min=0).sum().item() / (k * T))
+    assert dl.theory.expected_drop_fraction(T, E_, k, cf) == pytest.approx(sum(drops) / len(drops), abs=0.005)
+    with pytest.raises(ValueError, match="tokens"):
+        dl.theory.expected_drop_fraction(0, 4, 2, 1.0)

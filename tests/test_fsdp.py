@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -144,12 +145,17 @@ def _probe(cfg: dict) -> dict:
 
 
 def _bad_inputs() -> list[str]:
-    """Each bad input raises ValueError on every rank before any collective (so nothing hangs)."""
+    """Each bad input raises ValueError on every rank before any collective (so nothing hangs, nothing
+    reads freed memory)."""
     errors = []
     cases = [lambda: dl.fully_shard(dl.fully_shard(_net())),                     # sharded twice
              lambda: dl.fully_shard(_net(), mesh=(3, 1)),                         # 3 x 1 != 2 ranks
              lambda: dl.fully_shard(_net(), replicate=[nn.Parameter(torch.ones(2))]),   # not in the module
-             _optimizer_first]
+             _optimizer_first,
+             lambda: dl.fully_shard(dl.fully_shard(_net()).blocks[0]),           # top-down: already sharded
+             lambda: dl.fully_shard(_torch_sharded()),                            # torch's FSDP2 (DTensors)
+             lambda: dl.fully_shard(dl.ZeRO(_net(), stage=3).module),             # ZeRO-3: storage freed
+             lambda: dl.fully_shard(_net(), mesh=(1, 2), group=dist.group.WORLD)]  # both
     for case in cases:
         try:
             case()
@@ -157,6 +163,11 @@ def _bad_inputs() -> list[str]:
         except ValueError as e:
             errors.append(str(e))
     return errors
+
+
+def _torch_sharded() -> nn.Module:
+    from torch.distributed.fsdp import fully_shard            # (it refuses Net's scalar gain)
+    return fully_shard(nn.Sequential(nn.Linear(D, 5)))
 
 
 def _optimizer_first():
@@ -259,6 +270,10 @@ def _check_bad(errors: list[str]) -> None:
     assert "mesh=(3, 1)" in errors[1] and "world size 2" in errors[1], errors[1]
     assert "replicate=" in errors[2] and "not parameters of this" in errors[2], errors[2]
     assert "build it *after* fully_shard" in errors[3], errors[3]
+    assert "outer fully_shard" in errors[4] and "bottom-up" in errors[4], errors[4]
+    assert "DTensor" in errors[5], errors[5]
+    assert "dl.ZeRO(stage=3) already shards" in errors[6], errors[6]
+    assert "not both" in errors[7], errors[7]
 
 
 def test_train_fsdp_hsdp_checks_before_launch_and_matches_single(capsys):

@@ -327,16 +327,19 @@ def test_rank_zero_progress_reaches_the_parent_and_ends_at_the_total(monkeypatch
         def __init__(self, enabled):
             self.enabled = enabled
 
-        def update(self, step, total, label):
-            seen.append((step, total, label))
+        def __enter__(self):
+            return self
 
-        def close(self):
+        def __exit__(self, *exc):
             seen.append("closed")
+
+        def update(self, rank, step, total, label, postfix):
+            seen.append((rank, step, total, label, postfix))
 
     monkeypatch.setattr(launch_module, "ProgressBar", Recorder)
     assert dl.launch(reports_progress, 2, args=(30,), output="ordered").results == [30, 30]
-    assert seen[-1] == "closed" and seen[-2] == (30, 30, "step")
-    steps = [s[0] for s in seen[:-1]]
+    assert seen[-1] == "closed" and seen[-2] == (0, 30, 30, "step", {})
+    steps = [s[1] for s in seen[:-1]]
     assert steps == sorted(steps) and 1 <= len(steps) < 30   # throttled, rank 0 only
 
 

@@ -140,6 +140,26 @@ def test_step_volumes():
     assert theory.pp_volume(2048, 1, 4096, microbatches=8) == 2 * 8 * 2048 * 4096 * 2
 
 
+def test_fsdp_volume_by_link_and_padding():
+    psi = 4 * 1e6
+    v = theory.fsdp_volume(psi, shards=8)                                   # plain FSDP: ZeRO-3
+    assert v["shard"] == pytest.approx(theory.zero_volume(3, psi, 8)) and v["replicate"] == 0
+    assert theory.fsdp_volume(psi, 8, reshard_after_forward=False)["shard"] == pytest.approx(2 * 7 / 8 * psi)
+    mixed = theory.fsdp_volume(psi / 2, 8, grad_bytes=psi)                  # bf16 gathers, fp32 reduce
+    assert mixed["shard"] == pytest.approx((psi + psi) * 7 / 8)
+    h = theory.fsdp_volume(psi, shards=4, replicas=2)                       # HSDP 2 x 4
+    assert h["shard"] == pytest.approx(3 * 3 / 4 * psi)
+    assert h["replicate"] == pytest.approx(2 * 1 / 2 * psi / 4)            # only 1/S crosses replicas
+    with pytest.raises(ValueError, match="shards >= 1"):
+        theory.fsdp_volume(psi, 0)
+    shapes = [(5, 3), (5,), (7, 2)]                                          # 15 + 5 + 14 = 34 elements
+    assert theory.fsdp_padding(shapes, 4, "flat") == 2                      # 36 - 34
+    assert theory.fsdp_padding(shapes, 4) == 3 * 3 + 3 + 1 * 2              # rows 8, 8, 8 vs 5, 5, 7
+    assert theory.fsdp_padding(shapes, 1) == theory.fsdp_padding(shapes, 1, "flat") == 0
+    with pytest.raises(ValueError, match="per-param"):
+        theory.fsdp_padding(shapes, 2, "rows")
+
+
 @pytest.mark.parametrize("p, m", [(2, 1), (4, 8), (8, 32)])
 def test_bubble_gpipe_and_1f1b(p, m):
     for name in ("gpipe", "1f1b"):
@@ -192,5 +212,12 @@ def test_presets_and_planner():
     assert small is not None and small.gpus == 1 and small.gpu == "h200-141gb"
     assert theory.fits(small.memory, "h200-141gb") and not theory.fits(small.memory, "a100-80gb")
     advice = theory.advise("llama3-70b", gpu="h100-80gb", gpus=64)
-    assert advice.plan is not None and advice.plan.tp > 1
-    assert any("ZeRO-3" in q and a.startswith("no") for q, a in advice.steps)
+    assert any("ZeRO-3" in q and "selective" in q and a.startswith("no") for q, a in advice.steps)
+    # ZeRO-3 with full recomputation is tried before tensor parallelism: 70B fits on 64 H100s at ~23 GB
+    plan = advice.plan
+    assert (plan.zero, plan.recompute, plan.tp, plan.pp) == (3, "full", 1, 1)
+    assert plan.memory == theory.memory("llama3-70b", dp=64, zero=3, seq_len=4096, recompute="full")
+    assert 22 * theory.GB < plan.memory.total < 24 * theory.GB
+    refusing = theory.advise("llama3-70b", gpu="h100-80gb", gpus=64, full_recompute=False).plan
+    assert (refusing.tp, refusing.pp, refusing.recompute) == (8, 1, "selective")
+    assert refusing.memory.total > plan.memory.total       # TP costs more memory; it buys throughput

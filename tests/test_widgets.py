@@ -73,6 +73,8 @@ def test_advisor_walks_the_guide():
     w.controls["model"].value = "llama3-405b"
     assert w.result.plan is None and "no layout" in w.result.steps[-1][1]
     w.controls["gpus"].value = 1024
+    assert (w.result.plan.zero, w.result.plan.recompute, w.result.plan.tp) == (3, "full", 1)
+    w.controls["full_recompute"].value = False
     assert w.result.plan is not None and w.result.plan.pp > 1 and w.result.plan.tp == 8
 
 
@@ -109,3 +111,34 @@ def test_quiz_scores_and_explains():
         q.controls["submit"].click()
         assert q.result.correct
     assert (q.result.score, q.result.attempted, q.result.index) == (3, 4, 3)
+
+
+def test_quiz_right_answer_is_not_given_away_by_its_length():
+    """A review found the right choice was the longest in 28 of 34 questions: a test-taker could
+    score without reading. Now neither the longest nor the shortest choice is a tell."""
+    from distlab.widgets.quiz_bank import CONCEPTUAL
+    lengths = [[len(c) for c in q.choices] for q in CONCEPTUAL]
+    right = [ls[q.answer] for ls, q in zip(lengths, CONCEPTUAL)]
+    longest = sum(r == max(ls) for r, ls in zip(right, lengths))
+    shortest = sum(r == min(ls) for r, ls in zip(right, lengths))
+    assert longest <= len(CONCEPTUAL) / 3 and shortest <= len(CONCEPTUAL) / 3, (longest, shortest)
+
+
+def test_quiz_question_sits_above_its_choices_and_buttons():
+    q = widgets.quiz(seed=0)
+    children = list(q.widget.children)
+    holding_choices = next(i for i, c in enumerate(children)
+                           if q.controls["answer"] in getattr(c, "children", ()))
+    assert children.index(q.heading) < holding_choices < children.index(q.output)
+    assert q.result.question.prompt in q.heading.value
+    q.controls["next"].click()
+    assert q.result.question.prompt in q.heading.value
+
+
+def test_memory_plot_speaks_one_unit_and_labels_each_memory_size_once():
+    w = widgets.memory_calculator()
+    ax = w.figure.axes[0]
+    assert "GiB" in ax.get_title() and "GB " not in ax.get_title() and ax.get_ylabel() == "GiB per GPU"
+    labels = [t.get_text() for t in ax.texts]
+    assert len(labels) == len({card.memory for card in theory.GPUS.values()})   # 80 GB cards share one
+    assert any("a100-80gb" in t and "h100-80gb" in t for t in labels)

@@ -13,7 +13,7 @@ did-you-mean; an impossible layout (heads over tp, rows per rank, stages per mod
 Reading order: `base` (the spec, the data, the result), `loop` (THE step loop every strategy runs), then
 one file per family, each only building the model, the criterion and the loop's `loop.Plan`:
 `data_parallel` (single, DDP, ZeRO), `fsdp` (`dl.fully_shard`), `tensor`, `pipeline`, `context` (cp-ring,
-cp-ulysses), `expert` (ep), `mesh` (3D).
+cp-ulysses), `expert` (ep), `mesh` (3D), `mesh_axes` (its cp= and ep= axes).
 """
 from __future__ import annotations
 
@@ -92,6 +92,7 @@ def check(spec: TrainSpec, world_size: int) -> None:
     options (`check_options`), then the family's own ``check`` (rows per rank, heads over the tensor-
     parallel degree, pipeline stages and microbatches, mesh degrees, ...)."""
     from ..models import PRESETS
+    from .moe_support import refuse_moe
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     models = sorted(PRESETS) + ["mlp"]
@@ -101,6 +102,7 @@ def check(spec: TrainSpec, world_size: int) -> None:
         raise ValueError(f"unknown model {spec.model!r}{hint}: choose one of {models}")
     check_options(spec.strategy, spec.options)
     _module(spec.strategy).check(spec, world_size)
+    refuse_moe(spec)                                          # a mixture of experts: ep, single, dp only
 
 
 def load(strategy: str):

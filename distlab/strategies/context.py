@@ -15,17 +15,28 @@ With data parallelism (``options={"dp": D}``, world = D x C): the ranks form the
 links, since attention talks every layer) that takes replica d's rows of the global batch
 (``torch.tensor_split`` into D, uneven allowed), and every rank averages gradients over the whole
 world (weights are replicated along both axes), its loss scaled by D n_d / B as in `data_parallel`.
+
+With tensor parallelism too (``options={"tp": T}``, world = D x C x T; the mesh spelling
+``3d:dp=D,cp=C,tp=T``): the grid is ``torch.arange(world).view(D, C, T)`` (tp fastest, as in
+Megatron-LM); `dl.tp.parallelize` splits heads, MLP and vocabulary over each row ``grid[d, c, :]``,
+``dl.cp.parallelize`` the sequence over ``grid[d, :, t]`` (attention on this rank's a/T heads), the
+loss is the vocabulary-parallel cross-entropy, and the gradients are averaged over the D x C ranks
+holding the same shards, ``grid[:, :, t]`` (the "replicas"); clipping uses the whole model's norm.
 """
 from __future__ import annotations
+
+import hashlib
 
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.state import replicated_state
+from ..checkpoint.state import model_parallel_state, replicated_state
 from ..memory import replica_memory
 from ..models import PRESETS, shard
 from ..parallel import collectives as C
 from ..parallel import context as cp_lib
+from ..parallel import tensor as tp_lib
+from ..parallel.clip import clip_grad_norm_
 from ..parallel.context.layout import check_length
 from ..parallel.data import DDP
 from ..runtime import rank, world_size
@@ -33,21 +44,24 @@ from .base import (RankResult, TrainSpec, autocast, build_model, global_batch, l
                    require_rows)
 from .data_parallel import LocalOptimizer
 from .loop import Plan, run, sum_losses
+from .tensor import sharded_params
 
 ATTENTION = {"cp-ring": "ring", "cp-ulysses": "ulysses"}
-OPTIONS = {name: ("dp", "zigzag", "bucket_mb") for name in ATTENTION}
+OPTIONS = {name: ("dp", "tp", "zigzag", "bucket_mb") for name in ATTENTION}
 
 
 def check(spec: TrainSpec, world: int) -> tuple[int, int, bool]:
     """Refuse what context parallelism cannot run, saying what to change; returns (dp, cp, zigzag)."""
     if spec.strategy not in ATTENTION:
         raise ValueError(f"context trains {sorted(ATTENTION)}, not {spec.strategy!r}")
-    dp = spec.options.get("dp", 1)
-    if not isinstance(dp, int) or dp < 1 or world % dp:
-        raise ValueError(f"dp={dp!r} must be a positive integer dividing the world size {world} "
-                         f"(the context-parallel degree is world / dp)")
+    dp, tp = spec.options.get("dp", 1), spec.options.get("tp", 1)
+    if not isinstance(tp, int) or tp < 1 or world % tp:
+        raise ValueError(f"tp={tp!r} must be a positive integer dividing the world size {world}")
+    if not isinstance(dp, int) or dp < 1 or (world // tp) % dp:
+        raise ValueError(f"dp={dp!r} must be a positive integer dividing the world size {world // tp} "
+                         f"(the context-parallel degree is world / (dp tp))")
     require_rows(spec, dp, "data-parallel replicas")
-    n = world // dp
+    n = world // dp // tp
     if spec.model not in PRESETS:
         raise ValueError(f"{spec.strategy} splits the sequence of a GPT: choose a GPT preset such as "
                          f"model='gpt-tiny', not {spec.model!r}")
@@ -55,10 +69,13 @@ def check(spec: TrainSpec, world: int) -> tuple[int, int, bool]:
         raise ValueError(f"{spec.strategy} runs in fp32 here: pass precision='fp32'")
     zigzag = bool(spec.options.get("zigzag", spec.strategy == "cp-ring"))
     check_length(PRESETS[spec.model].seq_len, n, zigzag, what=f"{spec.model}'s sequence length")
-    heads = PRESETS[spec.model].heads
+    cfg = PRESETS[spec.model]
+    for what, size in (("heads", cfg.heads), ("d_model", cfg.d_model), ("vocab", cfg.vocab)):
+        tp_lib.check_divisible(what, size, tp, "choose another model or tp")
+    heads = cfg.heads // tp
     if spec.strategy == "cp-ulysses" and heads % n:
-        raise ValueError(f"cp-ulysses splits {spec.model}'s {heads} heads over {n} ranks: use a world size "
-                         f"that divides {heads}, or strategy='cp-ring'")
+        raise ValueError(f"cp-ulysses splits {spec.model}'s {heads} heads{' per tp rank' if tp > 1 else ''} "
+                         f"over {n} ranks: use a cp degree that divides {heads}, or strategy='cp-ring'")
     return dp, n, zigzag
 
 
@@ -74,30 +91,91 @@ def cp_group(dp: int, cp: int):
     return d, groups[d]
 
 
+def mesh_groups(dp: int, cp: int, tp: int) -> tuple[int, dict]:
+    """cp x tp: (replica index d, this rank's groups) on ``grid = arange(world).view(dp, cp, tp)``:
+    "tp" ``grid[d, c, :]``, "cp" ``grid[d, :, t]``, "dp" ``grid[:, :, t]`` (the replicas of its shards)."""
+    grid = torch.arange(dp * cp * tp).view(dp, cp, tp)
+    rows = {"tp": grid.reshape(-1, tp), "cp": grid.permute(0, 2, 1).reshape(-1, cp),
+            "dp": grid.permute(2, 0, 1).reshape(tp, -1)}
+    mine = {}
+    for axis, members in rows.items():
+        for row in members.tolist():
+            group = dist.new_group(row)
+            if rank() in row:
+                mine[axis] = group
+                C.name_group(group, axis)
+    return rank() // (cp * tp), mine
+
+
 def train_rank(spec: TrainSpec) -> RankResult:
     world, r = world_size(), rank()
     dp, n, zigzag = check(spec, world)
-    d, group = cp_group(dp, n)
-    model = cp_lib.parallelize(build_model(spec), attention=ATTENTION[spec.strategy], group=group,
-                               zigzag=zigzag)
-    wrapped = DDP(model, bucket_mb=spec.options.get("bucket_mb", 25.0))   # averages over the whole world
+    tp = spec.options.get("tp", 1)
+    if tp > 1:
+        d, groups = mesh_groups(dp, n, tp)
+    else:
+        d, group = cp_group(dp, n)
+        groups = {"tp": None, "cp": group, "dp": None}                      # replicas: the whole world
+    model = build_model(spec)
+    if tp > 1:
+        model = tp_lib.parallelize(model, group=groups["tp"])
+    model = cp_lib.parallelize(model, attention=ATTENTION[spec.strategy], group=groups["cp"], zigzag=zigzag)
+    wrapped = DDP(model, bucket_mb=spec.options.get("bucket_mb", 25.0), group=groups["dp"])
     opt = LocalOptimizer(model.parameters(), spec)
-    criterion = loss_fn(spec)
+    criterion = _criterion(spec, model, groups["tp"] if tp > 1 else None)
 
     def forward(step: int, micro: int) -> torch.Tensor:
         ids, targets = global_batch(spec, step, micro)                     # (B, s) on every rank
         ids, targets = shard(ids, d, dp), shard(targets, d, dp)            # (B/dp, s): replica d's rows
         weight = dp * ids.shape[0] / spec.micro_batch / spec.grad_accum    # D n_d / (B k)
-        ids, targets = (cp_lib.split(t, dim=1, group=group, zigzag=zigzag) for t in (ids, targets))
+        ids, targets = (cp_lib.split(t, dim=1, group=groups["cp"], zigzag=zigzag) for t in (ids, targets))
         with autocast(spec):                                               # (B/dp, s/cp) tokens
             return criterion(wrapped(ids), targets) * weight
 
-    plan = Plan(forward, opt, replicated_state(model, opt, keeps_history=r == 0), loss_share=1 / world,
-                no_sync=wrapped.no_sync, clip=opt.clip_grad_norm_,
+    plan = Plan(forward, opt, _state(model, opt, groups, tp), loss_share=1 / (dp * n),
+                no_sync=wrapped.no_sync, clip=_clip(model, opt, groups, tp),
                 memory=replica_memory(model, opt.optimizer, ()))
     trained = run(spec, plan)
-    losses = sum_losses(trained.losses)
-    params = rank0_copy(model.state_dict())
+    losses = sum_losses(trained.losses, groups["dp"])
+    params = rank0_copy(tp_lib.full_state_dict(model) if tp > 1 else model.state_dict())
     return RankResult(losses=losses if r == 0 else None, params=params,
-                      info={"cp": n, "dp": dp, "attention": ATTENTION[spec.strategy], "zigzag": zigzag,
-                            **trained.info})
+                      info={"cp": n, "dp": dp, "tp": tp, "attention": ATTENTION[spec.strategy],
+                            "zigzag": zigzag, **digests(model), **trained.info})
+
+
+def digests(model) -> dict:
+    """What the invariant tests read: this rank's tensors' bytes, shapes and digests (replicas must agree)."""
+    local = dict(model.named_parameters())
+    return {"param_bytes": sum(p.numel() * p.element_size() for p in local.values()),
+            "shapes": {n: tuple(p.shape) for n, p in local.items()},
+            "digests": {n: hashlib.sha1(p.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+                        for n, p in local.items()}}
+
+
+def _criterion(spec: TrainSpec, model, tp_group):
+    """Mean cross-entropy over this rank's tokens: plain, or vocabulary-parallel over ``tp_group``."""
+    if tp_group is None:
+        return loss_fn(spec)
+
+    def vocab_parallel(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:   # (b, s/c, V/t)
+        return tp_lib.vocab_parallel_cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                                                   model.tok.vocab_start, tp_group).mean()
+    return vocab_parallel
+
+
+def _clip(model, opt, groups: dict, tp: int):
+    """The whole model's gradient norm: tp shards summed over the tp group, replicated counted once."""
+    if tp == 1:
+        return opt.clip_grad_norm_
+    params, sharded = list(model.parameters()), sharded_params([model])
+    return lambda max_norm: clip_grad_norm_(params, max_norm, sharded=sharded, groups=[groups["tp"]])
+
+
+def _state(model, opt, groups: dict, tp: int):
+    """What a checkpoint holds: the replicated model, or (cp x tp) this rank's shards, replicated over
+    the dp x cp ranks that hold the same ones."""
+    if tp == 1:
+        return replicated_state(model, opt, keeps_history=rank() == 0)
+    return model_parallel_state(model, opt.masters, model, opt.optimizer, loss_weight=rank() % tp == 0,
+                                keeps_history=rank() == 0, replica_group=groups["dp"],
+                                layout={"tp": tp, "cp": C.group_size(groups["cp"])})

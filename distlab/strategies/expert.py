@@ -6,7 +6,8 @@ parameter, and sees its own rows of the global batch (uneven splits allowed)::
 
     rank r: rows r of the batch -> attention (local) -> MoE: all-to-all to the experts' ranks,
             experts, all-to-all back -> ... -> loss share
-    after backward: dense gradients summed over the group; expert gradients already whole
+    after backward: dense gradients summed over the group (one flat all-reduce per ~25 MB bucket,
+            `data.buckets.bucketize`); expert gradients already whole
 
 Losses: each rank backpropagates its *share* of the global batch's loss, (n_r / B) * CE_r plus its
 share of the load-balancing term (`router.load_balancing_loss`), over ``grad_accum``. Summed over the
@@ -15,10 +16,26 @@ each one's mean-loss gradient, weighted by its rows), and an expert's gradient, 
 reverse all-to-all from every rank's tokens, needs nothing more. Clipping uses the whole model's norm
 (expert shards summed over the group, replicated parameters counted once, as for tp). Checkpoints use
 the "model-parallel" format: the experts' ``shard_dims`` record the cut, so they reshard like tp blocks.
+
+``options={"experts": "replicated"}``: the alternative expert parallelism replaces, every expert on every
+rank (no all-to-all; the experts' gradients all-reduced with the rest), routed over the whole batch all
+the same, so it too equals single; lesson 11 and ``benchmarks/expert_parallel.py`` set the two side by side.
+
+With data parallelism (``options={"dp": D}``; the mesh spelling ``3d:dp=D,ep=E``, world = D x E):
+the grid is ``torch.arange(world).view(D, E)``; row d is an expert-parallel group (consecutive ranks:
+tokens travel inside it), column e the D replicas of the same experts. Every rank still takes its
+own rows of the batch (rank r part r of n), the router's counts are all-gathered over the whole world
+(`dispatch.plan`'s ``batch_group``: capacity, dropped tokens and the balance loss are the global
+batch's, as in one process), dense gradients are summed over the world and expert gradients over
+their D replicas only (each replica's experts saw the tokens of its own E ranks)::
+
+    dense (attention, router, ...)    replicated over dp x ep     all-reduce over the world
+    experts E/ep per rank             replicated over dp          all-reduce over the dp column
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from .. import models
 from ..checkpoint.state import model_parallel_state
@@ -26,36 +43,87 @@ from ..memory import replica_memory
 from ..parallel import collectives as C
 from ..parallel import expert as ep
 from ..parallel.clip import clip_grad_norm_
+from ..parallel.data.buckets import bucketize
 from ..runtime import rank, world_size
 from .base import (RankResult, TrainSpec, autocast, build_model, global_batch, loss_fn, make_optimizer,
                    require_rows)
+from .context import digests
 from .loop import Plan, run, sum_losses
 
 
-OPTIONS = {"ep": ()}
+OPTIONS = {"ep": ("dp", "experts", "bucket_mb")}
 
 
 def check(spec: TrainSpec, n: int) -> None:
     """Refuse what ``ep`` cannot run on ``n`` ranks (called before any rank starts, and in each)."""
+    dp = spec.options.get("dp", 1)
+    if not isinstance(dp, int) or dp < 1 or n % dp:
+        raise ValueError(f"dp={dp!r} must be a positive integer dividing the world size {n} "
+                         "(the expert-parallel degree is world / dp)")
+    require_rows(spec, n)
+    n //= dp
     cfg = models.PRESETS.get(spec.model)
     if cfg is None or not cfg.experts:
         moe = sorted(k for k, c in models.PRESETS.items() if c.experts)
         raise ValueError(f"strategy 'ep' splits the experts of a mixture-of-experts GPT, and {spec.model!r} "
                          f"has none: choose model= one of {moe}")
-    if cfg.experts % n:
+    if not replicated(spec) and cfg.experts % n:
+        where, fix = (f"world_size={n}", "a world_size") if dp == 1 else (f"ep={n} ranks", "an ep degree")
         raise ValueError(f"{spec.model!r} has {cfg.experts} experts per layer, which cannot be split over "
-                         f"world_size={n}: choose a world_size that divides {cfg.experts}")
-    require_rows(spec, n)
+                         f"{where}: choose {fix} that divides {cfg.experts}")
+
+
+def groups(dp: int, n: int):
+    """(ep group, dp group) of this rank on ``arange(n).view(dp, n / dp)``: its row and its column
+    (dp == 1: the world, None)."""
+    if dp == 1:
+        return None, None
+    grid, mine = torch.arange(n).view(dp, n // dp), {}
+    for axis, rows in (("ep", grid), ("dp", grid.t())):
+        for row in rows.tolist():
+            group = dist.new_group(row)
+            if rank() in row:
+                mine[axis] = group
+                C.name_group(group, axis)
+    return mine["ep"], mine["dp"]
+
+
+def replicated(spec: TrainSpec) -> bool:
+    """``options={"experts": "replicated"}``: every expert on every rank (the baseline expert parallelism
+    is measured against), routed over the whole batch as ``ep`` routes it, gradients all-reduced."""
+    how = spec.options.get("experts", "split")
+    if how not in ("split", "replicated"):
+        raise ValueError(f"options['experts']={how!r}: choose 'split' (expert parallelism) or 'replicated'")
+    return how == "replicated"
+
+
+def grad_sync(params: list[torch.Tensor], bucket_mb: float = 25.0):
+    """A function summing the gradients of ``params`` (the replicated ones) over the world: one flat
+    all-reduce per bucket of ~``bucket_mb`` MB (`data.buckets.bucketize`: reverse order, one dtype)."""
+    buckets = bucketize(params, bucket_mb)
+
+    def sync() -> None:
+        for bucket in buckets:
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in bucket]
+            flat = C.all_reduce(torch.cat([g.flatten() for g in grads]))          # (sum of numel,)
+            for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
+                p.grad = g.view_as(p)
+    return sync
 
 
 def train_rank(spec: TrainSpec) -> RankResult:
     n, r = world_size(), rank()
     check(spec, n)
-    model = ep.parallelize(build_model(spec))                  # experts split over the world
+    copies = replicated(spec)
+    dp = spec.options.get("dp", 1)
+    ep_group, dp_group = groups(dp, n)
+    batch = dist.group.WORLD if dp > 1 else None              # counts over the whole batch
+    model = ep.parallelize(build_model(spec), ep_group, replicate=copies, batch_group=batch)
     optimizer = make_optimizer(model.parameters(), spec)
     params = optimizer.param_groups[0]["params"]
-    experts = ep.expert_params(model)
+    experts = [] if copies else ep.expert_params(model)
     dense = [p for p in params if all(p is not e for e in experts)]
+    sync_dense = grad_sync(dense, float(spec.options.get("bucket_mb", 25.0)))
     criterion = loss_fn(spec)
 
     def forward(step: int, micro: int) -> torch.Tensor:
@@ -66,19 +134,23 @@ def train_rank(spec: TrainSpec) -> RankResult:
         return (ce * xs.shape[0] / x.shape[0] + model.aux_loss()) / spec.grad_accum
 
     def sync_grads() -> None:
-        for p in dense:                                        # one all-reduce per tensor, as NaiveDDP
+        sync_dense()                                           # dense: summed over the world
+        for p in experts if dp > 1 else ():                   # the same experts' replicas
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            C.all_reduce(p.grad)
+            C.all_reduce(p.grad, dp_group)
 
+    layout = {"ep": 1 if copies else n // dp} | ({"dp": dp} if dp > 1 else {})
     state = model_parallel_state(model, params, model, optimizer, loss_weight=True, keeps_history=r == 0,
-                                 layout={"ep": n})
+                                 replica_group=dp_group, layout=layout)
     plan = Plan(forward, optimizer, state, sync_grads=sync_grads,
-                clip=lambda max_norm: clip_grad_norm_(params, max_norm, sharded=experts, groups=[None]),
+                clip=lambda max_norm: clip_grad_norm_(params, max_norm, sharded=experts, groups=[ep_group]),
                 memory=replica_memory(model, optimizer))
     trained = run(spec, plan)
     losses = sum_losses(trained.losses)                        # each rank's share, summed
     full = ep.full_state_dict(model)
-    expert_bytes = sum(p.numel() * p.element_size() for p in experts)
+    expert_bytes = sum(p.numel() * p.element_size() for p in ep.expert_params(model))
     return RankResult(losses=losses if r == 0 else None, params=full if r == 0 else None,
-                      info={"ep": n, "expert_param_bytes": expert_bytes, **trained.info})
+                      info={"ep": 1 if copies else n // dp, "dp": dp,
+                            "experts": "replicated" if copies else "split",
+                            "expert_param_bytes": expert_bytes, **digests(model), **trained.info})

@@ -83,11 +83,13 @@ def run(spec: TrainSpec, plan: Plan) -> Trained:
     for step in range(start, spec.steps):
         ckpt.before_step(step)                            # fault injection (fail_at_step)
         tr.mark("step", step=step)
-        losses.append(_micro_steps(spec, plan, step, ledger))
+        share = _micro_steps(spec, plan, step, ledger)
+        losses.append(0.0 if share is None else share)
         _sample(ledger, "backward", plan)
         _optimizer_step(spec, plan, step, ledger)
         ckpt.after_step(step + 1, losses)
-        progress(step + 1, spec.steps)
+        shown = {} if share is None or not plan.loss_share else {"loss": share / plan.loss_share}
+        progress(step + 1, spec.steps, **shown)           # this rank's loss on its part of the batch
     t_end = tr.now()
     events = [e for e in tr.events() if e.kind == "comm" and t_start <= e.start <= t_end]
     info = {"comm": comm_totals(events, max(1, spec.steps - start)), **ckpt.summary(start)}
@@ -96,9 +98,10 @@ def run(spec: TrainSpec, plan: Plan) -> Trained:
     return Trained(losses, start, events, info)
 
 
-def _micro_steps(spec: TrainSpec, plan: Plan, step: int, ledger: Ledger | None) -> float:
-    """Forward and backward of every micro-step of ``step``; returns this rank's share of its loss."""
-    tr, total, nothing = tracer(), 0.0, contextlib.nullcontext
+def _micro_steps(spec: TrainSpec, plan: Plan, step: int, ledger: Ledger | None) -> float | None:
+    """Forward and backward of every micro-step of ``step``; returns this rank's share of its loss
+    (None on a rank that holds no loss)."""
+    tr, total, nothing, held = tracer(), 0.0, contextlib.nullcontext, False
     for micro in range(spec.grad_accum):
         last = micro == spec.grad_accum - 1
         local = plan.no_sync() if (plan.no_sync is not None and not last) else nothing()
@@ -112,8 +115,8 @@ def _micro_steps(spec: TrainSpec, plan: Plan, step: int, ledger: Ledger | None) 
                 with tr.span("backward", step=step, micro=micro):
                     loss.backward()
         if loss is not None:
-            total += loss.item() * plan.loss_share
-    return total
+            total, held = total + loss.item() * plan.loss_share, True
+    return total if held else None
 
 
 def _optimizer_step(spec: TrainSpec, plan: Plan, step: int, ledger: Ledger | None) -> None:

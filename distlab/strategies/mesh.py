@@ -34,6 +34,10 @@ default 2), ``balance`` ("layers" or "params"), ``zero`` (0: DDP, 1: ZeRO-1 over
 
 The steps run in `distlab.strategies.loop`; clipping is `distlab.parallel.clip` over the tp group
 (replicated parameters counted once), then the pp group.
+
+More axes: ``cp=`` (context parallelism, with dp and tp; ``attention=ring|ulysses``, ``zigzag``) and
+``ep=`` (expert parallelism, with dp), e.g. ``"3d:dp=2,cp=2"``, ``"3d:cp=2,tp=2"``, ``"3d:dp=2,ep=2"``:
+what composes and what is refused is in `distlab.strategies.mesh_axes`.
 """
 from __future__ import annotations
 
@@ -67,11 +71,12 @@ from .base import (
     optimizer_class,
     optimizer_kwargs,
 )
+from . import mesh_axes
 from .loop import Plan, run, sum_losses
 from .tensor import check_shards, sharded_params
 
-INT_OPTIONS = ("dp", "tp", "pp", "microbatches", "virtual", "zero")
-KEYS = INT_OPTIONS + ("schedule", "balance", "sequence_parallel", "sp", "bucket_mb")
+INT_OPTIONS = ("dp", "tp", "pp", "microbatches", "virtual", "zero", "cp", "ep")
+KEYS = INT_OPTIONS + ("schedule", "balance", "sequence_parallel", "sp", "bucket_mb", "attention", "zigzag")
 OPTIONS = {"3d": KEYS}                # what `distlab.strategies.check_options` accepts in options=
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 LAYOUT = ("dp", "tp", "pp", "zero", "virtual", "balance", "sequence_parallel")   # what a rank holds
@@ -98,7 +103,8 @@ def parse(strategy: str, options: dict | None = None) -> dict:
         close = difflib.get_close_matches(unknown[0], KEYS, n=1, cutoff=0.5)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise TypeError(f"the mesh strategy has no option {unknown[0]!r}{hint}: its options are {KEYS}")
-    out = {"dp": 1, "tp": 1, "pp": 1, "zero": 0, "schedule": "1f1b", "balance": "layers", "bucket_mb": 25.0}
+    out = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero": 0, "schedule": "1f1b", "balance": "layers",
+           "bucket_mb": 25.0}
     for key, value in found.items():
         if key not in KEYS:
             continue                                  # a checkpoint option
@@ -109,6 +115,8 @@ def parse(strategy: str, options: dict | None = None) -> dict:
                 raise ValueError(f"{strategy!r}: {key}={value!r} must be an integer") from None
         elif key in ("sequence_parallel", "sp"):
             key, value = "sequence_parallel", str(value).lower() in ("1", "true", "yes")
+        elif key == "zigzag":
+            value = str(value).lower() in ("1", "true", "yes")
         elif key == "bucket_mb":
             value = float(value)
         out[key] = value
@@ -116,14 +124,30 @@ def parse(strategy: str, options: dict | None = None) -> dict:
         raise ValueError(f"schedule={out['schedule']!r}: choose one of {SCHEDULES}")
     if out["zero"] not in (0, 1):
         raise ValueError(f"zero={out['zero']}: the mesh supports DDP (zero=0) or ZeRO-1 (zero=1) over dp")
+    for axis in ("cp", "ep"):
+        if out[axis] < 1:
+            raise ValueError(f"{axis}={out[axis]}: every mesh degree must be a positive integer")
     return out
+
+
+def check_world(spec: TrainSpec, world_size: int) -> None:
+    """Before any rank starts: the degrees fill ``world_size`` and (cp=, ep=) the combination is built."""
+    opts = parse(spec.strategy, spec.options)
+    if opts["cp"] > 1 or opts["ep"] > 1:
+        mesh_axes.check(spec, opts, world_size)
+    else:
+        Mesh(opts["dp"], opts["tp"], opts["pp"], world_size=world_size, groups=False)
 
 
 def check(spec: TrainSpec, world: int) -> None:
     """Refuse, before any rank starts, a mesh that cannot run on ``world`` ranks: degrees that do not
-    multiply to it, a GPT that does not split over tp, rows that do not feed dp replicas, a pipeline
-    with more stages than the model has pieces or more microbatches than rows."""
+    multiply to it (`check_world`; cp= / ep= axes: `mesh_axes.check`), a GPT that does not split over tp,
+    rows that do not feed dp replicas, a pipeline with more stages than the model has pieces or more
+    microbatches than rows."""
+    check_world(spec, world)
     opts = parse(spec.strategy, spec.options)
+    if opts["cp"] > 1 or opts["ep"] > 1:
+        return
     mesh = Mesh(opts["dp"], opts["tp"], opts["pp"], world_size=world, groups=False)
     check_shards(spec, mesh.tp, bool(opts.get("sequence_parallel")) and mesh.tp > 1, "the 3d mesh")
     rows = _replica_rows(spec, mesh)
@@ -156,6 +180,8 @@ def _digest(t: torch.Tensor) -> str:
 
 def train_rank(spec: TrainSpec) -> RankResult:
     opts = parse(spec.strategy, spec.options)
+    if opts["cp"] > 1 or opts["ep"] > 1:                  # cp= / ep= axes: see mesh_axes
+        return mesh_axes.train_rank(spec, opts)
     check_gpt(spec, "the 3d mesh")
     mesh = Mesh(opts["dp"], opts["tp"], opts["pp"])
     rows = _replica_rows(spec, mesh)

@@ -10,19 +10,25 @@ exactly one rank, so the optimizer never talks. Clipping uses the norm of the wh
 (`distlab.parallel.clip`: squared norms summed over the pipeline with one all-reduce). The steps run
 in `distlab.strategies.loop`.
 
+A mixture-of-experts GPT routes (capacity, dropped tokens, balance loss) per microbatch, so it trains as
+``single`` with ``grad_accum`` times the microbatches; its balance losses, computed on the middle
+stages, join the backward there (`balance_losses`).
+
 Options: ``microbatches``, ``virtual`` (interleaved), ``balance``.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ..checkpoint.state import model_parallel_state
 from ..memory import PipelineStash, pipeline_memory
 from ..parallel.clip import clip_grad_norm_
+from ..parallel.expert import ride_balance_losses
 from ..parallel.pipeline.executor import Pipeline
 from ..parallel.pipeline.measure import ActionTrace
 from ..parallel.pipeline.split import stage_module
-from ..runtime import rank, world_size
+from ..runtime import device, rank, world_size
 from .base import (
     RankResult,
     TrainSpec,
@@ -57,6 +63,24 @@ def check(spec: TrainSpec, p: int) -> tuple[int, int]:
     return v, m
 
 
+def balance_losses(spec: TrainSpec, model, modules):
+    """For a mixture-of-experts GPT: each MoE layer of this rank's stages adds its balance loss, times
+    ``aux_coef`` and its microbatch's share of the batch, to the backward of its output
+    (`dl.ep.ride_balance_losses`), as single adds it to the loss. Returns the function that adds every
+    stage's terms of one micro-step to the loss the last stage reports (an untraced sum: metrics only)."""
+    if not getattr(getattr(model, "cfg", None), "experts", 0):
+        return lambda loss: loss
+    share = lambda out: out.shape[0] / spec.micro_batch / spec.grad_accum      # noqa: E731  rows of a microbatch
+    values = ride_balance_losses(torch.nn.ModuleList(modules), model.cfg.aux_coef, share)
+
+    def with_aux(loss: torch.Tensor | None) -> torch.Tensor | None:
+        total = torch.stack(values).sum() if values else torch.zeros((), device=device())
+        values.clear()
+        dist.all_reduce(total)                       # every stage's terms of this micro-step
+        return None if loss is None else loss + total
+    return with_aux
+
+
 def train_rank(spec: TrainSpec) -> RankResult:
     p, r = world_size(), rank()
     v, m = check(spec, p)
@@ -75,10 +99,12 @@ def train_rank(spec: TrainSpec) -> RankResult:
     optimizer = make_optimizer(params, spec)
     held = torch.nn.ModuleList(modules)             # this rank's stage(s): what a checkpoint holds
 
+    with_aux = balance_losses(spec, model, modules)
+
     def forward(step: int, micro: int) -> torch.Tensor | None:
         x, y = global_batch(spec, step, micro)      # (B, ...): the first stage feeds x, the last takes y
         with autocast(spec):
-            return pipe.step(x if pipe.first else None, y if pipe.last else None)
+            return with_aux(pipe.step(x if pipe.first else None, y if pipe.last else None))
 
     state = model_parallel_state(model, params, held, optimizer, loss_weight=pipe.last,
                                  keeps_history=pipe.last, layout={"virtual": v, "balance": balance})

@@ -16,11 +16,13 @@ can put a prediction beside a measurement. One idea per module:
   planner      "fits on" verdicts, the cheapest configuration, the decision guide
 """
 from distlab.theory.activations import activation_bytes_per_layer, pipeline_in_flight
-from distlab.theory.comm import algbw, busbw, comm_time, dp_volume, pp_volume, tp_volume, zero_volume
+from distlab.theory.comm import (algbw, busbw, comm_time, dp_volume, fsdp_volume, pp_volume, tp_volume,
+                                 zero_volume)
 from distlab.theory.context import cp_activation_bytes_per_layer, cp_bytes_per_layer
-from distlab.theory.memory import MemoryBreakdown, bytes_per_param, memory, shard_numel
+from distlab.theory.memory import MemoryBreakdown, bytes_per_param, fsdp_padding, memory, shard_numel
 from distlab.theory.moe import (MoEParams, ep_memory, ep_params_per_rank, expert_capacity, gpt_moe_params,
                                 moe_all_to_all_bytes, moe_layer_params, moe_step_all_to_all_bytes)
+from distlab.theory.moe import expected_drop_fraction
 from distlab.theory.offload import OffloadEstimate, zero2_offload, zero3_offload
 from distlab.theory.params import gpt_params, transformer_params
 from distlab.theory.pipeline import bubble, bubble_time
@@ -39,5 +41,6 @@ __all__ = [
     "GPUS", "LINKS", "MODELS", "gpu", "link", "model", "chinchilla_tokens", "mfu", "scaling_efficiency",
     "throughput", "training_flops", "training_time", "GB", "GiB", "MB", "MiB",
     "MoEParams", "ep_memory", "ep_params_per_rank", "expert_capacity", "gpt_moe_params",
-    "moe_all_to_all_bytes", "moe_layer_params", "moe_step_all_to_all_bytes",
+    "moe_all_to_all_bytes", "moe_layer_params", "moe_step_all_to_all_bytes", "expected_drop_fraction",
+    "fsdp_volume", "fsdp_padding",
 ]

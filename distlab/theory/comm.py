@@ -78,6 +78,31 @@ def zero_volume(stage: int, param_bytes: float, n: int) -> float:
     return (3 if stage == 3 else 2) * (n - 1) / n * param_bytes
 
 
+def fsdp_volume(param_bytes: float, shards: int, replicas: int = 1, reshard_after_forward: bool = True,
+                grad_bytes: float | None = None) -> dict[str, float]:
+    """Bytes each rank sends per step under FSDP (``replicas=1``) or HSDP, by link type (Zhao et al.
+    2023, "PyTorch FSDP", Sec. 3.2: hybrid sharding). ``param_bytes``: one full copy of the parameters
+    in the gather dtype (``param_dtype``); ``grad_bytes``: of the gradients in the reduce dtype (default
+    the same). World = replicas x shards::
+
+        grid  arange(R S).view(R, S)     "shard": a row (S ranks, fast links: inside a node)
+                                         "replicate": a column (R ranks holding the same shard)
+
+        shard      (2 or 3) (S-1)/S P_param ... all-gather forward, again backward if resharded
+                   + (S-1)/S P_grad         ... reduce-scatter of the gradients
+        replicate  2 (R-1)/R P_grad / S     ... all-reduce of this rank's 1/S gradient shard
+
+    With R = 1 it is ZeRO-3's 3 (N-1)/N Psi (2 without resharding); only 1/S of the gradients ever
+    crosses the slow links, whatever the model size."""
+    if shards < 1 or replicas < 1:
+        raise ValueError(f"need shards >= 1 and replicas >= 1, got shards={shards}, replicas={replicas}")
+    grad_bytes = param_bytes if grad_bytes is None else grad_bytes
+    gathers = 2 if reshard_after_forward else 1
+    s, r = shards, replicas
+    return {"shard": (gathers * param_bytes + grad_bytes) * (s - 1) / s,
+            "replicate": 2 * (r - 1) / r * grad_bytes / s}
+
+
 def tp_volume(seq_len: int, micro_batch: int, hidden: int, tp: int, layers: int = 1,
               bytes_per_element: int = 2) -> float:
     """Bytes sent per rank per microbatch under Megatron TP (Shoeybi et al. 2019): each layer

@@ -18,6 +18,7 @@ replicated across TP are ignored: < 0.1% of a large model).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from distlab.theory.activations import activation_bytes_per_layer, pipeline_in_flight
@@ -50,6 +51,22 @@ def shard_numel(numel: int, n: int) -> int:
     if n < 1:
         raise ValueError(f"number of ranks must be >= 1, got {n}")
     return -(-int(numel) // n)
+
+
+def fsdp_padding(shapes: list[tuple[int, ...]], n: int, layout: str = "per-param") -> int:
+    """Zero elements a unit's all-gather carries beyond its parameters, over all ``n`` ranks.
+
+    ``"flat"`` (FSDP1, ZeRO-3): the unit's parameters concatenated, padded once to a multiple of n:
+    ``n ceil(sum numel / n) - sum numel`` (< n). ``"per-param"`` (FSDP2): each parameter padded on
+    dim 0 to ``n ceil(d0 / n)`` rows: ``sum (n ceil(d0 / n) - d0) x (elements per row)``."""
+    if n < 1:
+        raise ValueError(f"number of ranks must be >= 1, got {n}")
+    numels = [math.prod(s) for s in shapes]
+    if layout == "flat":
+        return n * shard_numel(sum(numels), n) - sum(numels)
+    if layout != "per-param":
+        raise ValueError(f"layout={layout!r}: choose 'flat' (FSDP1) or 'per-param' (FSDP2)")
+    return sum((n * shard_numel(s[0], n) - s[0]) * (k // s[0]) for s, k in zip(shapes, numels) if s and s[0])
 
 
 def bytes_per_param(precision: str = "bf16-mixed", optimizer: str = "adam",

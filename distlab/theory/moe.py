@@ -96,3 +96,28 @@ def moe_step_all_to_all_bytes(tokens: int, hidden: int, top_k: int, ep: int, moe
     """Bytes one rank sends by all-to-all in a training step: 4 per MoE layer (dispatch, combine, and
     the backward of each)."""
     return 4 * moe_layers * moe_all_to_all_bytes(tokens, hidden, top_k, ep, dtype_bytes)
+
+
+def expected_drop_fraction(tokens: int, experts: int, top_k: int, capacity_factor: float) -> float:
+    """Expected fraction of the k T (token, choice) pairs dropped when routing is uniform at random.
+
+    Each token picks k distinct experts, so expert e's load is L ~ Binomial(T, k/E) (the loads are not
+    independent, but each one is binomial, and the expectation is linear). Dropped at e: max(0, L - C),
+    C = `expert_capacity`; over the E experts, out of k T pairs::
+
+        drop = E * sum_{l > C} (l - C) P(L = l) / (k T)
+
+    A trained router is not uniform: lesson 11 measures how much more it drops without the balance loss.
+    """
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1, got {tokens}")
+    cap = expert_capacity(tokens, experts, top_k, capacity_factor)
+    p = top_k / experts
+    if p >= 1.0:                                                     # every token visits every expert
+        return max(0, tokens - cap) / tokens
+
+    def log_pmf(n: int) -> float:                                    # log P(L = n), in logs: no overflow
+        return (math.lgamma(tokens + 1) - math.lgamma(n + 1) - math.lgamma(tokens - n + 1)
+                + n * math.log(p) + (tokens - n) * math.log1p(-p))
+    over = sum((n - cap) * math.exp(log_pmf(n)) for n in range(cap + 1, tokens + 1))
+    return experts * over / (top_k * tokens)

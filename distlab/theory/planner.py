@@ -3,8 +3,9 @@
 
 Guide, in order: fits on one GPU -> plain DDP; else recompute activations; else shard the
 optimizer and gradients (ZeRO-1/2, same traffic as DDP); else shard parameters too (ZeRO-3 /
-FSDP, 1.5x traffic); else tensor parallelism inside a node (fast NVLink, per-layer all-reduces);
-else pipeline parallelism across nodes (only point-to-point activations cross the slow links).
+FSDP, 1.5x traffic), with full recomputation if need be; else tensor parallelism inside a node
+(fast NVLink, per-layer all-reduces); else pipeline parallelism across nodes (only point-to-point
+activations cross the slow links).
 A GPU "fits" when the estimate stays under ``headroom`` (default 90%) of its memory: the rest
 goes to the CUDA context, communication buffers and fragmentation.
 """
@@ -92,8 +93,16 @@ def cheapest_plan(model: str | ModelPreset, seq_len: int = 0, micro_batch: int =
 
 
 def advise(model: str | ModelPreset, gpu: str = "h100-80gb", gpus: int = 8, seq_len: int = 4096,
-           micro_batch: int = 1, gpus_per_node: int = 8, headroom: float = HEADROOM, **kw) -> Advice:
-    """Walk the decision guide for ``gpus`` cards of type ``gpu``; every step says why."""
+           micro_batch: int = 1, gpus_per_node: int = 8, headroom: float = HEADROOM,
+           full_recompute: bool = True, **kw) -> Advice:
+    """Walk the decision guide for ``gpus`` cards of type ``gpu``; every step says why.
+
+    The guide is about memory. By memory alone ZeRO-3 with full recomputation beats tensor
+    parallelism (states 16 Psi / N against TP's 4 Psi / t + 12 Psi / N, activations of two bytes
+    per element of each layer's input against TP+SP's 34 / t), at the price of ~33% more compute
+    and all-gathers across every node. ``full_recompute=False`` refuses that price and moves on
+    to TP and PP, as large runs do for throughput.
+    """
     shape = model_preset(model) if isinstance(model, str) else model
     card = gpu_preset(gpu)
     steps: list[tuple[str, str]] = []
@@ -118,6 +127,9 @@ def advise(model: str | ModelPreset, gpu: str = "h100-80gb", gpus: int = 8, seq_
         if plan is None and gpus > 1:
             plan = attempt(f"Fits with ZeRO-{zero} over dp={gpus} (+ selective recompute)?", gpus, 1, 1,
                            zero, "selective", why)
+    if plan is None and gpus > 1 and full_recompute:
+        plan = attempt(f"Fits with ZeRO-3 over dp={gpus} and full recomputation?", gpus, 1, 1, 3, "full",
+                       "store only each layer's input, ~33% more compute, still no per-layer all-reduces")
     tp = 2
     while plan is None and tp <= min(gpus_per_node, gpus) and gpus % tp == 0:
         plan = attempt(f"Fits with tensor parallel tp={tp} inside a node (+SP, ZeRO-1)?", gpus // tp, tp, 1,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import html
 
+import ipywidgets as W
+
 from distlab import theory
 from distlab.widgets.base import Explorer, dropdown, int_slider
 
@@ -19,12 +21,14 @@ class Advisor(Explorer):
             "gpus_per_node": dropdown("GPUs per node", [1, 2, 4, 8], 8),
             "seq_len": dropdown("sequence length", [512, 1024, 2048, 4096, 8192], 4096),
             "micro_batch": int_slider("micro-batch", 1, 1, 16),
+            "full_recompute": W.Checkbox(value=True, description="accept full recomputation (+33% compute)"),
         })
 
     def compute(self) -> theory.Advice:
         return theory.advise(self.value("model"), gpu=self.value("gpu"), gpus=self.value("gpus"),
                              seq_len=self.value("seq_len"), micro_batch=self.value("micro_batch"),
-                             gpus_per_node=self.value("gpus_per_node"))
+                             gpus_per_node=self.value("gpus_per_node"),
+                             full_recompute=self.value("full_recompute"))
 
     def render(self, result: theory.Advice):
         items = "".join(f"<li>{html.escape(q)} <i>{html.escape(a)}</i></li>" for q, a in result.steps)

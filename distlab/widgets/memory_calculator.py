@@ -83,12 +83,15 @@ class MemoryCalculator(Explorer):
             heights = [getattr(b, category) / GiB for b in result.stages]
             ax.bar(labels, heights, bottom=bottom, color=COLORS[category], label=category)
             bottom = [b + h for b, h in zip(bottom, heights)]
+        cards_by_size: dict[int, list[str]] = {}            # one line and one label per memory size
         for name, card in theory.GPUS.items():
-            ax.axhline(card.memory / GiB, ls="--", lw=0.8, color="grey")
-            ax.annotate(name, (1.0, card.memory / GiB), xycoords=("axes fraction", "data"),
+            cards_by_size.setdefault(card.memory, []).append(name)
+        for size, names in cards_by_size.items():
+            ax.axhline(size / GiB, ls="--", lw=0.8, color="grey")
+            ax.annotate(", ".join(names), (1.0, size / GiB), xycoords=("axes fraction", "data"),
                         fontsize=7, ha="right", va="bottom")
         ax.set_ylabel("GiB per GPU")
-        ax.set_title(f"{self.value('model')}: {result.total_gb:.1f} GB on the fullest GPU")
+        ax.set_title(f"{self.value('model')}: {result.memory.total / GiB:.1f} GiB on the fullest GPU")
         ax.legend(fontsize=7, loc="upper left")
         verdicts = ", ".join(f"{g} {'fits' if ok else 'no'}" for g, ok in result.fits.items())
         cheapest = f"<br>cheapest that fits: {result.cheapest}" if result.cheapest else ""

@@ -67,11 +67,13 @@ class Quiz(Explorer):
         submit.on_click(lambda _button: self.submit())
         following.on_click(lambda _button: self.next())
         first = self.questions[0]
+        self.heading = W.HTML()                 # the question, drawn above its choices and buttons
         super().__init__({
             "answer": W.RadioButtons(options=first.choices, value=None, layout={"width": "max-content"}),
             "submit": submit,
             "next": following,
         })
+        self.widget.children = (self.widget.children[0], self.heading, *self.widget.children[1:])
 
     def submit(self) -> None:
         """Mark the selected answer (once per question) and show the explanation."""
@@ -97,14 +99,16 @@ class Quiz(Explorer):
                          self.verdict is not None, self.verdict, self.score, self.attempted)
 
     def render(self, result: QuizState):
+        """The question goes in the heading above the choices; the verdict below the buttons."""
         q = result.question
-        text = (f"<p><b>Question {result.index + 1} of {result.total}</b> ({html.escape(q.topic)}) "
-                f"score {result.score}/{result.attempted}</p><p>{html.escape(q.prompt)}</p>")
-        if result.answered:
-            verdict = ("Right." if result.correct
-                       else f"Not quite: the answer is {html.escape(q.choices[q.answer])}.")
-            text += f"<p><b>{verdict}</b> {html.escape(q.explanation)}</p>"
-        return None, text
+        self.heading.value = (f"<p><b>Question {result.index + 1} of {result.total}</b> "
+                              f"({html.escape(q.topic)}) score {result.score}/{result.attempted}</p>"
+                              f"<p>{html.escape(q.prompt)}</p>")
+        if not result.answered:
+            return None, ""
+        right = html.escape(q.choices[q.answer])
+        verdict = "Right." if result.correct else f"Not quite: the answer is {right}."
+        return None, f"<p><b>{verdict}</b> {html.escape(q.explanation)}</p>"
 
 
 def quiz(seed: int = 0) -> Quiz:

@@ -109,13 +109,13 @@ all-reducing a bucket needs no copy. We train 5 steps of `gpt-small` at N = 2 in
 time a parameter's gradient is ready, and read the trace.
 """)
 code("""
-def ddp_steps(mode, steps=5, bucket_mb=0.5):
+def ddp_steps(mode, steps=5, bucket_mb=0.5, comm="torch"):
     tr, n, r = dl.tracer(), dl.world_size(), dl.rank()
     gpt = dl.models.build(MODEL, seed=0)
     if mode == "naive":
-        ddp = dl.NaiveDDP(gpt)                      # one all-reduce per parameter, after backward
+        ddp = dl.NaiveDDP(gpt, comm=comm)           # one all-reduce per parameter, after backward
     else:
-        ddp = dl.DDP(gpt, bucket_mb=bucket_mb, overlap=(mode == "overlapped"))
+        ddp = dl.DDP(gpt, bucket_mb=bucket_mb, overlap=(mode == "overlapped"), comm=comm)
     for name, p in gpt.named_parameters():          # registered after DDP's hooks: marks follow DDP's launches
         p.register_post_accumulate_grad_hook(lambda p, name=name: tr.mark("grad ready", param=name))
     opt = torch.optim.AdamW(gpt.parameters(), lr=1e-3)
@@ -153,12 +153,29 @@ for mode, run in runs.items():
         for step in range(1, 5):
             start, backward = step_window(run.trace, r, step)
             comms = [e for e in run.trace.comms(rank=r) if start <= e.start <= backward.end]
-            sent = sum(e.sent for e in comms)
             expected_messages = info["tensors"] if mode == "naive" else info["buckets"]
             assert len(comms) == expected_messages, (mode, r, step, len(comms))
-            assert abs(sent - predicted) <= 0.01 * predicted, (mode, r, step, sent)
-    print(f"{mode:10}  messages per step {len(comms):3}   measured bytes sent {sent}   "
-          f"measured / predicted {sent / predicted:.4f}")
+    print(f"{mode:10}  all-reduce calls per step {len(comms):3}")
+""")
+md("""
+**Measuring the bytes.** gloo does not say what it put on the wire, so a torch collective is recorded with the
+count the ring algorithm would send (the event says `bytes="ring-model"`): summing those would only check the
+formula against itself. To *measure*, run the same DDP on distlab's own ring (`comm="ring"`,
+[comm/ring_pipelined.py](../distlab/comm/ring_pipelined.py)), built from send/recv: every chunk is counted
+where it is sent.
+""")
+code("""
+on_the_wire = {mode: dl.launch(ddp_steps, world_size=N, args=(mode, 2), kwargs={"comm": "ring"}, output="quiet")
+               for mode in MODES}
+for mode, run in on_the_wire.items():
+    for r in range(N):
+        start, backward = step_window(run.trace, r, 1)
+        sends = [e for e in run.trace.comms(rank=r) if start <= e.start <= backward.end]
+        assert all(e.args.get("bytes") != "ring-model" for e in sends)       # real sends, not the model
+        sent = sum(e.sent for e in sends)
+        assert abs(sent - predicted) <= 0.01 * predicted, (mode, r, sent)
+    print(f"{mode:10}  measured bytes sent {sent}   measured / predicted {sent / predicted:.4f}   "
+          f"({len({e.args['call'] for e in sends})} ring all-reduces, {len(sends)} sends)")
 """)
 md("""
 Same bytes three ways (the ratio differs from 1 only by the ring's chunk rounding of odd-sized tensors), but
@@ -293,7 +310,8 @@ if the ranks outnumber the free cores they take turns, and the step time grows i
 machine 4 ranks *oversubscribe* the CPU: E(4) cannot exceed about 2/4 whatever the communication does. On a GPU
 node, where each rank has its own device, the same code scales like the communication allows.
 
-The byte counts are the robust prediction, so that is what we assert; the times are measured and shown.
+The byte counts are the robust prediction (measured on the ring in section 2); the times are measured and
+shown.
 """)
 code("""
 def weak_scaling(steps=6):
@@ -308,11 +326,11 @@ def bytes_per_step(run, rank):
     start, _ = step_window(run.trace, rank, STEPS[0])
     return sum(e.sent for e in run.trace.comms(rank=rank) if e.start >= start) / len(STEPS)
 
-for n, run in scaling.items():
+for n, run in scaling.items():          # torch collectives: bytes as the ring model counts them
     predicted = dl.theory.dp_volume(4 * PSI, n)
     sent = [bytes_per_step(run, r) for r in range(n)]
-    print(f"N={n}: bytes sent per rank per step, predicted {predicted:9.0f}, measured {sorted(set(sent))}")
-    assert all(abs(s - predicted) <= 0.01 * predicted for s in sent)
+    print(f"N={n}: bytes sent per rank per step, predicted {predicted:9.0f}, "
+          f"recorded (ring model) {sorted(set(sent))}")
 """)
 code("""
 def step_seconds(run):
@@ -357,7 +375,7 @@ faster than the cores allow; the gap below the mark is exposed communication, th
 compute for the same cores, and other programs sharing the machine. Those move every time you run the cell; the
 byte counts above do not.
 
-## Takeaways
+## What to remember
 
 * DDP = replicas + averaged gradients: every rank takes the single-process step on the global batch.
 * A ring all-reduce sends 2(N-1)/N · Ψ per rank whatever N is, so the bytes per step barely grow with N; the

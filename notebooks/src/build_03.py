@@ -158,16 +158,23 @@ Per step and per rank, with Ψ the bytes of one gradient copy (ZeRO paper, Sec. 
   reduce-scatter during backward, bucket by bucket, and frees each gradient right away
 * ZeRO-3: all-gather each unit's parameters before its forward, **again** before its backward (they were freed
   in between), reduce-scatter its gradients: **3(N-1)/N · Ψ**
+
+gloo does not report what it puts on the wire: the runs above record each torch collective with the ring's
+count (`bytes="ring-model"`), which would only check the formula against itself. To **measure**, we train one
+step of each strategy on distlab's own ring (`comm="ring"`, built from send/recv), where every chunk is counted
+where it is sent.
 """)
 code("""
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
-sent = {}
-for name, rep in reports.items():
+sent, wire = {}, {}
+for name in STRATEGIES:
+    rep = dl.train(name, world_size=N, model=MODEL, steps=1, global_batch=8, comm="ring")
     volume = dl.theory.zero_volume(STRATEGIES[name], 4 * PSI, N)
     for r in range(N):
         measured = rep.comm[r]["sent_per_step"]
         assert abs(measured - volume) <= 0.01 * volume, (name, r, measured, volume)
-    sent[name] = {op: rep.comm[0]["sent_by_op"].get(op, 0) / rep.spec.steps for op in OPS}
+    sent[name] = {op: rep.comm[0]["sent_by_op"].get(f"ring_{op}", 0) for op in OPS}
+    wire[name] = rep.comm[0]["sent_per_step"]
     print(f"{name:6} predicted {volume:8.0f}  measured {rep.comm[0]['sent_per_step']:8.0f}  = "
           + " + ".join(f"{op} {sent[name][op]:.0f}" for op in OPS if sent[name][op]))
 """)
@@ -187,7 +194,7 @@ fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(11, 3.8))
 colors = dict(zip(STRATEGIES, plt.cm.tab10.colors))
 for name, rep in reports.items():
     measured_states = sum(rep.memory[0]["peak"][c] for c in STATES)
-    ax_m.scatter(rep.comm[0]["sent_per_step"] / 1024, measured_states / 1024, s=90, color=colors[name], label=name)
+    ax_m.scatter(wire[name] / 1024, measured_states / 1024, s=90, color=colors[name], label=name)
     volume = dl.theory.zero_volume(STRATEGIES[name], 4 * PSI, N)
     ax_m.scatter(volume / 1024, model_states(predicted[name]) / 1024, s=260, facecolors="none",
                  edgecolors="k", linewidths=1)
@@ -276,7 +283,9 @@ assert info["at_rest"] == 0
 """)
 code("""
 fig = dl.viz.timeline(z3.trace, title="ZeRO-3, N = 2, one step: all-gathers before each unit, "
-                      "reduce-scatters after its backward")
+                      "reduce-scatters after its backward",
+                      comm_kind=lambda e: e.name,            # colour communication by collective
+                      comm_colours={"all_gather": "#ff7f0e", "reduce_scatter": "#d62728"})
 plt.show()
 """)
 md("""
@@ -304,7 +313,7 @@ Fully Sharded Data Parallel*):
 `benchmarks/data_parallel.py` runs distlab's ZeRO-3 beside FSDP2 (and DDP and ZeRO-1 beside torch's) on the same
 model and data.
 
-## Takeaways
+## What to remember
 
 * Model states are (2 + 2 + K)Ψ per rank under DDP; ZeRO divides K by N (stage 1), then the gradients (2), then
   the parameters (3). Measured here to within 2%, padding included.
@@ -313,7 +322,9 @@ model and data.
 * ZeRO shards model states, not activations: those need recomputation, sequence or pipeline parallelism.
 * FSDP = ZeRO-3 with per-module units; FSDP2's `reshard_after_forward` chooses between ZeRO-3 and ZeRO-2-like.
 
-**Try it**: set `N = 2` in the first cell and re-run: the DDP bars do not change, every sharded block doubles.
+**Try it**: set `N = 2` in the first cell and re-run: DDP's model states do not change, every sharded block
+doubles, and the activations double in every column (the global batch stays 8, so each rank gets 4 samples
+instead of 2).
 """)
 
 nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",

@@ -20,14 +20,16 @@ In this lesson you will
 2. turn a whole GPT into its TP form with `dl.tp.parallelize` and get the same loss and gradients;
 3. **predict** the communication per layer (two all-reduces of b·s·h forward, two backward) and **measure** it;
 4. add **sequence parallelism (SP)** (Korthikanti et al. 2022) and measure how it cuts activation memory by t;
-5. train with `tp` and match single-process training.
+5. train with `tp` and match single-process training;
+6. split a model you wrote yourself with a **plan** (`dl.tp.parallelize(model, plan={...})`).
 
 The code, read in this order ([distlab/parallel/tensor/__init__.py](../distlab/parallel/tensor/__init__.py)):
 [regions.py](../distlab/parallel/tensor/regions.py) (Megatron's *f* and *g* and the sequence-parallel pair,
 the only places TP talks), [linear.py](../distlab/parallel/tensor/linear.py) (column- and row-parallel
 linears), [layers.py](../distlab/parallel/tensor/layers.py) (attention and MLP),
 [vocab.py](../distlab/parallel/tensor/vocab.py) (embedding and cross-entropy) and
-[gpt.py](../distlab/parallel/tensor/gpt.py) (`parallelize`). The layers carry no trace labels: every
+[gpt.py](../distlab/parallel/tensor/gpt.py) (`parallelize`), then [plan.py](../distlab/parallel/tensor/plan.py)
+(`parallelize(model, plan=...)` for any model). The layers carry no trace labels: every
 collective is recorded by [distlab/parallel/collectives.py](../distlab/parallel/collectives.py), and we
 name the modules from outside with its `label_modules`.
 """)
@@ -179,7 +181,7 @@ for i in range(L):
         assert [(e.name, e.args["size"]) for e in ev] == [("all_reduce", message)] * 2
 predicted = dl.theory.tp_volume(S, B, H, T, layers=L, bytes_per_element=4)
 measured = sum(e.sent for e in tp_trace.comms(rank=0) if inside(e, "blocks"))
-print(f"bytes sent by rank 0 inside the layers: predicted {predicted:.0f}, measured {measured}")
+print(f"bytes sent by rank 0 inside the layers: predicted {predicted:.0f}, recorded (ring model) {measured}")
 assert measured == predicted
 """)
 md("""
@@ -195,12 +197,13 @@ the sequence, so each rank can keep just **s/t of the tokens** there. The conjug
     plain TP:   ...replicated... ─f─> [column ... row] ─g (all-reduce)─> ...replicated...
     TP + SP:    ...seq shard...  ─g (all-gather along s)─> [column ... row] ─ḡ (reduce-scatter along s)─> ...seq shard...
 
-An all-reduce *is* a reduce-scatter followed by an all-gather, so the bytes are the same; what changes is
-memory. (distlab also keeps only the sequence shard of each region's input for the backward and all-gathers it
+An all-reduce *is* a reduce-scatter followed by an all-gather, so the conjugates move the same bytes as the
+all-reduces they replace; what changes is memory. Not quite the same bytes in all, though: distlab keeps only the sequence shard of each region's input for the backward and all-gathers it
 again there, as Megatron does: one extra all-gather per region in the backward of `GatheredLinears`, the
-*g* fused with the column linears in [linear.py](../distlab/parallel/tensor/linear.py). LayerNorm weights
-and the row bias, now applied to different tokens on each rank, get their gradients all-reduced by a
-gradient hook, `sync_replicated_grad`: h numbers each.)
+*g* fused with the column linears in [linear.py](../distlab/parallel/tensor/linear.py). That re-gather is
+(t-1)/t·bsh per region, against 2·2(t-1)/t·bsh for the region's two all-reduces: **+25%** of plain TP's bytes,
+the price of not storing the gathered input. LayerNorm weights and the row bias, now applied to different tokens
+on each rank, get their gradients all-reduced by a gradient hook, `sync_replicated_grad`: h numbers each.
 """)
 code("""
 sp_trace = dl.launch(one_step, world_size=T, args=(True,)).trace
@@ -227,6 +230,8 @@ regather = layer_bytes(sp_trace, ("SP regather",))
 print(f"TP all-reduces: {tp_bytes} B   SP all-gathers + reduce-scatters: {sp_bytes} B   (+ re-gathers {regather} B)")
 assert sp_bytes == tp_bytes == predicted
 assert regather == 2 * L * (T - 1) * message // T      # one all-gather of b*s*h per region, backward
+assert 4 * regather == tp_bytes                         # +25% over plain TP, in exchange for memory
+print(f"SP in all: {(sp_bytes + regather) / tp_bytes:.2f} x plain TP's bytes")
 """)
 code("""
 ops = ["f", "g", "SP g", "SP g-bar", "SP regather", "grad sum"]
@@ -318,16 +323,96 @@ ax.set_xlabel("step"); ax.set_ylabel("loss"); ax.legend(); fig.tight_layout()
 plt.show()
 """)
 md("""
-## Takeaways
+## 7. Your own model: a plan
+
+`dl.tp.parallelize(gpt)` knows distlab's GPT. For a model you wrote yourself, give it a **plan**, as torch's
+`parallelize_module` takes one: module names (a `*` stands for one name part) mapped to a style, `"colwise"`,
+`"rowwise"`, `"embedding"`, `"colwise_gather"` (split, then gather the outputs back) or `dl.tp.Colwise(packed=3)`
+for a fused q|k|v matrix (a plain `"colwise"` would give rank 0 all of q and half of k). The plan swaps the layers,
+not the arithmetic around them: the block below reads its head count from the tensor (`view(b, s, -1, d)`), so
+on each rank it attends over its own a/t heads. Nothing else changes, and the communication is the same
+Megatron pairing as in section 3. The code: [plan.py](../distlab/parallel/tensor/plan.py).
+""")
+code("""
+import torch.nn.functional as F
+
+class MyBlock(nn.Module):                       # written the plain way, nothing distributed in it
+    def __init__(self, d, heads):
+        super().__init__()
+        self.ln1, self.ln2, self.head_dim = nn.LayerNorm(d), nn.LayerNorm(d), d // heads
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)         # one fused q|k|v matrix
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2)   # -1: heads read from the tensor
+                   for t in self.qkv(self.ln1(x)).chunk(3, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+class MyLM(nn.Module):
+    def __init__(self, vocab=CFG.vocab, d=H, heads=A, layers=L):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(S, d)
+        self.blocks = nn.ModuleList(MyBlock(d, heads) for _ in range(layers))
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+PLAN = {"tok": "embedding",                        # vocabulary rows split, the ranks sum (g)
+        "blocks.*.qkv": dl.tp.Colwise(packed=3),   # q, k, v each split by heads: rank i gets [q_i; k_i; v_i]
+        "blocks.*.proj": "rowwise",
+        "blocks.*.fc": "colwise",
+        "blocks.*.out": "rowwise",
+        "head": "colwise_gather"}                  # vocabulary split, logits gathered back: plain cross-entropy
+
+def my_model_step():
+    ids, targets = MarkovTokens(CFG.vocab, CFG.seq_len).batch(0, B)
+    torch.manual_seed(0); full = MyLM()
+    torch.manual_seed(0); tp = dl.tp.parallelize(MyLM(), plan=PLAN)
+    collectives.label_modules(tp)
+    dl.tracer().clear()
+    losses = [F.cross_entropy(m(ids).flatten(0, 1), targets.flatten()) for m in (full, tp)]
+    for loss in losses:
+        loss.backward()
+    grads = dl.tp.full_grads(tp)
+    worst = max(((grads[n] - p.grad).norm() / p.grad.norm()).item()
+                for n, p in full.named_parameters() if not n.endswith("qkv.bias"))   # k's bias: true grad 0
+    replicated = sum(p.numel() for n, p in full.named_parameters()      # LayerNorms, positions, row biases
+                     if n.startswith("pos") or ".ln" in n or n.endswith(("proj.bias", "out.bias")))
+    return ([l.item() for l in losses], worst, tuple(tp.blocks[0].qkv.weight.shape),
+            sum(p.numel() for p in tp.parameters()), sum(p.numel() for p in full.parameters()), replicated)
+
+run = dl.launch(my_model_step, world_size=T)
+(ref, loss), worst, qkv_shape, mine, total, replicated = run.results[0]
+print(f"full loss {ref:.6f}  TP loss {loss:.6f}  worst grad error {'<1e-5' if worst < 1e-5 else worst}")
+print(f"rank 0 holds qkv.weight {qkv_shape} of {(3 * H, H)}; parameters: predicted (total - replicated)/T + "
+      f"replicated = {(total - replicated) // T + replicated}, measured {mine} of {total}")
+assert abs(loss - ref) < 1e-5 * ref and worst < 1e-5 and qkv_shape == (3 * H // T, H)
+assert mine == (total - replicated) // T + replicated
+predicted = dl.theory.tp_volume(S, B, H, T, layers=L, bytes_per_element=4)
+measured = sum(e.sent for e in run.trace.comms(rank=0) if inside(e, "blocks"))
+print(f"bytes sent by rank 0 inside the blocks: predicted {predicted:.0f}, recorded (ring model) {measured}")
+assert measured == predicted
+""")
+md("""
+## What to remember
 
 * Column-parallel splits output features, row-parallel input features; pairing them leaves one all-reduce per
   region forward (*g*) and one backward (*f*): 4 all-reduces of b·s·h per layer per step, measured above to the byte.
 * That traffic grows with b·s·h and happens on the critical path of every layer, so TP stays inside a node
   (NVLink), while DP and PP cross nodes.
-* Sequence parallelism turns each all-reduce into a reduce-scatter + all-gather (same bytes) and makes every
-  activation 1/t: sbh(34 + 5as/h)/t instead of sbh(10 + 24/t + 5as/(ht)).
+* Sequence parallelism turns each all-reduce into a reduce-scatter + all-gather (same bytes), plus a re-gather
+  in the backward (+25%) so that it need not store the gathered input, and makes every activation 1/t: sbh(34 + 5as/h)/t instead of sbh(10 + 24/t + 5as/(ht)).
 * Vocabulary parallelism shards the two largest matrices of a small model (embedding, head) and computes the
   loss with three tiny all-reduces instead of gathering b·s·V logits.
+* Your own model takes a plan, `dl.tp.parallelize(model, plan={"blocks.*.fc": "colwise", ...})`: the same
+  column/row pairing by module name, with the head count read from the tensors.
 
 **Try it**: set `T = 2` in section 3, or a bigger `B`: the measured bytes follow the formula exactly.
 """)

@@ -82,6 +82,36 @@ for axis in AXES:
         assert sum(r in g for g in groups) == 1
 print("each axis partitions the 8 ranks")
 """)
+md("""
+**Which axis lands inside a node?** Ranks are numbered node by node (8 GPUs of node 0 are ranks 0-7, and so on),
+so the axes that vary fastest in the grid stay inside a node. distlab's order is (dp, pp, tp): TP fastest, then
+PP, DP slowest. Megatron-LM's default order, written fastest first, is `tp-cp-ep-dp-pp`: TP fastest, then DP,
+**PP slowest**. Take these 8 ranks on two 4-GPU nodes and ask, for each order, which groups cross a node:
+""")
+code("""
+def groups_crossing_nodes(order, sizes, gpus_per_node):
+    \"\"\"For a rank grid laid out in ``order`` (slowest axis first), the axes whose groups span two nodes.\"\"\"
+    grid = torch.arange(8).view(*(sizes[a] for a in order))
+    crossing = []
+    for i, axis in enumerate(order):
+        lines = grid.movedim(i, -1).reshape(-1, sizes[axis])        # every group along this axis
+        if any(len(set((line // gpus_per_node).tolist())) > 1 for line in lines):
+            crossing.append(axis)
+    return crossing
+
+SIZES = {"dp": 2, "pp": 2, "tp": 2}
+for name, order in (("distlab (dp, pp, tp)", ("dp", "pp", "tp")), ("Megatron tp-dp-pp", ("pp", "dp", "tp"))):
+    print(f"{name:22} groups crossing nodes: {groups_crossing_nodes(order, SIZES, 4)}")
+assert groups_crossing_nodes(("dp", "pp", "tp"), SIZES, 4) == ["dp"]
+assert groups_crossing_nodes(("pp", "dp", "tp"), SIZES, 4) == ["pp"]
+""")
+md("""
+Both keep TP inside the node, where its blocking per-layer all-reduces need NVLink. They differ on the slow
+links: distlab sends the DP gradient all-reduce across nodes (large, but once per step and overlapped with the
+backward, section 5); Megatron sends the pipeline's point-to-point activations across (the least traffic of the
+three, section 4) and keeps DP inside, which pays when the DP all-reduce cannot be hidden. Count the bytes in
+section 4 and you can argue either way for your cluster.
+""")
 
 md("""
 ## 2. Who talks to whom
@@ -122,7 +152,7 @@ def draw_mesh(mesh, ax):
 
 fig, ax = plt.subplots(figsize=(8, 4))
 draw_mesh(mesh, ax)
-fig
+plt.show()
 """)
 code("""
 for r in range(8):
@@ -209,7 +239,7 @@ for r in range(8):
     measured[r] = bytes_by_axis(e for e in trace.comms(rank=r) if marks[1] <= e.start < marks[2])
     assert measured[r] == predicted[r], (r, measured[r], predicted[r])
 
-print("rank  coords                   tp bytes   pp bytes   dp bytes   (measured = predicted)")
+print("rank  coords                   tp bytes   pp bytes   dp bytes   (recorded = predicted)")
 for r in range(8):
     print(f"{r:4d}  {str(report.results[r].info['coords']):22} {measured[r]['tp']:9d}  {measured[r]['pp']:9d}"
           f"  {measured[r]['dp']:9d}")
@@ -219,7 +249,7 @@ fig, ax = plt.subplots(figsize=(10, 3.5))
 width = 0.27
 for k, axis in enumerate(("tp", "pp", "dp")):
     xs = [r + (k - 1) * width for r in range(8)]
-    ax.bar(xs, [measured[r][axis] / 1024 for r in range(8)], width, color=COLORS[axis], label=f"{axis} measured")
+    ax.bar(xs, [measured[r][axis] / 1024 for r in range(8)], width, color=COLORS[axis], label=f"{axis} recorded")
     ax.scatter(xs, [predicted[r][axis] / 1024 for r in range(8)], marker="_", s=200, color="black", zorder=3)
 ax.scatter([], [], marker="_", s=200, color="black", label="predicted")
 ax.set_xticks(range(8), [f"rank {r}\\n{'first' if report.results[r].info['coords'].pp == 0 else 'last'} stage"
@@ -228,9 +258,16 @@ ax.set_ylabel("KiB sent in one step")
 ax.set_title("3d:dp=2,tp=2,pp=2 on gpt-tiny: bytes each rank sends per step, by group type")
 ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
 fig.tight_layout()
-fig
+plt.show()
 """)
 md("""
+**What "recorded" means here.** The pipeline's sends are point to point: their sizes are the bytes on the wire,
+measured. TP's and DP's collectives run on torch's gloo, which does not say what it put on the wire, so each call
+is recorded with the bytes a ring moves for it (`bytes="ring-model"`, see
+[collectives.py](../distlab/parallel/collectives.py)). For those two the equality checks that every rank
+issued exactly the collectives the formulas count, of exactly the predicted sizes; the bytes themselves are the
+ring's. (Lessons 02 and 03 run DP on distlab's own ring, built from send/recv, and measure them.)
+
 What to read in the chart:
 
 * **TP carries the most**, several times the pipeline's traffic (the ratio is printed below), and it is
@@ -256,11 +293,12 @@ print(f"rank 0 holds {per_rank_params} of {full_params} parameter bytes ({per_ra
 md("""
 ## 5. One step on the clock
 
-The bytes say how much each group carries; the timeline says when. Step 1 of the same 8-rank run, every
-rank's compute on the upper lane and its communication underneath, coloured by the group it travelled on.
-TP's all-reduces sit inside every forward and backward (blocking); PP's sends sit between a stage's actions;
-DP's gradient all-reduce comes once, at the end. The ranks do not start the step at the same moment: each
-starts when its own previous step is done (replica 1, ranks 4-7, is still finishing step 0 at the left edge).
+The bytes say how much each group carries; the timeline says when. Step 1 of the same 8-rank run, for the four
+ranks of replica 0 (replica 1 looks the same): each rank's compute on the upper lane and its communication
+underneath, coloured by the group it travelled on. TP's all-reduces sit inside every forward and backward
+(blocking); PP's sends sit between a stage's actions; DP's gradient all-reduce comes once, at the end. A
+pipeline *receive* is drawn in grey: most of its length is the rank waiting for its neighbour stage to send,
+idle time rather than traffic.
 
 **Prediction:** DDP starts a bucket's all-reduce as soon as the last microbatch's backward has filled it and
 does not wait for it there (`DDP.start_grad_sync`); the wait comes after the pipeline flush. So on every rank,
@@ -269,10 +307,17 @@ every DP all-reduce of the step starts *inside* that rank's last backward.
 code("""
 from distlab.strategies.mesh import axis_of
 
+def comm_or_wait(event):
+    \"\"\"A receive is mostly waiting for the sender: draw it as waiting, not as traffic.\"\"\"
+    return "waiting for a pp message" if event.name == "recv" else axis_of(event)
+
 step_start = {r: {e.args["step"]: e.start for e in trace.select("mark", rank=r, name="step")} for r in range(8)}
-fig = dl.viz.timeline(trace, start=min(m[1] for m in step_start.values()),
-                      end=max(m[2] for m in step_start.values()), comm_kind=axis_of, comm_colours=COLORS,
-                      title="step 1 of 3d:dp=2,tp=2,pp=2: compute (upper lane), communication by group (lower lane)")
+REPLICA = [0, 1, 2, 3]                 # one data-parallel replica: both stages, both TP ranks of each
+fig = dl.viz.timeline(trace, ranks=REPLICA, start=min(step_start[r][1] for r in REPLICA),
+                      end=max(step_start[r][2] for r in REPLICA), comm_kind=comm_or_wait,
+                      comm_colours={**COLORS, "waiting for a pp message": "#cccccc"},
+                      title="step 1, replica 0 of 3d:dp=2,tp=2,pp=2: compute (upper lane), communication below")
+plt.show()
 """)
 code("""
 for r in range(8):

@@ -72,8 +72,15 @@ md("""
 ## 2. Which parallelism?
 
 The decision guide: if it fits on one GPU, use DDP; otherwise recompute activations; then shard the optimizer,
-gradients and parameters (ZeRO); then split layers with tensor parallelism inside a node (NVLink); then cut the
-model into pipeline stages across nodes. The advisor walks it and says why at each step.
+gradients and parameters (ZeRO), recomputing everything if need be; then split layers with tensor parallelism
+inside a node (NVLink); then cut the model into pipeline stages across nodes. The advisor walks it and says why
+at each step.
+
+The guide is about **memory**, and by memory alone ZeRO-3 with full recomputation always beats tensor
+parallelism: model states of `16Ψ/N` bytes against TP's `4Ψ/t + 12Ψ/N`, and two bytes per element of each
+layer's input against TP+SP's `34/t`. Large runs still choose TP for **throughput**: full recomputation costs a
+third more compute and ZeRO-3 all-gathers every layer across all nodes. Untick *accept full recomputation* to
+see the layout they pick.
 """)
 code("""
 guide = dl.widgets.advisor("llama3-70b", "h100-80gb", gpus=64)
@@ -83,7 +90,14 @@ code("""
 for question, answer in guide.result.steps:
     print(f"- {question}\\n    {answer}")
 print("=>", guide.result.plan)
+memory_only = guide.result.plan
+assert (memory_only.zero, memory_only.recompute, memory_only.tp) == (3, "full", 1)
+assert 22 < memory_only.memory.total / GB < 24
+
+guide.controls["full_recompute"].value = False          # refuse the 33% recompute tax
+print("without full recomputation =>", guide.result.plan)
 assert guide.result.plan.tp == 8 and guide.result.plan.pp == 1
+assert guide.result.plan.memory.total > memory_only.memory.total
 """)
 md("""
 ## 3. Communication: the ring all-reduce
@@ -160,6 +174,20 @@ q.controls["answer"].value = state.choices[state.question.answer]
 q.controls["submit"].click()
 print("right:", q.result.correct, "| score", q.result.score, "/", q.result.attempted)
 assert len(q.questions) >= 40 and q.result.correct and q.result.explanation
+""")
+md("""
+## What to remember
+
+* Mixed-precision Adam costs 16 bytes per parameter before activations; ZeRO divides 12, then 14, then all 16 of
+  them by the data-parallel size.
+* Activations grow with `s·b·h` per layer plus an `a·s²` attention term; recomputation trades them for compute.
+* A ring all-reduce moves `2(N-1)/N · S` bytes per rank whatever N; trees win only for tiny messages.
+* GPipe and 1F1B idle `(p-1)/(m+p-1)` of the step; interleaving and zero-bubble schedules shrink it.
+* By memory alone, ZeRO-3 with full recomputation fits where tensor parallelism would; TP and PP are chosen for
+  throughput.
+
+**Try it**: in the advisor, pick `llama3-405b` on 1024 GPUs and untick full recomputation; in the memory
+calculator, raise the sequence length to 8192 and watch the activations overtake the model states.
 """)
 
 nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",

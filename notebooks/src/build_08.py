@@ -15,8 +15,9 @@ interruptions in 54 days (Dubey et al. 2024, *The Llama 3 Herd of Models*, Sec. 
 **checkpointing**: saving everything a step depends on, often enough that little work is lost, and resuming from
 the last save. Three things make that hard at scale:
 
-1. **What to save.** Parameters *and* optimizer state (Adam's two moments are 2/3 of fp32 model states), the step
-   counter, and the position in the data. Under ZeRO no rank holds all of it: each rank saves **its own shard**.
+1. **What to save.** Parameters *and* optimizer state (in fp32, Adam's two moments are half of
+   the 16 bytes per parameter of model states, and two thirds of the 12 a checkpoint saves), the step counter,
+   and the position in the data. Under ZeRO no rank holds all of it: each rank saves **its own shard**.
 2. **Torn writes.** A node can die in the middle of a save. A checkpoint half written must never be mistaken for a
    complete one, or the next resume loads garbage.
 3. **Exactness.** A resumed run should take *the same steps* the uninterrupted run would have: same weights, same
@@ -359,7 +360,7 @@ md("""
 * **Megatron-LM** writes `iter_NNNNNNN/mp_rank_XX/` directories and updates `latest_checkpointed_iteration.txt`
   only after all ranks finish, the same publish-last idea as our rename; its `dist_checkpointing` adds resharding.
 
-## Takeaways
+## What to remember
 
 * Save what the next step depends on: parameters, optimizer state, step, loss history; data as a function of step.
 * Each rank writes what it **owns**: replicated state once, ZeRO shards from every rank (about 1/N each for ZeRO-3).

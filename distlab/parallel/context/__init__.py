@@ -18,10 +18,11 @@ Both attentions equal plain attention on the gathered sequence, forward and back
 only through `dl.comm` (``ring_shift``, ``all_to_all``) and `parallel/collectives.py` (unsplit's
 all-gather), which record every step; nothing here is labelled.
 """
-from .gpt import ContextParallelAttention, ContextParallelGPT, parallelize
+from .gpt import ContextParallelAttention, ContextParallelGPT, ContextTensorParallelGPT, parallelize
 from .layout import chunk_ids, split, unsplit
 from .ring_attention import RingAttention, ring_attention
 from .ulysses import ulysses_attention
 
 __all__ = ["split", "unsplit", "ring_attention", "ulysses_attention", "RingAttention", "chunk_ids",
-           "parallelize", "ContextParallelGPT", "ContextParallelAttention"]
+           "parallelize", "ContextParallelGPT", "ContextParallelAttention",
+           "ContextTensorParallelGPT"]

@@ -16,13 +16,26 @@ state dicts line up with the plain GPT):
 Weights are replicated, and each rank's gradient covers only its tokens: average them over the
 group (e.g. wrap in `dl.DDP`, as `dl.train(strategy="cp-ring")` does; with equal token counts the
 average of the local mean losses' gradients is the gradient of the global mean).
+
+Context x tensor parallelism (``parallelize(dl.tp.parallelize(gpt, group=tp), group=cp)``): tensor
+parallelism splits the heads, context parallelism the sequence, and attention is per head, so they
+compose on the attention heads (Megatron-LM's ``--context-parallel-size`` beside
+``--tensor-model-parallel-size``)::
+
+    x (b, s/c, h) -f(tp)-> q, k, v: my a/t heads (b, a/t, s/c, d) -ring or Ulysses (cp)-> proj (row) -g(tp)->
+
+Each (tp, cp) rank holds 1/t of the matrices and 1/c of every sequence; the vocabulary-parallel
+loss of `TensorParallelGPT` averages over its local tokens. Refused: sequence parallelism (it also
+splits the sequence, over tp), and Ulysses when the cp degree does not divide the a/t local heads.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ...models import GPT
+from ..tensor import TensorParallelGPT, copy_to_region
 from ...runtime import group_size
 from .layout import split
 from .ring_attention import ring_attention
@@ -35,21 +48,26 @@ class ContextParallelAttention(nn.Module):
     """The GPT's causal self-attention on a sequence part: local projections, distributed core."""
 
     def __init__(self, q: nn.Linear, k: nn.Linear, v: nn.Linear, proj: nn.Linear, head_dim: int,
-                 attention: str = "ring", group=None, zigzag: bool = True):
+                 attention: str = "ring", group=None, zigzag: bool = True, tp_group=None):
         super().__init__()
         if attention not in ATTENTIONS:
             raise ValueError(f"attention={attention!r}: choose one of {sorted(ATTENTIONS)}")
         self.q, self.k, self.v, self.proj, self.head_dim = q, k, v, proj, head_dim
         self.core, self.group, self.zigzag = ATTENTIONS[attention], group, zigzag
+        self.tp_group, self.tensor_parallel = tp_group, hasattr(proj, "shard_dims")   # cp x tp: my heads
 
     @classmethod
     def from_module(cls, attn: nn.Module, **kw) -> "ContextParallelAttention":
-        return cls(attn.q, attn.k, attn.v, attn.proj, attn.head_dim, **kw)
+        """From the GPT's attention, or from `dl.tp`'s `ParallelAttention` (its heads, its tp group)."""
+        return cls(attn.q, attn.k, attn.v, attn.proj, attn.head_dim, tp_group=getattr(attn, "group", None),
+                   **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape                                                  # (b, s/n, h)
-        q, k, v = (lin(x).view(b, s, -1, self.head_dim).transpose(1, 2)   # (b, heads, s/n, d_head)
-                   for lin in (self.q, self.k, self.v))
+        if self.tensor_parallel:                                           # Megatron's f, once for q, k, v
+            x = copy_to_region(x, self.tp_group)
+        q, k, v = (F.linear(x, lin.weight, lin.bias).view(b, s, -1, self.head_dim).transpose(1, 2)
+                   for lin in (self.q, self.k, self.v))                   # (b, heads[/t], s/n, d_head)
         out = self.core(q, k, v, causal=True, group=self.group, zigzag=self.zigzag)
         return self.proj(out.transpose(1, 2).reshape(b, s, -1))            # (b, s/n, h)
 
@@ -72,12 +90,44 @@ class ContextParallelGPT(GPT):
         self.ln_f, self.head = gpt.ln_f, gpt.head
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        n = group_size(self.group)
-        everywhere = torch.arange(ids.shape[1] * n, device=ids.device)              # 0 .. s-1
-        positions = split(everywhere, dim=0, group=self.group, zigzag=self.zigzag)   # this rank's s/n
-        return self.tok(ids) + self.pos(positions)
+        return self.tok(ids) + self.pos(positions(ids, self.group, self.zigzag))
+
+
+def positions(ids: torch.Tensor, group, zigzag: bool) -> torch.Tensor:
+    """The positions in the whole sequence of this rank's s/n tokens ``ids`` (b, s/n)."""
+    everywhere = torch.arange(ids.shape[1] * group_size(group), device=ids.device)   # 0 .. s-1
+    return split(everywhere, dim=0, group=group, zigzag=zigzag)
+
+
+class ContextTensorParallelGPT(TensorParallelGPT):
+    """A `dl.tp` GPT (heads, MLP and vocabulary split over its tp group) whose attention is also
+    context-parallel over ``group``: forward takes (b, s/c) ids, returns (b, s/c, V/t) logits; ``loss``
+    is the vocabulary-parallel mean over this rank's tokens. Built by `parallelize` from a TP GPT."""
+
+    def __init__(self, gpt: TensorParallelGPT, attention: str = "ring", group=None, zigzag: bool = True):
+        nn.Module.__init__(self)               # take over the TP GPT's modules, as it took the GPT's
+        if gpt.sequence_parallel:
+            raise ValueError("sequence parallelism splits the sequence over tp, context parallelism over cp: "
+                             "use one of them (drop sequence_parallel, or cp)")
+        local_heads, n = gpt.cfg.heads // group_size(gpt.group), group_size(group)
+        if attention == "ulysses" and local_heads % n:
+            raise ValueError(f"Ulysses splits each tp rank's {local_heads} heads over cp={n} ranks: choose a "
+                             f"cp degree dividing {local_heads} (heads / tp), or attention='ring'")
+        self.cfg, self.group, self.sequence_parallel = gpt.cfg, gpt.group, False
+        self.cp_group, self.zigzag = group, zigzag
+        for block in gpt.blocks:
+            block.attn = ContextParallelAttention.from_module(block.attn, attention=attention, group=group,
+                                                              zigzag=zigzag)
+        self.tok, self.pos, self.blocks = gpt.tok, gpt.pos, gpt.blocks
+        self.ln_f, self.head = gpt.ln_f, gpt.head
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tok(ids) + self.pos(positions(ids, self.cp_group, self.zigzag))
 
 
 def parallelize(gpt: GPT, attention: str = "ring", group=None, zigzag: bool = True) -> ContextParallelGPT:
-    """The GPT with its attention made context-parallel over ``group`` (the GPT given is consumed)."""
+    """The GPT with its attention made context-parallel over ``group`` (the GPT given is consumed); a
+    `dl.tp` GPT becomes a `ContextTensorParallelGPT` (cp x tp on the attention heads)."""
+    if isinstance(gpt, TensorParallelGPT):
+        return ContextTensorParallelGPT(gpt, attention=attention, group=group, zigzag=zigzag)
     return ContextParallelGPT(gpt, attention=attention, group=group, zigzag=zigzag)

@@ -81,21 +81,36 @@ class Dispatch:
     capacity: int
 
 
-def plan(expert: torch.Tensor, experts: int, capacity_factor: float, group=None) -> Dispatch:
-    """The `Dispatch` of this rank's choices ``expert`` (T, k) over ``group``: one all-gather of counts."""
+def plan(expert: torch.Tensor, experts: int, capacity_factor: float, group=None,
+         replicated: bool = False, batch_group=None) -> Dispatch:
+    """The `Dispatch` of this rank's choices ``expert`` (T, k) over ``group``: one all-gather of counts.
+
+    ``replicated``: every expert is on every rank; the capacity and the dropped tokens are still those
+    of the group's whole batch, but each rank computes its own kept rows and sends nothing.
+    ``batch_group``: the ranks the batch is split over, when larger than ``group`` (expert x data
+    parallelism, ``3d:dp=D,ep=E``; ``group`` must be a run of consecutive ranks of it). The counts are
+    all-gathered over it, so the capacity, the dropped tokens and the balance statistics are those of
+    the whole batch, as in one process, while tokens still travel inside ``group`` only."""
     n, me = size(group), rank(group)
-    top_k, per_rank = expert.shape[1], experts // n
+    parts = group if batch_group is None else batch_group
+    mine_at = rank(parts)                                                   # my part of the batch
+    first = mine_at - me                                                    # the part of group rank 0
+    top_k, per_rank = expert.shape[1], experts // (1 if replicated else n)
     mine = router.counts(expert, experts)                                   # (k, E)
-    every = mine[None] if n == 1 else C.all_gather(mine[None].contiguous(), 0, group)   # (n, k, E)
+    every = mine[None] if size(parts) == 1 else C.all_gather(mine[None].contiguous(), 0, parts)  # (P, k, E)
     tokens = int(every[:, 0].sum())
     cap = router.capacity(tokens, experts, top_k, capacity_factor)
-    kept_pairs = router.slots(expert, experts, router.offsets(every)[me]) < cap       # (T, k)
+    kept_pairs = router.slots(expert, experts, router.offsets(every)[mine_at]) < cap   # (T, k)
     flat = kept_pairs.flatten().nonzero().squeeze(1)                                  # kept t*k + c
     order = flat[expert.flatten()[flat].sort(stable=True).indices]                    # by expert
-    fits = router.kept(every, cap).sum(dim=1)                                         # (n, E)
-    send = fits[me].view(n, per_rank).sum(dim=1).tolist()
-    ours = fits[:, me * per_rank:(me + 1) * per_rank]                                 # (n, E/n)
-    local_ids = torch.arange(per_rank, device=expert.device).repeat(n)
+    fits = router.kept(every, cap).sum(dim=1)                                         # (P, E)
+    if replicated:                                                    # our own kept rows, all experts
+        ours = fits[mine_at:mine_at + 1]                                              # (1, E)
+        send = [int(ours.sum())]
+    else:
+        send = fits[mine_at].view(n, per_rank).sum(dim=1).tolist()
+        ours = fits[first:first + n, me * per_rank:(me + 1) * per_rank]               # (n, E/n)
+    local_ids = torch.arange(per_rank, device=expert.device).repeat(ours.shape[0])
     local_expert = local_ids.repeat_interleave(ours.flatten())
     return Dispatch(kept_pairs, order, send, ours.sum(dim=1).tolist(), local_expert,
                     every[:, 0].sum(dim=0), tokens, cap)
@@ -105,13 +120,13 @@ def dispatch(x: torch.Tensor, d: Dispatch, group=None) -> torch.Tensor:
     """x (T, h) -> the rows this rank's experts compute (R_recv, h), received in rank order."""
     top_k = d.kept.shape[1]
     rows = x[d.order // top_k]                                       # (R_send, h) sorted by expert
-    return rows if size(group) == 1 else AllToAll.apply(rows, d.send, d.recv, group)
+    return rows if len(d.send) == 1 else AllToAll.apply(rows, d.send, d.recv, group)
 
 
 def combine(y: torch.Tensor, d: Dispatch, weight: torch.Tensor, group=None) -> torch.Tensor:
     """Expert outputs y (R_recv, h) -> (T, h): sent back, weighted by the gate, summed per token.
     A token whose every choice was dropped gets zeros (its residual connection carries it on)."""
-    back = y if size(group) == 1 else AllToAll.apply(y, d.recv, d.send, group)   # (R_send, h)
+    back = y if len(d.send) == 1 else AllToAll.apply(y, d.recv, d.send, group)   # (R_send, h)
     top_k = d.kept.shape[1]
     gate = weight.flatten()[d.order].to(back.dtype)[:, None]                    # (R_send, 1)
     out = back.new_zeros((d.kept.shape[0], back.shape[1]))

@@ -63,27 +63,34 @@ class MoE(nn.Module):
     ``forward(x)``: x (..., hidden) -> (..., hidden). After it, ``balance_loss`` holds this rank's share
     of the Switch load-balancing loss of the whole group's batch (`router.load_balancing_loss`; summed
     over the group it is the loss of all tokens; a model adds it to its loss times a coefficient).
+
+    ``replicate=True``: every expert on every rank (the data-parallel alternative to expert parallelism,
+    drawn beside it in lesson 11), routed as above over the group's whole batch, no all-to-all.
     """
 
     def __init__(self, hidden: int, ffn: int, experts: int, top_k: int = 2, capacity_factor: float = 1.25,
-                 group=None):
+                 group=None, replicate: bool = False, batch_group=None):
         super().__init__()
-        n = D.size(group)
+        n = 1 if replicate else D.size(group)
         if experts % n:
             raise ValueError(f"experts={experts} cannot be split over {n} ranks: choose a number of experts "
                              f"divisible by the expert-parallel group size {n} (or a group of a divisor)")
         if capacity_factor <= 0:
             raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
         self.experts, self.top_k, self.capacity_factor, self.group = experts, top_k, capacity_factor, group
+        self.replicate = replicate
+        self.batch_group = batch_group           # the ranks the batch is split over (None: ``group``)
         self.router = Router(hidden, experts, top_k)
         per_rank = experts // n
-        self.local = Experts(hidden, ffn, experts, D.rank(group) * per_rank, per_rank, group)
+        first = 0 if replicate else D.rank(group) * per_rank
+        self.local = Experts(hidden, ffn, experts, first, per_rank, D.LOCAL if replicate else group)
         self.balance_loss = torch.zeros(())
 
     def route(self, x: torch.Tensor):
         """x (T, h) -> (probs (T, E), weight (T, k), `dispatch.Dispatch`): who goes where, who is dropped."""
         probs, expert, weight = self.router(x)
-        return probs, weight, D.plan(expert, self.experts, self.capacity_factor, self.group)
+        return probs, weight, D.plan(expert, self.experts, self.capacity_factor, self.group, self.replicate,
+                                     self.batch_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -95,11 +102,14 @@ class MoE(nn.Module):
         self.balance_loss = load_balancing_loss(probs, d.first_counts, d.tokens)
         return out.view(shape)
 
-    def shard(self, group=None) -> "MoE":
-        """A new `MoE` with the same weights, its experts split over ``group`` (this rank's block copied)."""
+    def shard(self, group=None, replicate: bool = False, batch_group=None) -> "MoE":
+        """A new `MoE` with the same weights, its experts split over ``group`` (this rank's block copied),
+        or, ``replicate``, all of them here and routed over ``group``; ``batch_group``: the ranks the
+        batch is split over, when larger (`dispatch.plan`)."""
         new = MoE(self.router.gate.in_features, self.local.w1.shape[2], self.experts, self.top_k,
-                  self.capacity_factor, group)
-        first, count = D.rank(group) * new.local.w1.shape[0], new.local.w1.shape[0]
+                  self.capacity_factor, group, replicate, batch_group)
+        count = new.local.w1.shape[0]
+        first = 0 if replicate else D.rank(group) * count
         with torch.no_grad():
             new.router.gate.weight.copy_(self.router.gate.weight)
             for name, param in new.local.named_parameters():
@@ -107,24 +117,27 @@ class MoE(nn.Module):
         return new.to(self.router.gate.weight.device, self.router.gate.weight.dtype)
 
 
-def parallelize(model: nn.Module, group=None) -> nn.Module:
+def parallelize(model: nn.Module, group=None, replicate: bool = False, batch_group=None) -> nn.Module:
     """Replace every `MoE` of ``model`` (built with all experts here) by one split over ``group``, in
-    place; returns ``model``. Every other parameter stays whole: data parallel over the same ranks."""
+    place; returns ``model``. Every other parameter stays whole: data parallel over the same ranks (over
+    ``batch_group`` when the batch is split over more ranks than ``group``: expert x data parallelism).
+    ``replicate``: keep every expert on every rank instead, routed over ``group`` (`MoE`)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, MoE):
-                setattr(parent, name, child.shard(group))
+                setattr(parent, name, child.shard(group, replicate, batch_group))
     return model
 
 
 def expert_params(model: nn.Module) -> list[torch.Tensor]:
-    """The parameters split over the expert-parallel group (each rank its own experts)."""
+    """The experts' parameters (split over the expert-parallel group unless replicated: ``shard_dims``)."""
     return [p for m in model.modules() if isinstance(m, Experts) for p in m.parameters()]
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter whole (experts all-gathered along dim 0 over their group), on every rank, on CPU."""
-    split = {id(p): m.group for m in model.modules() if isinstance(m, Experts) for p in m.parameters()}
+    split = {id(p): m.group for m in model.modules() if isinstance(m, Experts) and m.shard_dims
+             for p in m.parameters()}
     out = {}
     for name, p in model.named_parameters():
         t = p.detach()
@@ -132,3 +145,36 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             t = C.all_gather(t.contiguous(), 0, split[id(p)])
         out[name] = t.float().cpu().clone()
     return out
+
+
+class AuxLoss(torch.autograd.Function):
+    """``x`` unchanged in forward; in backward ``aux`` also receives d(total loss)/d(aux) = 1, so a loss
+    computed in the middle of a model joins the backward of the activation it rides on (Megatron-LM's
+    ``MoEAuxLossAutoScaler``). For callers that cannot add it to the final loss: a pipeline stage."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.meta = aux.shape, aux.dtype, aux.device
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, dev = ctx.meta
+        return grad, torch.ones(shape, dtype=dtype, device=dev)
+
+
+def ride_balance_losses(model: nn.Module, coef: float, share) -> list[torch.Tensor]:
+    """Make every `MoE` of ``model`` carry ``coef * share(output) * balance_loss`` into backward on its
+    output (`AuxLoss`), a forward hook each; ``share(output)``: that forward's part of the loss (rows of
+    the batch it saw). Returns the list each forward appends its (detached) term to, for reporting."""
+    values: list[torch.Tensor] = []
+
+    def hook(module: MoE, args, out: torch.Tensor) -> torch.Tensor:
+        aux = module.balance_loss * (coef * share(out))
+        values.append(aux.detach())
+        return AuxLoss.apply(out, aux)
+
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.register_forward_hook(hook)
+    return values

@@ -3,6 +3,7 @@
     actions = dl.pp.schedule("1f1b", stages=4, microbatches=8)     # pure: per-rank action lists
     dl.pp.simulate(actions).bubble                                   # replayed on a clock
     stage = dl.pp.stage_module(gpt, stage_id=r, num_stages=4)        # this rank's slice of the model
+    stage = dl.pp.named_stage(my_model, ["blocks.2", "norm", "head"])  # your model's, by module names
     pipe = dl.pp.Pipeline(stage, r, 4, schedule="1f1b", microbatches=8,       # measured from outside:
                           observers=[dl.pp.ActionTrace(), dl.memory.PipelineStash()])
     loss = pipe.step(x=ids, target=targets)                          # loss on the last stage, else None
@@ -12,6 +13,7 @@ Reading order:
 
     schedule.py      the schedules as pure lists of actions, and a simulator that raises on deadlock
     split.py         cutting a model into contiguous stages
+    named.py         stages of your own model by module names (chain, cut, named_stage)
     p2p.py           activations forward, gradients backward between neighbouring stages
     executor.py      Pipeline: runs one rank's list of actions (receive, compute, send)
     zero_bubble.py   the split backward (I and W) of zero-bubble schedules
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from .executor import Observer, Pipeline, Stash, default_loss
 from .schedule import SCHEDULES, Action, DeadlockError, Timeline, peak_activations, schedule, simulate
+from .named import NamedStage, chain, check_stages, cut, named_stage
 from .measure import ActionTrace, Bubble, executed, in_flight, measured_bubble, peak_in_flight
 from .split import (GPTStage, MLPStage, SequentialStage, TimedStage, boundaries, partition, split,
                     stage_module, stage_names)
@@ -31,4 +34,5 @@ from .split import (GPTStage, MLPStage, SequentialStage, TimedStage, boundaries,
 __all__ = ["schedule", "simulate", "Action", "Timeline", "DeadlockError", "peak_activations", "SCHEDULES",
            "Pipeline", "Observer", "Stash", "default_loss", "split", "stage_module", "stage_names",
            "boundaries", "partition", "GPTStage", "MLPStage", "SequentialStage", "TimedStage",
-           "ActionTrace", "measured_bubble", "Bubble", "executed", "in_flight", "peak_in_flight"]
+           "ActionTrace", "measured_bubble", "Bubble", "executed", "in_flight", "peak_in_flight",
+           "NamedStage", "named_stage", "chain", "cut", "check_stages"]

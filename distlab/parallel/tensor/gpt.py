@@ -29,6 +29,7 @@ from ...models import GPT
 from .. import collectives as C
 from .layers import ParallelAttention, ParallelMLP
 from .linear import ColumnParallelLinear, check_divisible, sync_replicated_grad
+from .plan import parallelize_plan
 from .regions import sequence_positions
 from .vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
@@ -73,15 +74,25 @@ class TensorParallelGPT(GPT):
         return per_token.mean()
 
 
-def parallelize(gpt: GPT, group=None, sequence_parallel: bool = False) -> TensorParallelGPT:
+def parallelize(gpt: nn.Module, group=None, sequence_parallel: bool = False, *,
+                plan: dict | None = None) -> nn.Module:
     """The tensor-parallel form of a full `distlab.models.GPT` over ``group`` (default: all ranks).
 
     Every rank must pass the same full weights (build with the same seed); each keeps its shard. The
     returned model takes over ``gpt``'s modules: use it, not ``gpt``. Raises ValueError when heads,
-    hidden, vocab (or, with ``sequence_parallel``, the sequence length) do not divide by the group size."""
+    hidden, vocab (or, with ``sequence_parallel``, the sequence length) do not divide by the group size.
+
+    ``plan={"blocks.*.mlp.fc": "colwise", ...}``: any model (your own ``nn.Module``), split module by
+    module as the plan says (`plan.py`, like torch's ``parallelize_module``); returns the model itself,
+    changed in place."""
+    if plan is not None:
+        if sequence_parallel:
+            raise ValueError("sequence_parallel is offered for distlab's GPT only; drop it with plan=")
+        return parallelize_plan(gpt, plan, group)
     if not isinstance(gpt, GPT):
-        raise TypeError(f"parallelize expects a distlab.models.GPT, got {type(gpt).__name__}; for other "
-                        "models build from ColumnParallelLinear / RowParallelLinear yourself")
+        raise TypeError(f"parallelize(model) without a plan expects a distlab.models.GPT, got "
+                        f"{type(gpt).__name__}: pass plan={{'module.name': 'colwise' | 'rowwise' | ...}} "
+                        "(see dl.tp.STYLES), as torch's parallelize_module does")
     if isinstance(gpt, TensorParallelGPT) or any(isinstance(b.attn, ParallelAttention) for b in gpt.blocks):
         raise ValueError("this GPT is already tensor-parallel (parallelize takes over its modules); "
                          "parallelize a fresh full GPT")
@@ -106,6 +117,8 @@ def _gather_full(model: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
                 continue
             if p_name in dims:
                 value = C.all_gather(value, dims[p_name], group)
+                if hasattr(mod, "unpack"):                 # a packed q|k|v linear (plan.py): reorder
+                    value = mod.unpack(value)
             out[name] = value.detach().clone()
     return out
 

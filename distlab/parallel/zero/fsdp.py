@@ -93,6 +93,7 @@ def _claim(module: nn.Module, replicate: list) -> tuple[list, list]:
     if hasattr(module, "_fsdp"):
         raise ValueError(f"{type(module).__name__} is already fully_shard-ed: call fully_shard once per "
                          "module, bottom-up (blocks first, then the root)")
+    _refuse_sharded(module)
     slots: dict[int, tuple] = {}
     for mname, m in module.named_modules():
         for name, p in m._parameters.items():
@@ -114,6 +115,24 @@ def _claim(module: nn.Module, replicate: list) -> tuple[list, list]:
         raise ValueError("an optimizer already holds these parameters: build it *after* fully_shard, on "
                          "module.parameters() (the shards); the one built before would update nothing")
     return fresh, whole
+
+
+def _refuse_sharded(module: nn.Module) -> None:
+    """Parameters someone else already sharded: an outer ``fully_shard`` (called top-down), torch's own
+    ``fully_shard`` (DTensors), or ``dl.ZeRO(stage=3)`` (storage freed at rest; gathering from it would
+    read freed memory)."""
+    inner = {id(t) for m in module.modules() if hasattr(m, "_fsdp")
+             for t in [*(p.shard for p in m._fsdp.params), *(p for _, _, p in m._fsdp.replicated)]}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if (getattr(p, "_fsdp_shard", False) or getattr(p, "_fsdp_whole", False)) and id(p) not in inner:
+            raise ValueError(f"{name} belongs to an outer fully_shard already: call fully_shard bottom-up "
+                             "(each block first, then the root), never on a part of a sharded module")
+        if type(p).__name__ == "DTensor":
+            raise ValueError(f"{name} is a DTensor (torch's fully_shard or parallelize_module sharded it): "
+                             "use either torch's FSDP or dl.fully_shard on a plain module, not both")
+        if p.numel() and p.untyped_storage().nbytes() < p.numel() * p.element_size():
+            raise ValueError(f"{name} has no storage (it is a view of a freed flat buffer: dl.ZeRO(stage=3) "
+                             "already shards this module): give fully_shard the plain module instead")
 
 
 def _in_an_optimizer(params: list) -> bool:

@@ -1,0 +1,97 @@
+"""Pipeline stages of *your* model, by module names: a stage runs its named modules one after another.
+
+    chain = dl.pp.chain(model)           # ['embed', 'blocks.0', 'blocks.1', 'blocks.2', 'norm', 'head']
+    stages = dl.pp.cut(chain, at=["blocks.1", "blocks.2"])    # cut before each: 3 stages
+    #      [['embed', 'blocks.0'], ['blocks.1'], ['blocks.2', 'norm', 'head']]
+    stage = dl.pp.named_stage(model, stages[r])               # this rank's stage module
+    pipe = dl.pp.Pipeline(stage, r, 3, schedule="1f1b", microbatches=4)
+
+A stage is the composition of its modules, so the model must *be* that chain: its forward calls its
+modules in that order, each feeding the next, with nothing between them (a residual, a reshape, an
+``x + pos`` belongs inside a module). That is what a pipeline needs anyway -- one tensor on each
+link between ranks -- and what torch's ``torch.distributed.pipelining`` finds by tracing (its
+``SplitPoint.BEGINNING`` at a module name is ``cut(..., at=[name])``). A stage keeps the model's
+parameter names (``blocks.1.mlp.fc.weight`` on whichever stage holds ``blocks.1``) and shares the
+model's parameters, so results compare with one process name by name.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def chain(model: nn.Module) -> list[str]:
+    """The model's children in registration order, an ``nn.ModuleList`` / ``nn.Sequential`` child
+    opened into its items (``blocks.0``, ``blocks.1``...): the chain most models are written as."""
+    out = []
+    for name, child in model.named_children():
+        if isinstance(child, (nn.ModuleList, nn.Sequential)):
+            out += [f"{name}.{i}" for i in range(len(child))]
+        else:
+            out.append(name)
+    return out
+
+
+def cut(names: list[str], at: list[str]) -> list[list[str]]:
+    """``names`` cut before each of ``at`` (in chain order): len(at) + 1 stages, none empty."""
+    missing = [a for a in at if a not in names]
+    if missing:
+        raise ValueError(f"cut points {missing} are not in the chain {names}")
+    points = sorted(names.index(a) for a in at)
+    if len(set(points)) != len(points) or (points and points[0] == 0):
+        raise ValueError(f"cut points {at} must be distinct and after the first module {names[0]!r}: "
+                         "every stage needs at least one module")
+    bounds = [0, *points, len(names)]
+    return [names[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+class NamedStage(nn.Module):
+    """Modules ``names`` of ``model`` run in order, registered under their own dotted names."""
+
+    def __init__(self, model: nn.Module, names: list[str]):
+        super().__init__()
+        if not names:
+            raise ValueError("a stage needs at least one module name")
+        self.names = list(names)
+        for name in names:
+            try:
+                module = model.get_submodule(name)
+            except AttributeError:
+                raise ValueError(f"{type(model).__name__} has no module {name!r}; its chain is "
+                                 f"{chain(model)}") from None
+            self._place(name, module)
+
+    def _place(self, name: str, module: nn.Module) -> None:
+        """Register ``module`` at ``name`` (``blocks.1`` -> a container ``blocks`` holding ``1``)."""
+        parent: nn.Module = self
+        *path, leaf = name.split(".")
+        for part in path:
+            if part not in parent._modules:
+                parent.add_module(part, nn.Module())
+            parent = parent._modules[part]
+        if leaf in parent._modules:
+            raise ValueError(f"module {name!r} is named twice in this stage")
+        parent.add_module(leaf, module)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for name in self.names:
+            x = self.get_submodule(name)(x)
+        return x
+
+
+def named_stage(model: nn.Module, names: list[str]) -> NamedStage:
+    """The stage module that runs ``names`` of ``model`` in order (shares its parameters)."""
+    return NamedStage(model, names)
+
+
+def check_stages(model: nn.Module, stages: list[list[str]]) -> None:
+    """Every parameter of ``model`` on exactly one stage; no module on two."""
+    seen: dict[int, int] = {}
+    for s, names in enumerate(stages):
+        for p in NamedStage(model, names).parameters():
+            if seen.setdefault(id(p), s) != s:
+                raise ValueError(f"a parameter is on stages {seen[id(p)]} and {s}: give each module one "
+                                 "stage")
+    orphans = [n for n, p in model.named_parameters() if id(p) not in seen]
+    if orphans:
+        raise ValueError(f"parameters on no stage: {orphans[:4]}: add their modules to a stage")
