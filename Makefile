@@ -15,7 +15,7 @@ TORCH  ?= torch==2.13.0
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: lab test test-fast lint notebooks bench browser clean
+.PHONY: lab test test-fast lint notebooks student bench browser clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,13 +43,18 @@ notebooks: $(STAMP)
 	for nb in notebooks/[0-9]*.ipynb; do \
 	  $(BIN)/jupyter nbconvert --to notebook --execute --inplace $$nb || exit 1; done
 
+# The student version of the lessons: solutions stripped (nbgrader markup), checks kept, in student/.
+student: $(STAMP)
+	$(BIN)/python -m distlab.exercises.student notebooks student
+
 # A real browser: JupyterLab in headless Chromium runs lesson 07 and moves a widget (needs apt: root or sudo).
 browser: $(STAMP)
 	tests/browser/install_browser.sh $(VENV)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m browser tests/browser -q
 
 bench: $(STAMP)
-	for b in launch_latency allreduce data_parallel tensor_parallel pipeline checkpoint; do \
+	for b in launch_latency allreduce data_parallel tensor_parallel pipeline checkpoint fsdp \
+	         all_to_all context_parallel expert_parallel; do \
 	  OMP_NUM_THREADS=1 $(BIN)/python benchmarks/$$b.py || exit 1; done
 	$(BIN)/python benchmarks/summary.py --readme
 

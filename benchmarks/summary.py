@@ -181,12 +181,55 @@ def expert_parallel() -> list[str]:
             "| ranks | ep step | replicated step | ratio | model states per rank (ep / replicated) "
             "| sent per rank per step (ep / replicated) | max loss diff | targets |",
             "|---|---|---|---|---|---|---|---|", *rows, ""]
+def all_to_all() -> list[str]:
+    d = _load("all_to_all")
+    if not d:
+        return []
+    by = {}
+    for r in d["results"]:
+        by.setdefault((r["world_size"], r["bytes"]), {})[r["impl"]] = r["busbw_GBps"]
+    rows = [f"| {n} | {nbytes / 2**20:g} MiB | {v['dl']:.3f} | {v['torch']:.3f} | "
+            f"{v['dl'] / v['torch']:.2f}x |"
+            for (n, nbytes), v in sorted(by.items()) if nbytes >= 1 << 20 and "dl" in v and "torch" in v]
+    ratios = ", ".join(f"{n} ranks: min {r['min_ratio_from_1MB']:.2f}x"
+                       for n, r in d["ratio_dl_over_torch"].items())
+    met = "met" if d["target"]["met"] else "**not met**"
+    return [f"**All-to-all** (`dl.comm.all_to_all`, pairwise exchange from send/recv, vs torch's "
+            f"{d['meta']['backend']} `all_to_all_single`; busbw = S/t (N-1)/N; `benchmarks/all_to_all.py`). "
+            f"Target: >= 0.8x from 1 MB up, {met} ({ratios}).{_load_note(d['meta'])}", "",
+            "| ranks | bytes per rank | distlab busbw (GB/s) | torch busbw (GB/s) | ratio |",
+            "|---|---|---|---|---|", *rows, ""]
+
+
+def context_parallel() -> list[str]:
+    d = _load("context_parallel")
+    if not d:
+        return []
+    m, single = d["meta"], d["single_process_s"]
+    rows = [f"| {r['world_size']} | {r['impl']} | {_ms(r['median_s'])} "
+            f"| {_ms(single[str(r['world_size'])])} "
+            f"| {r['ratio_over_single']:.2f}x | {r.get('max_abs_error_vs_full', float('nan')):.1e} |"
+            for r in d["results"]]
+    if d["target"]["applicable"]:
+        met = "met" if d["target"]["met"] else "**not met**"
+        target = f"Target: <= 1.2x torch's context_parallel, {met}."
+    else:
+        target = (f"torch's `context_parallel` does not run on {m['backend']}/CPU (its SDPA kernels have no "
+                  f"CPU sharding rule: `why_not` in the JSON), so the target (<= 1.2x its time) cannot be "
+                  f"checked; compared with single-process attention instead.")
+    return [f"**Context parallelism** (causal attention forward + backward, s = {m['seq']}, "
+            f"{m['heads']} heads x "
+            f"{m['head_dim']}; ring attention (zig-zag) and Ulysses from `dl.cp`; "
+            f"`benchmarks/context_parallel.py`). {target}{_load_note(m)}", "",
+            "| ranks | attention | step | single process | ratio | max error vs full |",
+            "|---|---|---|---|---|---|", *rows, ""]
 
 
 def tables() -> str:
     parts = launch_latency() + allreduce() + data_parallel() + tensor_parallel() + pipeline() + checkpoint()
     parts += expert_parallel()
     parts += fsdp()
+    parts += all_to_all() + context_parallel()
     return "\n".join(parts).rstrip() + "\n"
 
 

@@ -53,6 +53,7 @@ def _battery() -> list[str]:
         want = _torch_all_to_all(x, mine, for_me)
         same(f"uneven {table}", dl.comm.all_to_all(x, mine), want)
         same(f"uneven out_splits {table}", dl.comm.all_to_all(x, mine, out_splits=for_me), want)
+        same(f"uneven textbook {table}", dl.comm.all_to_all(x, mine, posted=False), want)
     # ring_shift: what the previous rank sent
     t = torch.full((2, 3), float(r))
     same("ring_shift", dl.comm.ring_shift(t), torch.full((2, 3), float((r - 1) % n)))
@@ -69,8 +70,9 @@ def _battery() -> list[str]:
         except ValueError as e:
             if "pass splits=" not in str(e):
                 bad.append(f"unclear error: {e}")
-    # the traced call: equal blocks of TRACED_ROWS x 3 float64
-    dl.comm.all_to_all(torch.randn(n * TRACED_ROWS, 3, generator=g, dtype=torch.float64))
+    # the traced calls: equal blocks of TRACED_ROWS x 3 float64, the fast path and the textbook loop
+    x = torch.randn(n * TRACED_ROWS, 3, generator=g, dtype=torch.float64)
+    same("textbook equals posted", dl.comm.all_to_all(x, posted=False), dl.comm.all_to_all(x))
     return bad
 
 
@@ -90,14 +92,15 @@ def test_pairwise_steps_in_the_trace(n):
     size = n * TRACED_ROWS * 3 * 8
     block = TRACED_ROWS * 3 * 8
     for r in range(n):
-        steps = sorted(trace.comms(rank=r, op="all_to_all", size=size), key=lambda e: e.args["step"])
-        assert [e.args["step"] for e in steps] == list(range(n - 1))            # N-1 steps
-        for e in steps:
+        both = trace.comms(rank=r, op="all_to_all", size=size)                 # textbook, then posted
+        assert len({e.args["call"] for e in both}) == 2
+        assert sorted(e.args["step"] for e in both) == sorted(list(range(n - 1)) * 2)   # N-1 steps each
+        for e in both:
             s = e.args["step"] + 1
             assert (e.args["peer"], e.args["src"]) == ((r + s) % n, (r - s) % n)
             assert (e.sent, e.received) == (block, block)
         # (N-1)/N * S each way: its own block never leaves the rank
-        assert trace.bytes_sent(rank=r, op="all_to_all", size=size) == (n - 1) * size // n
+        assert trace.bytes_sent(rank=r, op="all_to_all", size=size) == 2 * (n - 1) * size // n
     assert trace.comms(op="exchange_sizes")                              # the uneven calls exchanged counts
 
 

@@ -26,6 +26,9 @@ TINY = {  # script -> arguments that make it take seconds
     "checkpoint": ["--ranks", "2", "--repeats", "1", "--model", "gpt-tiny"],
     "expert_parallel": ["--ranks", "2", "--steps", "2", "--warmup", "1", "--d-model", "32", "--experts", "4"],
     "fsdp": ["--ranks", "2", "--steps", "2", "--warmup", "1", "--rows", "2", "--model", "gpt-tiny"],
+    "all_to_all": ["--ranks", "2", "--sizes", "4K,1M", "--budget", "0.05", "--min-reps", "2",
+                   "--max-reps", "3"],
+    "context_parallel": ["--ranks", "2", "--seq", "64", "--repeats", "2"],
 }
 
 
@@ -70,11 +73,14 @@ def test_benchmarks_check_their_own_correctness(results):
     fsdp = json.loads((results / "fsdp.json").read_text())["results"]
     assert all(c["ran"] and all(t["met"] for k, t in c["targets"].items() if k.startswith("losses"))
                for row in fsdp for c in row["configs"].values())
+    cp = json.loads((results / "context_parallel.json").read_text())
+    assert all(row["max_abs_error_vs_full"] < 1e-4 for row in cp["results"] if row["impl"].startswith("dl"))
+    assert cp["torch_context_parallel"]["runs"] or all(cp["torch_context_parallel"]["why_not"].values())
 
 
 def test_summary_renders_a_table_for_every_result(results):
     text = _summary(results).tables()
     for title in ("Ring all-reduce", "Data parallelism", "Tensor parallelism", "Pipeline parallelism",
-                  "Checkpoints", "Expert parallelism", "FSDP2"):
+                  "Checkpoints", "Expert parallelism", "FSDP2", "All-to-all", "Context parallelism"):
         assert f"**{title}**" in text, title
     assert text.count("\n|---") >= 6

@@ -105,11 +105,44 @@ def _traced() -> None:
     dl.cp.ulysses_attention(q, k, v).sum().backward()
 
 
+def _saved_bytes() -> list[str]:
+    """What one GPT layer saves for backward per rank under dl.cp, against `cp_saved_bytes_per_layer`."""
+    from distlab.memory import measure_layer
+    n, bad = dl.world_size(), []
+    for attention in ("ring", "ulysses"):
+        for s in (4 * n, 8 * n):
+            torch.manual_seed(0)
+            cfg = dl.models.GPTConfig(vocab=16, seq_len=s, d_model=4 * n, heads=2 * n, layers=1)
+            gpt = dl.cp.parallelize(dl.models.GPT(cfg), attention=attention)
+            got = measure_layer(gpt.blocks[0], torch.randn(2, s // n, 4 * n))
+            want = dl.theory.cp_saved_bytes_per_layer(s, 2, 4 * n, 2 * n, cp=n)
+            if got != want:
+                bad.append(f"rank {dl.rank()}: {attention} s={s} saves {got} bytes, formula {want}")
+    return bad
+
+
+def _flops() -> list[str]:
+    """Forward matmul FLOPs counted by torch's FlopCounterMode against `ring_attention_flops`."""
+    from torch.utils.flop_counter import FlopCounterMode
+    n, r, bad = dl.world_size(), dl.rank(), []
+    for causal in (True, False):
+        for zigzag in (True, False):
+            q, k, v = (torch.randn(2, 3, 4, 5) for _ in range(3))              # s = 4n, h = 3 x 5
+            with FlopCounterMode(display=False) as counter:
+                dl.cp.ring_attention(q, k, v, causal=causal, zigzag=zigzag)
+            want = dl.theory.ring_attention_flops(4 * n, 2, 15, n, causal=causal, zigzag=zigzag)[r]
+            if counter.get_total_flops() != want:
+                bad.append(f"rank {r} causal={causal} zigzag={zigzag}: {counter.get_total_flops()} FLOPs, "
+                           f"formula {want}")
+    return bad
+
+
 def _everything() -> dict:
     _traced()
     dl.tracer().enabled = False
     problems = [p for i, case in enumerate(CASES) for p in _case(*case, seed=i)]
-    return {"attention": problems, "layout": _layouts(), "errors": _bad_input()}
+    return {"attention": problems, "layout": _layouts(), "errors": _bad_input(), "memory": _saved_bytes(),
+            "flops": _flops()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,6 +163,22 @@ def test_split_and_unsplit(n):
 @pytest.mark.parametrize("n", WORLDS)
 def test_bad_input_is_explained(n):
     assert [p for res in _run(n).results for p in res["errors"]] == []
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_saved_activations_per_rank_equal_the_formula(n):
+    """Measured by saved-tensor hooks, to the byte: linear in s/n, no s x s matrix kept."""
+    assert [p for res in _run(n).results for p in res["memory"]] == []
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_ring_attention_flops_per_rank_equal_the_formula(n):
+    """Counted per rank: zig-zag evens out the causal work, contiguous gives rank r r+1 block pairs."""
+    assert [p for res in _run(n).results for p in res["flops"]] == []
+    s = 24 * n
+    assert dl.theory.ring_attention_flops(s, 1, 8, n) == [4 * (s // (2 * n)) ** 2 * 8 * (2 * n + 1)] * n
+    assert dl.theory.ring_attention_flops(s, 1, 8, n, zigzag=False) == [
+        4 * (s // n) ** 2 * 8 * (r + 1) for r in range(n)]
 
 
 @pytest.mark.parametrize("n", WORLDS)
@@ -207,8 +256,24 @@ def test_train_refuses_what_it_cannot_split():
     with pytest.raises(ValueError, match="dividing the world size 4"):
         context.check(TrainSpec("cp-ring", options={"dp": 3}), 4)
     assert context.check(TrainSpec("cp-ring", options={"dp": 2}), 8) == (2, 4, True)
-    with pytest.raises(ValueError, match="multiple of 2 x cp = 6"):        # before any rank starts
-        dl.train("cp-ring", world_size=3)
+    with pytest.raises(ValueError, match="zigzag=True"):
+        context.check(TrainSpec("cp-ring", options={"zigzag": "yes"}), 2)
+    # before any rank starts: dl.train raises in this process, launching nothing
+    import importlib
+    launch_module = importlib.import_module("distlab.launch")
+    real, launched = launch_module.launch, []
+    launch_module.launch = lambda *a, **k: launched.append(a) or real(*a, **k)
+    try:
+        for strategy, world, kw, message in [
+                ("cp-ring", 3, {}, "multiple of 2 x cp = 6"),                  # zig-zag: 32 tokens, 6 chunks
+                ("cp-ring", 3, {"zigzag": False}, "multiple of cp = 3"),
+                ("cp-ulysses", 8, {}, "4 heads over 8 ranks"),                 # gpt-tiny: 4 heads
+                ("cp-ulysses", 2, {"precision": "bf16-mixed"}, "precision='fp32'")]:
+            with pytest.raises(ValueError, match=message):
+                dl.train(strategy, world_size=world, **kw)
+    finally:
+        launch_module.launch = real
+    assert launched == []
 
 
 # -- theory: the formulas of dl.theory.context against the papers and against the trace ----------------
@@ -247,6 +312,13 @@ def test_cp_formulas_follow_the_papers():
         cp_bytes_per_layer("ulysses", 3 * 1024, b, h, 3, heads=32)
     with pytest.raises(ValueError, match="attention must be one of"):
         cp_bytes_per_layer("stripes", s, b, h, 2)
+    # the saved bytes under dl.cp: Korthikanti's 16 h per token (fp32, no dropout), the fp32 output and
+    # log-sum-exp in place of the a s^2 b softmax, LayerNorm stats; 1/c of it per rank, linear in s
+    from distlab.theory import cp_saved_bytes_per_layer
+    assert cp_saved_bytes_per_layer(s, b, h, a, cp=4) == 4 * s // 4 * b * (17 * h + a) + 16 * s // 4 * b
+    assert cp_saved_bytes_per_layer(2 * s, b, h, a, cp=8) == cp_saved_bytes_per_layer(s, b, h, a, cp=4)
+    with pytest.raises(ValueError, match="divide seq_len"):
+        cp_saved_bytes_per_layer(10, b, h, a, cp=4)
 
 
 @pytest.mark.parametrize("strategy", ["cp-ring", "cp-ulysses"])
@@ -255,3 +327,34 @@ def test_context_parallel_runs_checkpoint_and_resume_bit_for_bit(strategy, tmp_p
     dl.train(strategy, world_size=2, steps=2, seed=0, checkpoint_dir=str(tmp_path), checkpoint_every=2)
     resumed = dl.train(strategy, world_size=2, steps=4, seed=0, checkpoint_dir=str(tmp_path), resume=True)
     assert resumed.losses == full.losses
+
+
+# -- overlap: the next K/V block is in flight while the held one is computed on -----------------------
+def _overlap() -> list[str]:
+    """Time stamps of every block computation (forward and backward) beside the ring_shift events: a K/V
+    hop posted before the compute and waited after spans at least one block computation."""
+    import importlib
+    ra = importlib.import_module("distlab.parallel.context.ring_attention")
+    tr, stamps = dl.tracer(), []
+
+    def stamped(f):
+        def call(*args):
+            stamps.append(tr.now())
+            return f(*args)
+        return call
+    for name in ("block_forward", "block_backward"):
+        setattr(ra, name, stamped(getattr(ra, name)))
+    n = dl.world_size()
+    q, k, v = (torch.randn(1, 2, 4 * n, 4, requires_grad=True) for _ in range(3))
+    mark = len(tr.events())
+    dl.cp.ring_attention(q, k, v).sum().backward()
+    hops = [e for e in tr.events()[mark:] if e.kind == "comm" and e.name == "ring_shift"]
+    # recorded when waited: forward n-1 K/V hops; backward per step a K/V hop then a dK/dV hop, one dK/dV last
+    kv = hops[:n - 1] + hops[n - 1:-1:2]
+    assert len(hops) == 3 * n - 2 and len(kv) == 2 * (n - 1)
+    return [f"rank {dl.rank()}: K/V hop {i} overlaps no block computation"
+            for i, e in enumerate(kv) if not any(e.start < t < e.end for t in stamps)]
+
+
+def test_ring_attention_overlaps_the_next_block_with_compute():
+    assert [p for res in dl.launch(_overlap, world_size=3, timeout=120).results for p in res] == []

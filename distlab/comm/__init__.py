@@ -7,6 +7,7 @@
     dl.comm.naive_all_reduce(t, op="sum", group=None, root=0)   # through one root, to compare
     dl.comm.all_to_all(t, splits=None, group=None)         # row block i to rank i; returns rank j's for me
     dl.comm.ring_shift(t, group=None)                      # send to the next rank, return the previous one's
+    dl.comm.start_ring_shift(t, group=None).wait()         # the same, posted now and waited later (overlap)
 
     dl.comm.pipelined_all_reduce / pipelined_reduce_scatter / pipelined_all_gather
                                                            # the same ring, fast: same arguments, same bits
@@ -23,7 +24,7 @@ Reading order:
   5. ``ring_pipelined.py`` the same ring made fast: chunks streamed in segments, receives posted ahead;
                            tested bit-identical to ``ring.py``
 """
-from .p2p import OPS, free_scratch, ring_shift
+from .p2p import OPS, free_scratch, ring_shift, start_ring_shift
 from .all_to_all import all_to_all
 from .naive import naive_all_reduce
 from .ring import ring_all_gather, ring_all_reduce, ring_bytes, ring_reduce_scatter
@@ -32,4 +33,4 @@ from .tree import broadcast
 
 __all__ = ["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "pipelined_all_reduce",
            "pipelined_reduce_scatter", "pipelined_all_gather", "broadcast", "naive_all_reduce",
-           "all_to_all", "ring_shift", "ring_bytes", "free_scratch", "OPS"]
+           "all_to_all", "ring_shift", "start_ring_shift", "ring_bytes", "free_scratch", "OPS"]

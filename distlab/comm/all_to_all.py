@@ -23,6 +23,14 @@ Bytes per rank, with S the tensor (blocks equal): sends and receives (N-1)/N * S
 
     T_all_to_all = (N-1) alpha + (N-1)/N * S / B
 
+The fast path (``posted=True``, the default) keeps the same pairs in the same order but does not wait
+for one step before starting the next: every receive is posted, then every send, then each step is
+waited on in order (MPICH's medium-message all-to-all, Thakur et al. Sec. 4.4, Isend/Irecv all at
+once). gloo only delivers data into a receive already posted, so posting them all first lets every
+block travel at once instead of paying a round trip per step; the result is the same bytes, and the
+trace still shows one event per step (from the posting to that step's completion). ``posted=False``
+runs the textbook loop above, one blocking exchange per step, tested equal.
+
 Blocks may differ in size (``splits``, row counts; empty blocks too). A receiver cannot know them
 in advance, so an uneven call first exchanges the row counts the same way (one int64 per block,
 recorded as op ``"exchange_sizes"``), unless the caller passes ``out_splits``.
@@ -30,19 +38,21 @@ recorded as op ``"exchange_sizes"``), unless the caller passes ``out_splits``.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from ..runtime import tracer
 from .p2p import Ring, exchange, new_call
 
 
 def all_to_all(t: torch.Tensor, splits: list[int] | None = None, group=None,
-               out_splits: list[int] | None = None) -> torch.Tensor:
+               out_splits: list[int] | None = None, posted: bool = True) -> torch.Tensor:
     """Row block i of ``t`` (dim 0) goes to group rank i; returns the blocks sent here, in rank order.
 
     ``splits``: N row counts summing to ``t.shape[0]`` (None: N equal blocks, the rows must divide by N).
     ``out_splits``: the rows each rank sends here, when the caller knows them (skips the size exchange).
     Every rank passes the same trailing shape and dtype, and either every rank passes ``splits`` or
     none does (with ``splits`` the row counts are exchanged first). N-1 steps, one comm event
-    ``"all_to_all"`` each.
+    ``"all_to_all"`` each; ``posted``: all steps posted at once (fast), or one after another (textbook).
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
@@ -60,8 +70,8 @@ def all_to_all(t: torch.Tensor, splits: list[int] | None = None, group=None,
     send_blocks = torch.split(x, splits)                             # send_blocks[i] -> rank i
     recv_blocks = torch.split(out, out_splits)                       # recv_blocks[j] <- rank j
     recv_blocks[ring.rank].copy_(send_blocks[ring.rank])             # my own block stays here
-    pairwise_steps(ring, "all_to_all", send_blocks, recv_blocks, call=new_call(),
-                   size=x.numel() * x.element_size())
+    steps = posted_steps if posted else pairwise_steps
+    steps(ring, "all_to_all", send_blocks, recv_blocks, call=new_call(), size=x.numel() * x.element_size())
     return out
 
 
@@ -72,6 +82,38 @@ def pairwise_steps(ring: Ring, name: str, send_blocks, recv_blocks, *, call: int
         dst, src = (r + s) % n, (r - s) % n
         exchange(ring, name, send=send_blocks[dst].view(-1), dst=dst, recv=recv_blocks[src].view(-1),
                  src=src, step=s - 1, call=call, size=size, send_block=dst, recv_block=src)
+
+
+def posted_steps(ring: Ring, name: str, send_blocks, recv_blocks, *, call: int, size: int) -> None:
+    """The same N-1 steps, all in flight together: post every receive, then every send, then wait step by
+    step (each recorded as one comm event, from the posting to its completion)."""
+    n, r, tr = ring.size, ring.rank, tracer()
+    start = tr.now()
+    peers = [((r + s) % n, (r - s) % n) for s in range(1, n)]          # step s: (send to, receive from)
+    ops = [(dist.irecv, recv_blocks[src].view(-1), src) for _, src in peers]
+    ops += [(dist.isend, send_blocks[dst].view(-1), dst) for dst, _ in peers]
+    works = post_all(ring, ops)
+    for s, (dst, src) in enumerate(peers):
+        recv, send = works[s], works[n - 1 + s]
+        for w in (recv, send):
+            if w is not None:
+                w.wait()
+        sent, received = (send_blocks[dst].numel() * send_blocks[dst].element_size(),
+                          recv_blocks[src].numel() * recv_blocks[src].element_size())
+        tr.comm(name, start=start, end=tr.now(), sent=sent, received=received,
+                peer=ring.glob(dst) if sent else None, src=ring.glob(src) if received else None, step=s,
+                call=call, size=size, world=n, send_block=dst, recv_block=src)
+
+
+def post_all(ring: Ring, ops) -> list:
+    """Post ``(isend or irecv, tensor, group rank)`` operations in order; empty tensors are skipped (None),
+    as both ends know their size. Under NCCL they go as one batch."""
+    live = [(fn, t, ring.glob(peer)) for fn, t, peer in ops if t.numel()]
+    if live and dist.get_backend(ring.group) == "nccl":
+        posted = iter(dist.batch_isend_irecv([dist.P2POp(fn, t, peer, ring.group) for fn, t, peer in live]))
+    else:
+        posted = iter([fn(t, peer, group=ring.group) for fn, t, peer in live])
+    return [next(posted) if t.numel() else None for _, t, _ in ops]
 
 
 def _exchange_sizes(ring: Ring, splits: list[int], device) -> list[int]:

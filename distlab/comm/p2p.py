@@ -208,3 +208,49 @@ def ring_shift(t: torch.Tensor, group=None) -> torch.Tensor:
     exchange(ring, "ring_shift", send=send, dst=ring.next, recv=recv, src=ring.prev, step=0,
              call=new_call(), size=send.numel() * send.element_size())
     return recv.view(t.shape)
+
+
+class PendingShift:
+    """A `ring_shift` posted but not finished: the block travels while the caller computes.
+
+        shift = start_ring_shift(kv)     # isend to the next rank, irecv from the previous: posted now
+        ... compute on kv ...            # the transfer proceeds meanwhile (gloo's and NCCL's own threads)
+        kv = shift.wait()                # what the previous rank sent
+
+    The send buffer must not be written until ``wait`` returns. One comm event ``"ring_shift"``, recorded
+    by ``wait``, spans the whole flight: from posting to completion.
+    """
+
+    def __init__(self, t: torch.Tensor, group=None):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
+        self.ring, self.shape, self.start = Ring.of(group), t.shape, tracer().now()
+        self.send = flat_view(t)
+        self.recv = torch.empty_like(self.send)
+        self.works = []
+        if self.ring.size > 1 and self.send.numel():
+            prev, nxt, g = self.ring.glob(self.ring.prev), self.ring.glob(self.ring.next), self.ring.group
+            if dist.get_backend(g) == "nccl":
+                self.works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, self.recv, prev, g),
+                                                     dist.P2POp(dist.isend, self.send, nxt, g)])
+            else:
+                self.works = [dist.irecv(self.recv, prev, group=g), dist.isend(self.send, nxt, group=g)]
+
+    def wait(self) -> torch.Tensor:
+        """Block until the block has arrived (and ours has left); returns it, shaped like the one sent."""
+        if not self.works:                                   # one rank, or nothing to move
+            return self.send.view(self.shape)
+        for w in self.works:
+            w.wait()
+        ring, nbytes = self.ring, self.send.numel() * self.send.element_size()
+        tr = tracer()
+        tr.comm("ring_shift", start=self.start, end=tr.now(), sent=nbytes, received=nbytes,
+                peer=ring.glob(ring.next), src=ring.glob(ring.prev), step=0, call=new_call(), size=nbytes,
+                world=ring.size)
+        self.works = []
+        return self.recv.view(self.shape)
+
+
+def start_ring_shift(t: torch.Tensor, group=None) -> PendingShift:
+    """`ring_shift` in two halves, to overlap it with compute: post now, ``.wait()`` for the result."""
+    return PendingShift(t, group)

@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Callable
 
 from distlab.exercises import comm, pieces  # noqa: F401  (importing registers the exercises)
-from distlab.exercises.harness import REGISTRY, Exercise, Result, check
+from distlab.exercises.harness import REGISTRY, Exercise, ExerciseNotPassed, Result, check
 
-__all__ = ["check", "names", "reference", "task", "Exercise", "Result"]
+__all__ = ["check", "names", "reference", "task", "Exercise", "ExerciseNotPassed", "Result"]
 
 
 def names() -> list[str]:

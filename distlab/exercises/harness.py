@@ -75,6 +75,20 @@ class Result:
 
     __repr__ = __str__
 
+    def require(self) -> "Result":
+        """Raise unless passed: `NotImplementedError` for a stub not written yet ("not implemented yet"),
+        `ExerciseNotPassed` with the first difference otherwise. For graded cells."""
+        if self.passed:
+            return self
+        if "NotImplementedError" in (self.problem or ""):
+            raise NotImplementedError(f"{self.name}: not implemented yet; write it in the cell above, then "
+                                      "run this cell again")
+        raise ExerciseNotPassed(str(self))
+
+
+class ExerciseNotPassed(AssertionError):
+    """A learner's solution that gives a different answer than the reference (the message says where)."""
+
 
 # -- comparing ------------------------------------------------------------------------------------
 def compare_tensors(got, expected, atol: float = 1e-5, rtol: float = 1e-6) -> str | None:

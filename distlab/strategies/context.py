@@ -67,7 +67,10 @@ def check(spec: TrainSpec, world: int) -> tuple[int, int, bool]:
                          f"model='gpt-tiny', not {spec.model!r}")
     if spec.precision != "fp32":
         raise ValueError(f"{spec.strategy} runs in fp32 here: pass precision='fp32'")
-    zigzag = bool(spec.options.get("zigzag", spec.strategy == "cp-ring"))
+    zigzag = spec.options.get("zigzag", spec.strategy == "cp-ring")
+    if not isinstance(zigzag, bool):
+        raise ValueError(f"zigzag={zigzag!r}: pass zigzag=True (chunks r and 2n-1-r, balanced causal work) "
+                         f"or zigzag=False (one contiguous chunk per rank)")
     check_length(PRESETS[spec.model].seq_len, n, zigzag, what=f"{spec.model}'s sequence length")
     cfg = PRESETS[spec.model]
     for what, size in (("heads", cfg.heads), ("d_model", cfg.d_model), ("vocab", cfg.vocab)):

@@ -18,7 +18,8 @@ can put a prediction beside a measurement. One idea per module:
 from distlab.theory.activations import activation_bytes_per_layer, pipeline_in_flight
 from distlab.theory.comm import (algbw, busbw, comm_time, dp_volume, fsdp_volume, pp_volume, tp_volume,
                                  zero_volume)
-from distlab.theory.context import cp_activation_bytes_per_layer, cp_bytes_per_layer
+from distlab.theory.context import (cp_activation_bytes_per_layer, cp_bytes_per_layer,
+                                    cp_saved_bytes_per_layer, ring_attention_flops)
 from distlab.theory.memory import MemoryBreakdown, bytes_per_param, fsdp_padding, memory, shard_numel
 from distlab.theory.moe import (MoEParams, ep_memory, ep_params_per_rank, expert_capacity, gpt_moe_params,
                                 moe_all_to_all_bytes, moe_layer_params, moe_step_all_to_all_bytes)
@@ -35,6 +36,7 @@ from distlab.theory.units import GB, GiB, MB, MiB
 __all__ = [
     "activation_bytes_per_layer", "pipeline_in_flight", "algbw", "busbw", "comm_time", "dp_volume",
     "pp_volume", "tp_volume", "zero_volume", "cp_activation_bytes_per_layer", "cp_bytes_per_layer",
+    "cp_saved_bytes_per_layer", "ring_attention_flops",
     "MemoryBreakdown", "bytes_per_param", "memory",
     "shard_numel", "OffloadEstimate", "zero2_offload", "zero3_offload", "gpt_params",
     "transformer_params", "bubble", "bubble_time", "Advice", "Plan", "advise", "cheapest_plan", "fits",

@@ -231,6 +231,10 @@ md("""
 order of waiting before you run it.
 """)
 
+from distlab.exercises.student import exercise_cells  # noqa: E402
+
+cells += exercise_cells(['neighbour_exchange', 'tree_broadcast'])
+
 nb = nbf.v4.new_notebook(cells=cells, metadata={
     "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
     "language_info": {"name": "python"}})

@@ -349,6 +349,10 @@ On GPUs with NVLink, or nodes with their own network cards, the wall time follow
 and 16 MB sizes: which wins where, and do the fitted α and B explain it?
 """)
 
+from distlab.exercises.student import exercise_cells  # noqa: E402
+
+cells += exercise_cells(['ring_reduce_scatter', 'ring_all_gather', 'ring_all_reduce'])
+
 nb = nbf.v4.new_notebook(cells=cells, metadata={
     "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
     "language_info": {"name": "python"}})

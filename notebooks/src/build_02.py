@@ -388,6 +388,10 @@ byte counts above do not.
 **Try it**: change `bucket_mb` in `ddp_steps` (try 0.05 and 25) and count the messages; set `N = 4` in section 2.
 """)
 
+from distlab.exercises.student import exercise_cells  # noqa: E402
+
+cells += exercise_cells(['buckets'])
+
 nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                                "language": "python"}})
 out = Path(__file__).resolve().parents[1] / "02_data_parallel.ipynb"

@@ -309,6 +309,10 @@ md("""
 **Try it**: set `P = 2` or `M = 16` at the top, or give `TimedStage` a larger `t_w`: ZB-H1's bubble shrinks further.
 """)
 
+from distlab.exercises.student import exercise_cells  # noqa: E402
+
+cells += exercise_cells(['one_f_one_b'])
+
 nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                                "language": "python"}})
 out = Path(__file__).resolve().parents[1] / "05_pipeline_parallel.ipynb"

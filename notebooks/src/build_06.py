@@ -343,6 +343,10 @@ pipeline's messages shrink by T), or `"3d:dp=2,tp=1,pp=2,zero=1"` (ZeRO-1 over t
 `schedule=gpipe` in the name.
 """)
 
+from distlab.exercises.student import exercise_cells  # noqa: E402
+
+cells += exercise_cells(['mesh_groups'])
+
 nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                                "language": "python"}})
 out = Path(__file__).resolve().parents[1] / "06_3d_parallelism.ipynb"

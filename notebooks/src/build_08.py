@@ -374,6 +374,10 @@ md("""
 save): which checkpoint does the resume start from, and which steps does it redo?
 """)
 
+from distlab.exercises.student import exercise_cells  # noqa: E402
+
+cells += exercise_cells(['atomic_save'])
+
 nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                                "language": "python"}})
 out = Path(__file__).resolve().parents[1] / "08_checkpointing.ipynb"

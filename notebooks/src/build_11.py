@@ -435,6 +435,10 @@ parallelism for the dense part.
 the all-to-all sends 3/4 of the rows instead of 1/2, and T* stays where it was (it does not depend on n).
 """)
 
+from distlab.exercises.student import exercise_cells  # noqa: E402
+
+cells += exercise_cells(['top_k_router'])
+
 nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
                                                                "language": "python"}})
 out = Path(__file__).resolve().parents[1] / "11_mixture_of_experts.ipynb"

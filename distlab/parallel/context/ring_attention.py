@@ -25,6 +25,16 @@ incoming gradient dO, per block pair (FlashAttention-2, Dao 2023, Alg. 2):
 dQ stays home; K/V go round the ring again, and dK/dV travel *with* their block, gathering every
 rank's contribution; one last hop brings them to the block's owner (n hops for dK/dV, n-1 for K/V).
 
+Overlap: each step posts the send of the held K/V block and the receive of the next one
+(`start_ring_shift`: isend/irecv) *before* computing on the held block, and waits after, so the
+transfer hides behind the block's compute when compute takes longer (Liu et al. 2023, Sec. 3):
+
+    step s:   post  send KV_held -> r+1,  recv KV_next <- r-1
+              compute  q x KV_held          (the transfer in flight meanwhile)
+              wait  -> KV_next becomes KV_held
+
+dK/dV cannot go early: they carry this step's sums, so they hop after the compute.
+
 Bytes sent per rank, with b the bytes of one rank's K and V together (2 x batch x heads x s/n x d):
 forward (n-1) b; backward (n-1) b + n b' (b' the same block in float32 for the gradients).
 
@@ -42,7 +52,7 @@ import math
 
 import torch
 
-from ...comm import ring_shift
+from ...comm import ring_shift, start_ring_shift
 from ...runtime import group_rank, group_size
 from .layout import check_length, chunk_ids
 
@@ -89,13 +99,15 @@ def ring_forward(q, k, v, causal, group, zigzag, scale):
     mine = chunks(r, n, zigzag, q.float(), out, lse)
     kv = torch.stack([k, v])                                                  # (2, B, H, s/n, D)
     for step in range(n):
+        if step < n - 1:
+            shift = start_ring_shift(kv, group)               # pass it on: travels while we compute
         for b, k_b, v_b in chunks((r - step) % n, n, zigzag, kv[0], kv[1]):   # the block now held
             for a, q_a, out_a, lse_a in mine:
                 kind = pair_kind(a, b, causal)
                 if kind is not None:
                     merge(out_a, lse_a, *block_forward(q_a, k_b.float(), v_b.float(), kind, scale))
         if step < n - 1:
-            kv = ring_shift(kv, group)                                        # pass it on
+            kv = shift.wait()                                 # the next block, from rank r-step-1
     return out, lse
 
 
@@ -109,6 +121,8 @@ def ring_backward(dout, q, k, v, out, lse, causal, group, zigzag, scale):
     kv = torch.stack([k, v])                                                  # (2, B, H, s/n, D)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)         # gradients of the held block
     for step in range(n):
+        if step < n - 1:
+            shift = start_ring_shift(kv, group)               # the next K/V travels while we compute
         held = chunks((r - step) % n, n, zigzag, kv[0], kv[1], dkv[0], dkv[1])
         for b, k_b, v_b, dk_b, dv_b in held:
             for a, q_a, do_a, lse_a, delta_a, dq_a in mine:
@@ -117,8 +131,8 @@ def ring_backward(dout, q, k, v, out, lse, causal, group, zigzag, scale):
                     block_backward(q_a, k_b.float(), v_b.float(), do_a, lse_a, delta_a, kind, scale,
                                    dq_a, dk_b, dv_b)
         if step < n - 1:
-            kv = ring_shift(kv, group)
-        dkv = ring_shift(dkv, group)                  # after the n-th hop, each block's gradient is home
+            kv = shift.wait()
+        dkv = ring_shift(dkv, group)         # needs this step's sums: after the compute; after n hops, home
     return dq, dkv[0], dkv[1]
 
 

@@ -1,0 +1,165 @@
+"""All-to-all by pairwise exchange (dl.comm.all_to_all) beside torch.distributed's all_to_all_single.
+
+    python benchmarks/all_to_all.py                      # 1 KB .. 4 MB, 2 and 4 ranks, gloo on CPU
+    python benchmarks/all_to_all.py --ranks 2 --sizes 64K,1M --budget 0.2
+
+Every rank sends S bytes (its whole tensor: N row blocks, block i to rank i) and receives S. Reported as
+bus bandwidth, the nccl-tests definition for all-to-all (github.com/NVIDIA/nccl-tests, PERFORMANCE.md):
+
+    algbw = S / t            busbw = algbw * (N-1) / N
+
+(N-1)/N of the tensor leaves each rank (its own block stays), so busbw is what each rank's link carries
+per second, comparable across N. t is, for each repeat, the slowest rank's time from a common barrier to
+the end of the call; the median over repeats is reported. The two implementations alternate repeat by
+repeat so that both see the same background load, and their results are checked equal first.
+Target: dl.comm.all_to_all's busbw at least 0.8x torch's from 1 MB up. Writes <out>.json and <out>.png.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import distlab as dl  # noqa: E402
+from _results import default_out, machine_facts, write  # noqa: E402
+from allreduce import _sync, human, parse_size  # noqa: E402
+
+DEFAULT_SIZES = [2**k for k in range(10, 23)]           # 1 KiB .. 4 MiB
+IMPLS = ("dl", "torch")
+TARGET, FROM = 0.8, 1 << 20
+
+
+def _call(impl: str, x: torch.Tensor) -> torch.Tensor:
+    if impl == "dl":
+        return dl.comm.all_to_all(x)
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x)
+    return out
+
+
+def measure(sizes, budget_s, min_reps, max_reps):
+    """Inside each rank: per size, per repeat, the time of each implementation (alternating)."""
+    device, n = dl.device(), dl.world_size()
+    dl.tracer().enabled = False                 # measure the collective, not the bookkeeping
+    out = {}
+    for nbytes in sizes:
+        rows = max(n, nbytes // 4 // 16 // n * n)                                   # (rows, 16) fp32
+        x = torch.randn(rows, 16, generator=torch.Generator().manual_seed(dl.rank())).to(device)
+        if not torch.equal(_call("dl", x), _call("torch", x)):                      # also warms up
+            raise AssertionError(f"dl.comm.all_to_all differs from all_to_all_single at {nbytes} bytes")
+        dist.barrier()
+        t0 = time.perf_counter()
+        _call("dl", x)
+        _sync(device)
+        estimate = torch.tensor([(time.perf_counter() - t0) * 2], dtype=torch.float64)
+        dist.broadcast(estimate, 0)             # every rank must run the same number of repeats
+        reps = int(min(max_reps, max(min_reps, budget_s / max(float(estimate), 1e-6))))
+        times = {impl: [] for impl in IMPLS}
+        for rep in range(reps):
+            for impl in (IMPLS if rep % 2 == 0 else IMPLS[::-1]):
+                dist.barrier()
+                _sync(device)
+                t0 = time.perf_counter()
+                _call(impl, x)
+                _sync(device)
+                times[impl].append(time.perf_counter() - t0)
+        out[x.numel() * 4] = times
+        if dl.rank() == 0:
+            print(f"n={n} {human(x.numel() * 4):>7}: "
+                  + "  ".join(f"{k} {statistics.median(v) * 1e3:8.3f} ms" for k, v in times.items()),
+                  flush=True)
+    return out
+
+
+def summarise(per_rank, n):
+    rows = []
+    for nbytes, by_impl in per_rank[0].items():
+        for impl in by_impl:
+            slowest = [max(r[nbytes][impl][i] for r in per_rank) for i in range(len(by_impl[impl]))]
+            t = statistics.median(slowest)
+            rows.append({"world_size": n, "bytes": nbytes, "impl": impl, "median_s": t,
+                         "algbw_GBps": nbytes / t / 1e9, "busbw_GBps": nbytes / t / 1e9 * (n - 1) / n,
+                         "repeats": len(slowest)})
+    return rows
+
+
+def ratios(rows):
+    """Per world size: busbw(dl) / busbw(torch) at each size from 1 MB up, min and median, target met."""
+    out = {}
+    for n in sorted({r["world_size"] for r in rows}):
+        bw = {(r["impl"], r["bytes"]): r["busbw_GBps"] for r in rows if r["world_size"] == n}
+        big = {s: bw["dl", s] / bw["torch", s] for (impl, s) in bw if impl == "dl" and s >= FROM}
+        if big:
+            out[n] = {"ratio_by_size": big, "min_ratio_from_1MB": min(big.values()),
+                      "median_ratio_from_1MB": statistics.median(big.values()),
+                      "met": min(big.values()) >= TARGET}
+            print(f"N={n}: dl / torch busbw from 1 MB up: min {min(big.values()):.2f}, "
+                  f"median {statistics.median(big.values()):.2f} (target >= {TARGET}: "
+                  f"{'met' if out[n]['met'] else 'not met'})")
+    return out
+
+
+def plot(rows, path, backend):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax_ratio) = plt.subplots(1, 2, figsize=(11, 4))
+    for n in sorted({r["world_size"] for r in rows}):
+        for impl, style in (("dl", "-o"), ("torch", "--s")):
+            pts = [r for r in rows if r["world_size"] == n and r["impl"] == impl]
+            ax.plot([p["bytes"] for p in pts], [p["busbw_GBps"] for p in pts], style, ms=3,
+                    label=f"{'dl.comm.all_to_all' if impl == 'dl' else f'{backend} all_to_all_single'} N={n}")
+        bw = {(r["impl"], r["bytes"]): r["busbw_GBps"] for r in rows if r["world_size"] == n}
+        sizes = sorted(s for impl, s in bw if impl == "dl")
+        ax_ratio.plot(sizes, [bw["dl", s] / bw["torch", s] for s in sizes], "-o", ms=3, label=f"N={n}")
+    ax.set(xscale="log", yscale="log", xlabel="bytes per rank", ylabel="bus bandwidth (GB/s)",
+           title="all-to-all bus bandwidth, busbw = S/t (N-1)/N")
+    ax.legend(fontsize=8)
+    ax_ratio.axhline(TARGET, color="grey", ls=":", label=f"target {TARGET}")
+    ax_ratio.axhline(1.0, color="black", lw=0.5)
+    ax_ratio.axvline(FROM, color="grey", lw=0.5)
+    ax_ratio.set(xscale="log", xlabel="bytes per rank", ylabel=f"busbw dl / busbw {backend}",
+                 title=f"dl.comm.all_to_all vs {backend} all_to_all_single")
+    ax_ratio.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default=None, help="comma list like 1K,1M,4M (default: powers of 2, 1K..4M)")
+    p.add_argument("--ranks", default="2,4", help="world sizes, comma list (default 2,4)")
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--budget", type=float, default=1.0, help="seconds of repeats per size (default 1.0)")
+    p.add_argument("--min-reps", type=int, default=7)
+    p.add_argument("--max-reps", type=int, default=60)
+    p.add_argument("--out", default=default_out("all_to_all"))
+    a = p.parse_args(argv)
+    sizes = [parse_size(s) for s in a.sizes.split(",")] if a.sizes else DEFAULT_SIZES
+    rows, backend, started = [], None, time.time()
+    for n in [int(x) for x in a.ranks.split(",")]:
+        run = dl.launch(measure, world_size=n, args=(sizes, a.budget, a.min_reps, a.max_reps),
+                        backend=a.backend, output="live", timeout=1800)
+        backend = run.backend
+        rows += summarise(run.results, n)
+    meta = {**machine_facts(started, backend), "dtype": "float32",
+            "dl": "dl.comm.all_to_all (pairwise exchange)", "torch": "torch.distributed.all_to_all_single",
+            "statistic": "median over repeats of the slowest rank's time",
+            "busbw": "algbw * (N-1)/N (nccl-tests, all-to-all)",
+            "target": f"dl busbw >= {TARGET}x torch from 1 MB up"}
+    found = ratios(rows)
+    write(a.out, {"meta": meta, "target": {"ratio": TARGET, "from_bytes": FROM,
+                                           "met": bool(found) and all(r["met"] for r in found.values())},
+                  "ratio_dl_over_torch": found, "results": rows},
+          lambda png: plot(rows, png, backend))
+
+
+if __name__ == "__main__":
+    main()
