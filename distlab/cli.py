@@ -6,7 +6,9 @@
                   --resume
     distlab train --strategy zero2 --world-size 4 --steps 100 --checkpoint-dir ck --checkpoint-every 10 \
                   --max-restarts 2 --shrink --async-save
-    distlab strategies
+    distlab strategies                       every strategy name and the options it takes
+    distlab lessons DIR                      copy the lessons (Jupyter notebooks) into DIR/notebooks
+    distlab --version
 
 Under torchrun the same command runs on every rank (``--world-size`` must equal torchrun's) and
 rank 0 prints; after a failure, the same command with ``--resume`` continues from the latest
@@ -15,7 +17,11 @@ meets under its own store prefix: `distlab._torchrun`). Without torchrun, ``--ma
 the ranks itself (`distlab.restart`).
 
 ``train`` runs `dl.train` and prints the loss of every step, then bytes sent per rank per step and
-each rank's peak memory by category. Other subcommands may be added by other modules.
+each rank's peak memory by category; ``--json PATH`` (``-``: stdout) writes them with the run's settings
+and every step's wall time. Bad input (a misspelled option, a layout the world size cannot hold) is one
+line, ``distlab: error: ...`` with what to do, and exit status 2, before any rank starts; a rank that
+fails is one line naming it and its error, exit status 1 (``--traceback`` shows the full traceback).
+Other subcommands may be added by other modules.
 """
 from __future__ import annotations
 
@@ -24,26 +30,41 @@ import json
 import os
 import sys
 
+from . import __version__
+
+
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each default, except where there is none (None, False: a flag)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
+
 
 def _train_parser(sub) -> None:
-    p = sub.add_parser("train", help="train a model with a parallel strategy and print per-step losses")
+    p = sub.add_parser("train", help="train a model with a parallel strategy and print per-step losses",
+                       formatter_class=_Defaults)
     p.add_argument("--strategy", default="single",
-                   help="single, ddp, zero1, zero2, zero3, fsdp, tp, pp-1f1b, ...")
+                   help="single, ddp, zero1, zero2, zero3, fsdp, tp, pp-1f1b, 3d:dp=2,tp=2,pp=2, ... "
+                        "(see `distlab strategies`)")
     p.add_argument("--world-size", type=int, default=None,
                    help="ranks to launch (default 1; under torchrun, torchrun's WORLD_SIZE, "
                         "which it must equal)")
-    p.add_argument("--model", default="gpt-tiny", help="gpt-tiny, gpt-small, gpt-wide or mlp")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--global-batch", type=int, default=16)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"])
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed"])
-    p.add_argument("--clip", type=float, default=None)
-    p.add_argument("--comm", default=None, choices=["torch", "ring"], help="collectives (data parallel)")
-    p.add_argument("--bucket-mb", type=float, default=None)
+    p.add_argument("--model", default="gpt-tiny",
+                   help="gpt-tiny, gpt-small, gpt-wide, gpt-moe-tiny (for ep) or mlp")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    p.add_argument("--seed", type=int, default=0, help="weights and data")
+    p.add_argument("--global-batch", type=int, default=16, help="rows per step, over all ranks")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"], help="optimizer")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="weight decay")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per step")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed"], help="compute precision")
+    p.add_argument("--clip", type=float, default=None, help="clip the gradient norm to this")
+    p.add_argument("--comm", default=None, choices=["torch", "ring"],
+                   help="collectives (data parallel; default torch)")
+    p.add_argument("--bucket-mb", type=float, default=None, help="DDP/ZeRO bucket size (default 25)")
     p.add_argument("--no-overlap", action="store_true", help="communicate after backward, not during it")
     p.add_argument("--prefetch", action="store_true", help="ZeRO-3: gather the next unit early")
     p.add_argument("--hsdp", type=int, default=None, metavar="R",
@@ -67,9 +88,12 @@ def _train_parser(sub) -> None:
                    help="restart on one rank fewer each time, or on the given world sizes (e.g. 3,2)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra strategy option (value parsed as JSON when it can be)")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write losses, bytes and memory here")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="also write settings, losses, step times, bytes and memory here ('-': stdout, "
+                        "the table then goes to stderr)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="a bar with step, loss and it/s on stderr (default: when stderr is a terminal)")
+    p.add_argument("--traceback", action="store_true", help="on an error, show the full traceback")
 
 
 def _options(args) -> dict:
@@ -96,7 +120,7 @@ def _options(args) -> dict:
         opts["async_save"] = True
     for item in args.option:
         if "=" not in item:
-            raise SystemExit(f"--option expects KEY=VALUE, got {item!r}")
+            raise ValueError(f"--option expects KEY=VALUE (e.g. --option microbatches=4), got {item!r}")
         key, value = item.split("=", 1)
         try:
             opts[key] = json.loads(value)
@@ -128,36 +152,107 @@ def _run_train(args) -> int:
                    **_restart_args(args))
     if os.environ.get("RANK", "0") != "0":       # under torchrun every rank has the report: one prints it
         return 0
-    print(f"{args.strategy} on {report.world_size} rank(s), {args.model}, global batch {args.global_batch}")
+    out = sys.stderr if args.json == "-" else sys.stdout     # stdout is the JSON's, then
+    times = step_seconds(report)
+    print(f"{args.strategy} on {report.world_size} rank(s), {args.model}, global batch {args.global_batch}",
+          file=out)
     for step, loss in enumerate(report.losses):
-        print(f"step {step:4d}  loss {loss:.6f}")
+        took = f"  {times[step] * 1e3:8.1f} ms" if step < len(times) else ""
+        print(f"step {step:4d}  loss {loss:.6f}{took}", file=out)
     for r, (comm, mem) in enumerate(zip(report.comm, report.memory)):
         peak = mem.get("peak", {})
         parts = "  ".join(f"{k} {v / 2**20:.3f}" for k, v in peak.items())
-        print(f"rank {r}: sent {comm.get('sent_per_step', 0) / 2**20:.3f} MiB/step   peak MiB: {parts}")
+        sent = comm.get("sent_per_step", 0) / 2**20
+        print(f"rank {r}: sent {sent:.3f} MiB/step   peak MiB: {parts}", file=out)
     for r in getattr(report, "restarts", []):
         print(f"restart {r.attempt}: {r.world_size} -> {r.next_world_size} ranks, resumed from step "
-              f"{r.resumed_from}, lost {r.lost_steps} step(s) and {r.lost_seconds:.2f} s")
-    if args.json:
+              f"{r.resumed_from}, lost {r.lost_steps} step(s) and {r.lost_seconds:.2f} s", file=out)
+    if args.json == "-":
+        json.dump(_as_json(args, report, times), sys.stdout, indent=1)
+        print()
+    elif args.json:
         with open(args.json, "w") as f:
-            json.dump({"strategy": args.strategy, "world_size": report.world_size, "losses": report.losses,
-                       "comm": report.comm, "memory": [{k: v for k, v in m.items() if k != "timeline"}
-                                                        for m in report.memory]}, f, indent=1)
+            json.dump(_as_json(args, report, times), f, indent=1)
     return 0
 
 
+def _as_json(args, report, times: list[float]) -> dict:
+    """The run's settings, losses, step times (seconds), bytes and peak memory per rank."""
+    spec = report.spec
+    return {"version": __version__, "strategy": spec.strategy, "world_size": report.world_size,
+            "model": spec.model, "steps": spec.steps, "seed": spec.seed, "global_batch": spec.global_batch,
+            "grad_accum": spec.grad_accum, "precision": spec.precision, "optimizer": spec.optimizer,
+            "lr": spec.lr, "options": spec.options, "losses": report.losses, "step_seconds": times,
+            "seconds": report.seconds, "comm": report.comm,
+            "memory": [{k: v for k, v in m.items() if k != "timeline"} for m in report.memory]}
+
+
+def step_seconds(report) -> list[float]:
+    """Wall time of every step on rank 0: from its "step" mark to the end of its "optimizer" span."""
+    trace = report.trace
+    if trace is None:
+        return []
+    starts = {e.args.get("step"): e.start for e in trace.select("mark", rank=0, name="step")}
+    ends = {e.args.get("step"): e.end for e in trace.spans(rank=0, name="optimizer")}
+    return [ends[s] - starts[s] for s in sorted(starts) if s in ends]
+
+
+def _strategies() -> int:
+    from .strategies import CHECKPOINT_OPTIONS, names, options
+    for name in names():
+        own = [o for o in options(name) if o not in CHECKPOINT_OPTIONS]
+        note = "  (ddp's, read and ignored: one process)" if name == "single" else ""
+        print(f"{name:<20} {', '.join(own) or '-'}{note}")
+    print(f"\nevery strategy also takes {', '.join(CHECKPOINT_OPTIONS)}; pass options as "
+          "--option KEY=VALUE (or the flags of `distlab train --help`)")
+    return 0
+
+
+def _lessons(args) -> int:
+    from .lessons import copy
+    copied = copy(args.dir, force=args.force)
+    root = copied[0].parent.parent
+    print(f"copied {len(copied)} lessons to {copied[0].parent}; the code they explain is {root / 'distlab'}\n"
+          f"open them with: jupyter lab {root}   (pip install distlab[lab] for JupyterLab and the widgets)")
+    return 0
+
+
+def _error(err: Exception) -> int:
+    """One line on stderr for what went wrong and what to do: 2 for bad input, 1 for a failed rank."""
+    from .launch import LaunchError
+    if isinstance(err, LaunchError):
+        lines = [line for line in (err.failures.get(err.rank) or str(err)).splitlines() if line.strip()]
+        where = f"rank {err.rank} failed" if err.rank is not None else str(err).splitlines()[0]
+        print(f"distlab: error: {where}: {lines[-1].strip() if lines else ''}\n"
+              "(run again with --traceback for the full traceback)", file=sys.stderr)
+        return 1
+    print(f"distlab: error: {err}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
+    from .checkpoint.store import CheckpointError
+    from .launch import LaunchError
     parser = argparse.ArgumentParser(prog="distlab", description="distributed training, from send/recv up")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
-    sub.add_parser("strategies", help="list the strategy names train accepts")
+    sub.add_parser("strategies", help="list the strategy names train accepts, and their options")
+    lessons = sub.add_parser("lessons", help="copy the lessons (Jupyter notebooks) into DIR/notebooks")
+    lessons.add_argument("dir", metavar="DIR", help="where to put them (created if need be)")
+    lessons.add_argument("--force", action="store_true", help="overwrite lessons already there")
     args = parser.parse_args(argv)
-    if args.command == "train":
-        return _run_train(args)
-    if args.command == "strategies":
-        from .strategies import names
-        print("\n".join(names()))
-        return 0
+    try:
+        if args.command == "train":
+            return _run_train(args)
+        if args.command == "strategies":
+            return _strategies()
+        if args.command == "lessons":
+            return _lessons(args)
+    except (ValueError, TypeError, OSError, CheckpointError, LaunchError) as err:
+        if getattr(args, "traceback", False):
+            raise
+        return _error(err)
     return 2
 
 

@@ -139,6 +139,18 @@ def fsdp_memory(model: nn.Module, optimizer):
     return measure
 
 
+def pipeline_memory(modules, optimizer, stash: "PipelineStash"):
+    """A callable returning the model states of a pipeline rank (its stage modules, whole or tensor-
+    parallel shards; ``p.grad`` or the DDP buckets they view; the optimizer's state, or its inner
+    optimizer's for a sharded one) and ``activations``: the most bytes the rank's stash held at once
+    since the last call (`PipelineStash.take`: the schedule runs forward and backward in one step)."""
+    states = replica_memory(nn.ModuleList(modules), getattr(optimizer, "optimizer", optimizer))
+
+    def measure() -> dict[str, int]:
+        return {**states(), "activations": stash.take()}
+    return measure
+
+
 class SavedTensors:
     """Bytes autograd keeps alive for backward, via ``torch.autograd.graph.saved_tensors_hooks``.
 
@@ -246,6 +258,7 @@ class PipelineStash:
 
     def __init__(self):
         self.saved: dict[tuple[int, int], int] = {}     # (stage, microbatch) -> bytes saved by its forward
+        self.peak = 0                                   # most bytes held at once since the last `take`
 
     def around_step(self, pipe):
         return contextlib.nullcontext()
@@ -261,7 +274,13 @@ class PipelineStash:
             yield
         held = list(pipe.stash)
         held_bytes = sum(self.saved.get(k, 0) for k in held)
+        self.peak = max(self.peak, held_bytes)
         tracer().memory(self.LABEL, activations=held_bytes, microbatches=len(held))
+
+    def take(self) -> int:
+        """The most activation bytes held at once since the last call (then starts again from 0)."""
+        peak, self.peak = self.peak, 0
+        return peak
 
 
 class Ledger:

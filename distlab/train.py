@@ -72,14 +72,14 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
           timeout: float = 300.0, progress: bool | None = None, max_restarts: int = 0, shrink=False,
           **more_options) -> Report:
     """Train ``model`` with ``strategy`` on ``world_size`` ranks; extra keywords go to ``options``
-    (e.g. ``bucket_mb=1, overlap=False, comm="ring"`` for DDP; ``prefetch=True`` for ZeRO-3).
+    (e.g. ``bucket_mb=1, overlap=False, comm="ring"`` for DDP; ``prefetch=True`` for ZeRO-3). An option
+    the strategy does not read is a TypeError naming those it does (`distlab.strategies.options`).
     ``progress``: a bar with step, loss and it/s (None: when a person watches, see `distlab.progress`)."""
     spec = TrainSpec(strategy=strategy, model=model, steps=steps, seed=seed, global_batch=global_batch,
                      lr=lr, optimizer=optimizer, weight_decay=weight_decay, grad_accum=grad_accum,
                      precision=precision, clip=clip, options={**(options or {}), **more_options})
     train_rank = load(strategy)
-    _check_before_launch(spec, world_size)
-    check_strategy(spec, world_size)                    # pipeline stages, microbatches, options
+    check_strategy(spec, world_size)          # options (TypeError, did-you-mean), then the layout: per family
     checkpointing.check_options(spec.options)           # resume=..., a writable checkpoint_dir
     if max_restarts or shrink:                          # refused before any rank starts
         from . import restart
@@ -102,7 +102,6 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if max_restarts or shrink:
         for n in sorted(set(sizes[1:])):                 # every restart's layout, before any rank starts
-            _check_before_launch(spec, n)
             check_strategy(spec, n)
         return restart.run(spec, sizes, lambda s, n: _launched(train_rank, s, n, output, timeout, progress))
     return _launched(train_rank, spec, world_size, output, timeout, progress)
@@ -123,25 +122,6 @@ def _launched(train_rank, spec: TrainSpec, world_size: int, output: str, timeout
     params = next((r.params for r in results if r.params is not None), None)
     return Report(spec, world_size, holder.losses, params, run, [r.info.get("memory", {}) for r in results],
                   [r.info.get("comm", {}) for r in results], results, time.perf_counter() - start)
-
-
-def _check_before_launch(spec: TrainSpec, world_size: int) -> None:
-    """Layouts that cannot work on ``world_size`` ranks fail here, before any rank starts: a 3D mesh whose
-    degrees do not multiply to it, an fsdp ``hsdp`` degree that does not divide it, a context- or
-    expert-parallel run whose sequence, heads or experts do not split over it."""
-    if spec.strategy == "fsdp":
-        from .strategies.fsdp import options
-        options(spec, world_size)
-    if spec.strategy == "ep":
-        from .strategies.expert import check
-        check(spec, world_size)
-    if spec.strategy in ("cp-ring", "cp-ulysses"):
-        from .strategies.context import check
-        check(spec, world_size)
-    if spec.strategy.startswith("3d:"):
-        from .strategies.mesh import check_world
-        check_world(spec, world_size)                    # degrees fill the world; cp= / ep= combinations
-
 
 
 def _print_notes(results: list[RankResult]) -> None:

@@ -8,6 +8,7 @@ import torch
 
 import distlab as dl
 from distlab.strategies import REGISTRY, TrainSpec, global_batch, load
+from test_cli import check_report
 
 
 def test_single_learns_and_reports():
@@ -92,6 +93,7 @@ def test_every_strategy_runs_the_one_loop_and_matches_single(strategy, world):
     kw = dict(SGD, grad_accum=2)
     report = dl.train(strategy, world_size=world, **kw)
     _assert_close_to(report, dl.train("single", **kw))
+    check_report(report)                     # real bytes and memory on every rank (test_cli)
     for r in range(world):
         marks = report.trace.select("mark", rank=r, name="step")
         spans = report.trace.spans(rank=r, name="optimizer")

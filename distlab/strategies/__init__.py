@@ -4,6 +4,12 @@ Modules load lazily, on first use (a rank imports only the strategy it runs). Me
 named by their degrees, ``"3d:dp=2,tp=2,pp=2"``, and all share the ``"3d"`` entry. `load` returns the
 ``train_rank`` callable.
 
+Each family module declares, beside its ``train_rank``, what it accepts and what it refuses:
+``OPTIONS`` (strategy name -> the option names it reads) and ``check(spec, world)`` (raises, saying what
+to change, for a layout that cannot run on ``world`` ranks). `check` runs both in the parent, before
+any rank starts: a misspelled or misplaced option is a TypeError naming the strategy's options, with a
+did-you-mean; an impossible layout (heads over tp, rows per rank, stages per model) a ValueError.
+
 Reading order: `base` (the spec, the data, the result), `loop` (THE step loop every strategy runs), then
 one file per family, each only building the model, the criterion and the loop's `loop.Plan`:
 `data_parallel` (single, DDP, ZeRO), `fsdp` (`dl.fully_shard`), `tensor`, `pipeline`, `context` (cp-ring,
@@ -11,8 +17,10 @@ cp-ulysses), `expert` (ep), `mesh` (3D), `mesh_axes` (its cp= and ep= axes).
 """
 from __future__ import annotations
 
+import difflib
 import importlib
 
+from ..checkpoint.training import OPTIONS as CHECKPOINT_OPTIONS
 from .base import RankResult, TrainSpec, build_model, global_batch, loss_fn, make_optimizer
 
 REGISTRY: dict[str, str] = {
@@ -33,57 +41,75 @@ REGISTRY: dict[str, str] = {
     "cp-ulysses": "distlab.strategies.context:train_rank",
     "3d": "distlab.strategies.mesh:train_rank",
 }
+#: how `names` and the CLI show the mesh entry: the form `dl.train` takes
+MESH_FORM = "3d:dp=D,tp=T,pp=P"
 
 
 def names() -> list[str]:
-    return list(REGISTRY)
+    """Every strategy name, the mesh in the form `dl.train` takes (``3d:dp=D,tp=T,pp=P``)."""
+    return [MESH_FORM if n == "3d" else n for n in REGISTRY]
+
+
+def _key(strategy: str) -> str:
+    key = "3d" if strategy.startswith("3d:") else strategy
+    if key not in REGISTRY:
+        close = difflib.get_close_matches(strategy, list(REGISTRY), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown strategy {strategy!r}{hint}: choose one of {names()} "
+                         "(meshes as '3d:dp=2,tp=2,pp=2')")
+    return key
+
+
+def _module(strategy: str):
+    return importlib.import_module(REGISTRY[_key(strategy)].split(":")[0])
+
+
+def options(strategy: str) -> tuple[str, ...]:
+    """The options ``strategy`` reads (its family's ``OPTIONS``), then those every strategy takes (the
+    checkpoint's)."""
+    key = _key(strategy)
+    return tuple(_module(strategy).OPTIONS[key]) + CHECKPOINT_OPTIONS
+
+
+def check_options(strategy: str, given) -> None:
+    """TypeError for any of ``given`` (option names) that ``strategy`` does not read: names its valid
+    options, the closest one, and the strategies that do take a misplaced one."""
+    valid = options(strategy)
+    for key in given:
+        if key in valid:
+            continue
+        close = difflib.get_close_matches(key, valid, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        takers = [n for n in names() if key in options(n)]
+        where = f"; {key!r} is an option of {', '.join(takers)}" if takers and not close else ""
+        own = ", ".join(o for o in valid if o not in CHECKPOINT_OPTIONS) or "none of its own"
+        raise TypeError(f"strategy {strategy!r} has no option {key!r}{hint}{where}. Its options: {own}; "
+                        f"and, for every strategy, {', '.join(CHECKPOINT_OPTIONS)}")
 
 
 def check(spec: TrainSpec, world_size: int) -> None:
-    """What can be refused before any rank starts: a pipeline with more stages than the model has pieces
-    to cut, microbatches the batch cannot supply, data-parallel options out of range."""
+    """Everything that can be refused before any rank starts: the world size, the model name, the
+    options (`check_options`), then the family's own ``check`` (rows per rank, heads over the tensor-
+    parallel degree, pipeline stages and microbatches, mesh degrees, ...)."""
     from ..models import PRESETS
-    from .base import microbatch_count
     from .moe_support import refuse_moe
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    models = sorted(PRESETS) + ["mlp"]
+    if spec.model not in models:
+        close = difflib.get_close_matches(spec.model, models, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown model {spec.model!r}{hint}: choose one of {models}")
+    check_options(spec.strategy, spec.options)
+    _module(spec.strategy).check(spec, world_size)
     refuse_moe(spec)                                          # a mixture of experts: ep, single, dp only
-    o = spec.options
-    if spec.strategy.startswith("3d:"):
-        from .mesh import parse
-        degrees = parse(spec.strategy, o)
-        virtual = degrees.get("virtual", 2) if degrees["schedule"] == "interleaved" else 1
-        stages = degrees["pp"] * virtual
-    elif spec.strategy.startswith("pp-"):
-        virtual = int(o.get("virtual", 2)) if spec.strategy == "pp-interleaved" else 1
-        stages = world_size * virtual
-        microbatch_count(o.get("microbatches"), spec.micro_batch, world_size, spec.strategy[3:],
-                         "micro-step (global_batch / grad_accum)")
-    else:
-        stages, virtual = 1, 1
-    layers = PRESETS[spec.model].layers if spec.model in PRESETS else None
-    pieces = layers + 2 if layers is not None else 3          # GPT: embeddings, blocks, head; mlp: 3 linears
-    if stages > pieces:
-        what = (f"the embeddings, {layers} blocks and the head" if layers is not None else "its 3 layers")
-        per_rank = f" ({virtual} per rank)" if virtual > 1 else ""
-        smaller = ", or a smaller virtual" if virtual > 1 else ""
-        raise ValueError(f"{stages} pipeline stages{per_rank} but model {spec.model!r} has only {pieces} "
-                         f"pieces to cut ({what}): use at most {pieces} stages (fewer pipeline "
-                         f"ranks{smaller}), or a deeper model (e.g. model='gpt-small', "
-                         f"{PRESETS['gpt-small'].layers + 2} pieces)")
-    if "bucket_mb" in o and not (isinstance(o["bucket_mb"], (int, float)) and o["bucket_mb"] > 0):
-        raise ValueError(f"bucket_mb must be a positive number of megabytes, got {o['bucket_mb']!r}")
-    if o.get("comm", "torch") not in ("torch", "ring"):
-        raise ValueError(f"comm={o['comm']!r}: choose 'torch' (torch.distributed's collectives) or 'ring'")
 
 
 def load(strategy: str):
     """The ``train_rank`` function for ``strategy`` (e.g. "zero2", "3d:dp=2,tp=2,pp=1")."""
-    key = "3d" if strategy.startswith("3d:") else strategy
-    if key not in REGISTRY:
-        raise ValueError(f"unknown strategy {strategy!r}: choose one of {names()} "
-                         "(meshes as '3d:dp=2,tp=2,pp=2')")
-    module_name, func_name = REGISTRY[key].split(":")
+    module_name, func_name = REGISTRY[_key(strategy)].split(":")
     return getattr(importlib.import_module(module_name), func_name)
 
 
-__all__ = ["REGISTRY", "names", "load", "TrainSpec", "RankResult",
-           "build_model", "make_optimizer", "global_batch", "loss_fn"]
+__all__ = ["REGISTRY", "MESH_FORM", "CHECKPOINT_OPTIONS", "names", "options", "check", "check_options",
+           "load", "TrainSpec", "RankResult", "build_model", "make_optimizer", "global_batch", "loss_fn"]

@@ -138,6 +138,27 @@ def microbatch_count(requested: int | None, rows: int, p: int, schedule: str, wh
     return m
 
 
+def check_pieces(spec: TrainSpec, stages: int, virtual: int = 1) -> None:
+    """A pipeline of ``stages`` stages (``virtual`` per rank) needs as many pieces of the model to cut."""
+    layers = models.PRESETS[spec.model].layers if spec.model in models.PRESETS else None
+    pieces = layers + 2 if layers is not None else 3          # GPT: embeddings, blocks, head; mlp: 3 linears
+    if stages > pieces:
+        what = (f"the embeddings, {layers} blocks and the head" if layers is not None else "its 3 layers")
+        per_rank = f" ({virtual} per rank)" if virtual > 1 else ""
+        smaller = ", or a smaller virtual" if virtual > 1 else ""
+        raise ValueError(f"{stages} pipeline stages{per_rank} but model {spec.model!r} has only {pieces} "
+                         f"pieces to cut ({what}): use at most {pieces} stages (fewer pipeline "
+                         f"ranks{smaller}), or a deeper model (e.g. model='gpt-small', "
+                         f"{models.PRESETS['gpt-small'].layers + 2} pieces)")
+
+
+def check_gpt(spec: TrainSpec, who: str) -> None:
+    """Strategies that cut a GPT's heads, vocabulary or sequence refuse the MLP."""
+    if spec.model not in models.PRESETS:
+        raise ValueError(f"{who} shards a GPT (heads, MLP, vocabulary): choose a GPT preset such as "
+                         f"model='gpt-tiny', not {spec.model!r}")
+
+
 def require_rows(spec: TrainSpec, parts: int, who: str = "ranks") -> None:
     """Every one of ``parts`` data-parallel parts (ranks, replicas) needs a row of each micro-batch."""
     if spec.micro_batch < parts:

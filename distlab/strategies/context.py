@@ -47,6 +47,7 @@ from .loop import Plan, run, sum_losses
 from .tensor import sharded_params
 
 ATTENTION = {"cp-ring": "ring", "cp-ulysses": "ulysses"}
+OPTIONS = {name: ("dp", "tp", "zigzag", "bucket_mb") for name in ATTENTION}
 
 
 def check(spec: TrainSpec, world: int) -> tuple[int, int, bool]:
@@ -113,8 +114,6 @@ def train_rank(spec: TrainSpec) -> RankResult:
     world, r = world_size(), rank()
     dp, n, zigzag = check(spec, world)
     tp = spec.options.get("tp", 1)
-    if spec.precision != "fp32":
-        raise ValueError(f"{spec.strategy} runs in fp32 here: pass precision='fp32'")
     if tp > 1:
         d, groups = mesh_groups(dp, n, tp)
     else:

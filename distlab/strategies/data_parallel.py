@@ -44,7 +44,12 @@ from .base import (
 from .loop import Plan, run, sum_losses
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
-OPTIONS = ("bucket_mb", "overlap", "comm", "naive", "prefetch", "no_sync", "max_inflight")
+_ZERO = ("bucket_mb", "overlap", "comm", "no_sync", "max_inflight")
+#: the options each strategy reads (`distlab.strategies.check_options` refuses any other); ``single``
+#: takes those of ddp and ignores them, so one set of keywords runs the reference and ddp side by side
+OPTIONS = {"single": ("bucket_mb", "overlap", "comm", "naive", "no_sync"),
+           "ddp": ("bucket_mb", "overlap", "comm", "naive", "no_sync"),
+           "zero1": _ZERO, "zero2": _ZERO, "zero3": _ZERO + ("prefetch",)}
 
 
 class LocalOptimizer:
@@ -87,7 +92,7 @@ class LocalOptimizer:
 def _wrap(spec: TrainSpec, model: torch.nn.Module):
     """(model to call, optimizer with clip_grad_norm_/step/zero_grad, a callable returning the ledger's
     bytes by category), the last measured from outside by `distlab.memory`."""
-    opts = {k: v for k, v in spec.options.items() if k in OPTIONS}
+    opts = {k: v for k, v in spec.options.items() if k in OPTIONS[spec.strategy]}
     comm = opts.get("comm", "torch")
     if spec.strategy in ("single", "ddp"):
         wrapped = model
@@ -128,15 +133,24 @@ def train_rank(spec: TrainSpec) -> RankResult:
     return RankResult(losses=losses if r == 0 else None, params=params, info=trained.info)
 
 
-def _check(spec: TrainSpec) -> tuple[int, int]:
-    """(world size, rank), after refusing what this family cannot run."""
+def check(spec: TrainSpec, n: int) -> None:
+    """Refuse what this family cannot run on ``n`` ranks (before any rank starts, and in each)."""
     if spec.strategy not in STRATEGIES:
         raise ValueError(f"data_parallel trains {STRATEGIES}, not {spec.strategy!r}")
-    n = world_size()
     if spec.strategy == "single" and n != 1:
-        raise ValueError("strategy 'single' runs on one process: use world_size=1")
+        raise ValueError("strategy 'single' runs on one process: use world_size=1 (or pick ddp, zero1, ...)")
     require_rows(spec, n)
-    return n, rank()
+    o = spec.options
+    if "bucket_mb" in o and not (isinstance(o["bucket_mb"], (int, float)) and o["bucket_mb"] > 0):
+        raise ValueError(f"bucket_mb must be a positive number of megabytes, got {o['bucket_mb']!r}")
+    if o.get("comm", "torch") not in ("torch", "ring"):
+        raise ValueError(f"comm={o['comm']!r}: choose 'torch' (torch.distributed's collectives) or 'ring'")
+
+
+def _check(spec: TrainSpec) -> tuple[int, int]:
+    """(world size, rank), after refusing what this family cannot run."""
+    check(spec, world_size())
+    return world_size(), rank()
 
 
 def _forward(spec: TrainSpec, wrapped, model, n: int, r: int):

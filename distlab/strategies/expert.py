@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from .. import models
 from ..checkpoint.state import model_parallel_state
+from ..memory import replica_memory
 from ..parallel import collectives as C
 from ..parallel import expert as ep
 from ..parallel.clip import clip_grad_norm_
@@ -48,6 +49,9 @@ from .base import (RankResult, TrainSpec, autocast, build_model, global_batch, l
                    require_rows)
 from .context import digests
 from .loop import Plan, run, sum_losses
+
+
+OPTIONS = {"ep": ("dp", "experts", "bucket_mb")}
 
 
 def check(spec: TrainSpec, n: int) -> None:
@@ -140,7 +144,8 @@ def train_rank(spec: TrainSpec) -> RankResult:
     state = model_parallel_state(model, params, model, optimizer, loss_weight=True, keeps_history=r == 0,
                                  replica_group=dp_group, layout=layout)
     plan = Plan(forward, optimizer, state, sync_grads=sync_grads,
-                clip=lambda max_norm: clip_grad_norm_(params, max_norm, sharded=experts, groups=[ep_group]))
+                clip=lambda max_norm: clip_grad_norm_(params, max_norm, sharded=experts, groups=[ep_group]),
+                memory=replica_memory(model, optimizer))
     trained = run(spec, plan)
     losses = sum_losses(trained.losses)                        # each rank's share, summed
     full = ep.full_state_dict(model)

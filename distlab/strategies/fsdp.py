@@ -26,6 +26,13 @@ from .data_parallel import _forward
 from .loop import Plan, run, sum_losses
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}
+OPTIONS = {"fsdp": ("hsdp", "param_dtype", "reshard_after_forward", "no_sync")}
+
+
+def check(spec: TrainSpec, world: int) -> None:
+    """Refuse, before any rank starts, what ``fsdp`` cannot run on ``world`` ranks."""
+    require_rows(spec, world)
+    options(spec, world)
 
 
 def options(spec: TrainSpec, world: int) -> dict:

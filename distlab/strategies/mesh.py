@@ -42,12 +42,14 @@ what composes and what is refused is in `distlab.strategies.mesh_axes`.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 
 import torch
 
 from ..checkpoint.state import model_parallel_state
-from ..memory import PipelineStash
+from ..checkpoint.training import OPTIONS as CHECKPOINT_OPTIONS
+from ..memory import PipelineStash, pipeline_memory
 from ..parallel import tensor as tp_lib
 from ..parallel.clip import clip_grad_norm_, sum_over
 from ..parallel.mesh import AXES, Mesh
@@ -59,6 +61,8 @@ from .base import (
     TrainSpec,
     autocast,
     build_model,
+    check_gpt,
+    check_pieces,
     gather_params,
     global_batch,
     loss_fn,
@@ -69,10 +73,11 @@ from .base import (
 )
 from . import mesh_axes
 from .loop import Plan, run, sum_losses
-from .tensor import sharded_params
+from .tensor import check_shards, sharded_params
 
 INT_OPTIONS = ("dp", "tp", "pp", "microbatches", "virtual", "zero", "cp", "ep")
-OPTIONS = INT_OPTIONS + ("schedule", "balance", "sequence_parallel", "sp", "bucket_mb", "attention", "zigzag")
+KEYS = INT_OPTIONS + ("schedule", "balance", "sequence_parallel", "sp", "bucket_mb", "attention", "zigzag")
+OPTIONS = {"3d": KEYS}                # what `distlab.strategies.check_options` accepts in options=
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 LAYOUT = ("dp", "tp", "pp", "zero", "virtual", "balance", "sequence_parallel")   # what a rank holds
 
@@ -86,16 +91,23 @@ def parse(strategy: str, options: dict | None = None) -> dict:
     for item in filter(None, (s.strip() for s in strategy[3:].split(","))):
         key, eq, value = item.partition("=")
         key = key.strip()
-        if not eq or key not in OPTIONS:
-            raise ValueError(f"{strategy!r}: cannot read {item!r}; write key=value with keys from {OPTIONS}, "
-                             "e.g. '3d:dp=2,tp=2,pp=2'")
+        if not eq or key not in KEYS:
+            close = difflib.get_close_matches(key, KEYS, n=1, cutoff=0.5)
+            hint = f" (did you mean {close[0]!r}?)" if close and eq else ""
+            raise ValueError(f"{strategy!r}: cannot read {item!r}{hint}; write key=value with keys from "
+                             f"{KEYS}, e.g. '3d:dp=2,tp=2,pp=2'")
         found[key] = value.strip()
     found.update(options or {})
+    unknown = [k for k in found if k not in KEYS and k not in CHECKPOINT_OPTIONS]
+    if unknown:                                       # the checkpoint's options are read elsewhere
+        close = difflib.get_close_matches(unknown[0], KEYS, n=1, cutoff=0.5)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise TypeError(f"the mesh strategy has no option {unknown[0]!r}{hint}: its options are {KEYS}")
     out = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero": 0, "schedule": "1f1b", "balance": "layers",
            "bucket_mb": 25.0}
     for key, value in found.items():
-        if key not in OPTIONS:
-            continue                                  # options meant for other strategies are ignored
+        if key not in KEYS:
+            continue                                  # a checkpoint option
         if key in INT_OPTIONS:
             try:
                 value = int(value)
@@ -127,6 +139,24 @@ def check_world(spec: TrainSpec, world_size: int) -> None:
         Mesh(opts["dp"], opts["tp"], opts["pp"], world_size=world_size, groups=False)
 
 
+def check(spec: TrainSpec, world: int) -> None:
+    """Refuse, before any rank starts, a mesh that cannot run on ``world`` ranks: degrees that do not
+    multiply to it (`check_world`; cp= / ep= axes: `mesh_axes.check`), a GPT that does not split over tp,
+    rows that do not feed dp replicas, a pipeline with more stages than the model has pieces or more
+    microbatches than rows."""
+    check_world(spec, world)
+    opts = parse(spec.strategy, spec.options)
+    if opts["cp"] > 1 or opts["ep"] > 1:
+        return
+    mesh = Mesh(opts["dp"], opts["tp"], opts["pp"], world_size=world, groups=False)
+    check_shards(spec, mesh.tp, bool(opts.get("sequence_parallel")) and mesh.tp > 1, "the 3d mesh")
+    rows = _replica_rows(spec, mesh)
+    microbatch_count(opts.get("microbatches"), len(rows[-1]), mesh.pp, opts["schedule"],
+                     "data-parallel replica and micro-step (global_batch / grad_accum / dp)")
+    virtual = opts.get("virtual", 2) if opts["schedule"] == "interleaved" else 1
+    check_pieces(spec, mesh.pp * virtual, virtual)
+
+
 def axis_of(event) -> str:
     """Which mesh axis a comm event travelled on: the name the mesh gave its group (``group`` tag,
     see `collectives.name_group`); the pipeline's send/recv -> "pp"; anything else -> "dp"."""
@@ -152,9 +182,7 @@ def train_rank(spec: TrainSpec) -> RankResult:
     opts = parse(spec.strategy, spec.options)
     if opts["cp"] > 1 or opts["ep"] > 1:                  # cp= / ep= axes: see mesh_axes
         return mesh_axes.train_rank(spec, opts)
-    if spec.model == "mlp":
-        raise ValueError("the 3d mesh shards a GPT (heads, MLP, vocabulary) and pipelines its blocks: "
-                         "choose a GPT preset such as model='gpt-tiny'")
+    check_gpt(spec, "the 3d mesh")
     mesh = Mesh(opts["dp"], opts["tp"], opts["pp"])
     rows = _replica_rows(spec, mesh)
     m = microbatch_count(opts.get("microbatches"), len(rows[-1]), mesh.pp, opts["schedule"],
@@ -166,10 +194,12 @@ def train_rank(spec: TrainSpec) -> RankResult:
     pipe = Pipeline(modules if v > 1 else modules[0], stage_ids if v > 1 else stage_ids[0],
                     mesh.pp * v, schedule=opts["schedule"], microbatches=m,
                     loss_fn=_criterion(spec, model, mesh, rows), group=mesh.pp_group)
-    pipe.observers += [ActionTrace(), PipelineStash()]    # measured from outside: spans, stash bytes
+    stash = PipelineStash()
+    pipe.observers += [ActionTrace(), stash]              # measured from outside: spans, stash bytes
     params = list(pipe.parameters())
     ddp, optimizer = _data_parallel(spec, opts, mesh, modules, params)
     plan = _plan(spec, opts, mesh, rows, model, modules, pipe, ddp, optimizer)
+    plan.memory = pipeline_memory(modules, optimizer, stash)
     trained = run(spec, plan)
     losses = sum_losses(trained.losses, mesh.dp_group) if pipe.last else None   # replicas' shares summed
     full = gather_params(_full_tensors(modules, mesh), names)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.state import model_parallel_state
-from ..memory import PipelineStash
+from ..memory import PipelineStash, pipeline_memory
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.expert import ride_balance_losses
 from ..parallel.pipeline.executor import Pipeline
@@ -34,6 +34,7 @@ from .base import (
     TrainSpec,
     autocast,
     build_model,
+    check_pieces,
     gather_params,
     global_batch,
     loss_fn,
@@ -43,6 +44,23 @@ from .base import (
 from .loop import Plan, run
 
 SCHEDULE_OF = {"pp-gpipe": "gpipe", "pp-1f1b": "1f1b", "pp-interleaved": "interleaved", "pp-zb-h1": "zb-h1"}
+OPTIONS = {name: ("microbatches", "balance") + (("virtual",) if name == "pp-interleaved" else ())
+           for name in SCHEDULE_OF}
+
+
+def check(spec: TrainSpec, p: int) -> tuple[int, int]:
+    """Refuse, before any rank starts, a pipeline ``p`` ranks cannot run: more stages than the model has
+    pieces, microbatches the batch cannot supply. Returns (virtual stages per rank, microbatches)."""
+    if spec.strategy not in SCHEDULE_OF:
+        raise ValueError(f"unknown pipeline strategy {spec.strategy!r}: choose one of {sorted(SCHEDULE_OF)}")
+    name = SCHEDULE_OF[spec.strategy]
+    v = int(spec.options.get("virtual", 2)) if name == "interleaved" else 1
+    m = microbatch_count(spec.options.get("microbatches"), spec.micro_batch, p, name,
+                         "micro-step (global_batch / grad_accum)")
+    check_pieces(spec, p * v, v)
+    if spec.options.get("balance", "layers") not in ("layers", "params"):
+        raise ValueError(f"balance={spec.options['balance']!r}: choose 'layers' or 'params'")
+    return v, m
 
 
 def balance_losses(spec: TrainSpec, model, modules):
@@ -64,13 +82,9 @@ def balance_losses(spec: TrainSpec, model, modules):
 
 
 def train_rank(spec: TrainSpec) -> RankResult:
-    if spec.strategy not in SCHEDULE_OF:
-        raise ValueError(f"unknown pipeline strategy {spec.strategy!r}: choose one of {sorted(SCHEDULE_OF)}")
-    name = SCHEDULE_OF[spec.strategy]
     p, r = world_size(), rank()
-    v = int(spec.options.get("virtual", 2)) if name == "interleaved" else 1
-    m = microbatch_count(spec.options.get("microbatches"), spec.micro_batch, p, name,
-                         "micro-step (global_batch / grad_accum)")
+    v, m = check(spec, p)
+    name = SCHEDULE_OF[spec.strategy]
     model = build_model(spec)
     names = {id(q): n for n, q in model.named_parameters()}
     ids = [r + k * p for k in range(v)]                 # this rank's stages: r, r + p, ...
@@ -79,7 +93,8 @@ def train_rank(spec: TrainSpec) -> RankResult:
     plain = loss_fn(spec)
     pipe = Pipeline(modules if v > 1 else modules[0], ids if v > 1 else ids[0], p * v, schedule=name,
                     microbatches=m, loss_fn=lambda out, y: plain(out, y) / spec.grad_accum)
-    pipe.observers += [ActionTrace(), PipelineStash()]    # measured from outside: spans, stash bytes
+    stash = PipelineStash()
+    pipe.observers += [ActionTrace(), stash]              # measured from outside: spans, stash bytes
     params = list(pipe.parameters())
     optimizer = make_optimizer(params, spec)
     held = torch.nn.ModuleList(modules)             # this rank's stage(s): what a checkpoint holds
@@ -94,7 +109,8 @@ def train_rank(spec: TrainSpec) -> RankResult:
     state = model_parallel_state(model, params, held, optimizer, loss_weight=pipe.last,
                                  keeps_history=pipe.last, layout={"virtual": v, "balance": balance})
     plan = Plan(forward, optimizer, state, backward=False,
-                clip=lambda max_norm: clip_grad_norm_(params, max_norm, groups=[None]))
+                clip=lambda max_norm: clip_grad_norm_(params, max_norm, groups=[None]),
+                memory=pipeline_memory(modules, optimizer, stash))
     trained = run(spec, plan)
     full = gather_params({names[id(q)]: q for q in params}, list(names.values()))
     param_bytes = sum(q.numel() * q.element_size() for q in params)

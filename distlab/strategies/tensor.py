@@ -19,8 +19,31 @@ from ..parallel import collectives as C
 from ..parallel import tensor as tp_lib
 from ..parallel.clip import clip_grad_norm_
 from ..runtime import rank
-from .base import RankResult, TrainSpec, autocast, build_model, global_batch, make_optimizer
+from ..memory import replica_memory
+from ..models import PRESETS
+from .base import RankResult, TrainSpec, autocast, build_model, check_gpt, global_batch, make_optimizer
 from .loop import Plan, run
+
+
+OPTIONS = {"tp": ("sequence_parallel",), "tp-sp": ()}
+
+
+def check_shards(spec: TrainSpec, t: int, sequence_parallel: bool, who: str) -> None:
+    """Refuse, before any rank starts, a GPT whose heads, width, vocabulary (and, with sequence
+    parallelism, sequence) do not split over ``t`` tensor-parallel ranks (`dl.tp.parallelize`'s rule)."""
+    check_gpt(spec, who)
+    cfg = PRESETS[spec.model]
+    sizes = {"heads": cfg.heads, "d_model": cfg.d_model, "vocab": cfg.vocab}
+    if sequence_parallel:
+        sizes["seq_len"] = cfg.seq_len
+    for what, size in sizes.items():
+        tp_lib.check_divisible(f"{spec.model}'s {what}", size, t, "another model")
+
+
+def check(spec: TrainSpec, world: int) -> None:
+    """Refuse, before any rank starts, a model that ``world`` tensor-parallel ranks cannot split."""
+    sp = spec.strategy == "tp-sp" or bool(spec.options.get("sequence_parallel", False))
+    check_shards(spec, world, sp, spec.strategy)
 
 
 def sharded_params(modules) -> list[torch.Tensor]:
@@ -30,9 +53,7 @@ def sharded_params(modules) -> list[torch.Tensor]:
 
 
 def train_rank(spec: TrainSpec) -> RankResult:
-    if spec.model == "mlp":
-        raise ValueError("tp and tp-sp shard a GPT (attention heads, MLP, vocabulary): choose a GPT preset "
-                         "such as model='gpt-tiny'")
+    check_gpt(spec, spec.strategy)
     sp = spec.strategy == "tp-sp" or bool(spec.options.get("sequence_parallel", False))
     model = tp_lib.parallelize(build_model(spec), sequence_parallel=sp)
     optimizer = make_optimizer(model.parameters(), spec)
@@ -47,7 +68,8 @@ def train_rank(spec: TrainSpec) -> RankResult:
     state = model_parallel_state(model, params, model, optimizer, loss_weight=rank() == 0, keeps_history=True,
                                  layout={"sequence_parallel": sp})
     plan = Plan(forward, optimizer, state,
-                clip=lambda max_norm: clip_grad_norm_(params, max_norm, sharded=sharded, groups=[None]))
+                clip=lambda max_norm: clip_grad_norm_(params, max_norm, sharded=sharded, groups=[None]),
+                memory=replica_memory(model, optimizer))
     trained = run(spec, plan)
     full = tp_lib.full_state_dict(model)
     shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
