@@ -14,6 +14,8 @@ can put a prediction beside a measurement. One idea per module:
   throughput   6 N D FLOPs, MFU, training time, scaling efficiency
   presets      GPT-3 / Llama models, GPUs, interconnects
   planner      "fits on" verdicts, the cheapest configuration, the decision guide
+  sim          step time of a training step on a cluster: compute, exposed communication, bubble
+  published    published training runs (Narayanan 2021, Korthikanti 2022, Llama 3) beside sim's predictions
 """
 from distlab.theory.activations import activation_bytes_per_layer, pipeline_in_flight
 from distlab.theory.comm import algbw, busbw, comm_time, dp_volume, pp_volume, tp_volume, zero_volume
@@ -29,6 +31,7 @@ from distlab.theory.presets import GPUS, LINKS, MODELS, gpu, link, model
 from distlab.theory.throughput import (chinchilla_tokens, mfu, scaling_efficiency, throughput,
                                        training_flops, training_time)
 from distlab.theory.units import GB, GiB, MB, MiB
+from distlab.theory import published, sim  # noqa: E402  (modules: dl.theory.sim.step(...))
 
 __all__ = [
     "activation_bytes_per_layer", "pipeline_in_flight", "algbw", "busbw", "comm_time", "dp_volume",
@@ -39,5 +42,5 @@ __all__ = [
     "GPUS", "LINKS", "MODELS", "gpu", "link", "model", "chinchilla_tokens", "mfu", "scaling_efficiency",
     "throughput", "training_flops", "training_time", "GB", "GiB", "MB", "MiB",
     "MoEParams", "ep_memory", "ep_params_per_rank", "expert_capacity", "gpt_moe_params",
-    "moe_all_to_all_bytes", "moe_layer_params", "moe_step_all_to_all_bytes",
+    "moe_all_to_all_bytes", "moe_layer_params", "moe_step_all_to_all_bytes", "sim", "published",
 ]
