@@ -77,3 +77,10 @@ def compare(name: str, efficiency: Efficiency | None = None) -> list[Comparison]
         predicted = getattr(result, table["metric"])
         out.append(Comparison(name, row["name"], table["metric"], row["published"], predicted, result))
     return out
+
+
+def calibrated(gpu: str) -> Efficiency:
+    """The efficiency constants the published tables were reproduced with, for ``gpu``'s generation:
+    the A100 tables' set (Narayanan 2021 = Korthikanti 2022) or the H100 set (Llama 3)."""
+    table = "llama3_2024_table4" if gpu.lower().startswith(("h100", "h200")) else "narayanan2021_table1"
+    return Efficiency(**tables()[table]["efficiency"])

@@ -10,7 +10,8 @@ widget) and its latest answer as ``.result``, recomputed whenever a control chan
 from distlab.widgets.advisor import advisor
 from distlab.widgets.allreduce_explorer import allreduce_explorer
 from distlab.widgets.bubble_explorer import bubble_explorer
+from distlab.widgets.cluster_planner import cluster_planner
 from distlab.widgets.memory_calculator import memory_calculator
 from distlab.widgets.quiz import quiz
 
-__all__ = ["advisor", "allreduce_explorer", "bubble_explorer", "memory_calculator", "quiz"]
+__all__ = ["advisor", "allreduce_explorer", "bubble_explorer", "memory_calculator", "quiz", "cluster_planner"]
