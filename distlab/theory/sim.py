@@ -185,12 +185,13 @@ def _microbatch_times(shape, cluster, eff, layout) -> dict[str, float]:
     extra = {"none": 0.0, "selective": scores, "full": fwd}[layout["recompute"]]
     recompute = shape.layers * extra / chunks / (tp * cp)
     layers = shape.layers / chunks
-    message = 2 * (s // cp) * b * h                                         # bf16 activation, bytes
+    e = layout["element"]                                                    # bytes per element
+    message = e * (s // cp) * b * h                                         # one activation, bytes
     bw, lat = group_link(cluster, tp, 1, eff)
     tp_one = comm_time("all_reduce", message, tp, bw, lat)                   # = reduce-scatter + all-gather
     full = layout["recompute"] == "full"
     tp_f, tp_b = 2 * layers * tp_one, (2 + (2 if full else 0)) * layers * tp_one
-    kv = 2 * (s // cp) * b * (shape.kv_heads or shape.heads) * (h // shape.heads) * 2 / tp   # K and V
+    kv = 2 * (s // cp) * b * (shape.kv_heads or shape.heads) * (h // shape.heads) * e / tp   # K and V
     bw, lat = group_link(cluster, cp, tp, eff)
     cp_one = comm_time("all_gather", kv * cp, cp, bw, lat) if cp > 1 else 0.0
     cp_f, cp_b = layers * cp_one, (2 + (1 if full else 0)) * layers * cp_one
@@ -204,7 +205,7 @@ def _p2p_time(shape, cluster, eff, layout) -> float:
     tp, cp, pp = layout["tp"], layout["cp"], layout["pp"]
     if pp == 1:
         return 0.0
-    nbytes = 2 * (layout["seq_len"] // cp) * layout["micro_batch"] * shape.hidden / tp
+    nbytes = layout["element"] * (layout["seq_len"] // cp) * layout["micro_batch"] * shape.hidden / tp
     inside = tp * cp * pp <= cluster.gpus_per_node
     link = cluster.nvlink if inside else cluster.inter
     return link.latency + nbytes / (link.bandwidth * eff.comm)
@@ -213,7 +214,7 @@ def _p2p_time(shape, cluster, eff, layout) -> float:
 def _dp_time(shape, cluster, eff, layout, m: int) -> tuple[float, float]:
     """(DP / ZeRO communication per step, of which per microbatch for ZeRO-3), seconds."""
     dp, zero = layout["dp"], layout["zero"]
-    local = shape.params / (layout["tp"] * layout["pp"]) * 2                # bf16 bytes of this GPU's model
+    local = shape.params / (layout["tp"] * layout["pp"]) * layout["element"]   # bytes of this GPU's model
     bw, lat = group_link(cluster, dp, layout["tp"] * layout["cp"] * layout["pp"], eff)
     if dp == 1:
         return 0.0, 0.0
@@ -225,7 +226,7 @@ def _dp_time(shape, cluster, eff, layout, m: int) -> tuple[float, float]:
 
 
 def _layout(shape: ModelPreset, gpus, dp, tp, pp, virtual, cp, zero, global_batch, micro_batch, seq_len,
-            recompute, schedule, sp, flash=False) -> dict:
+            recompute, schedule, sp, flash=False, precision="bf16-mixed") -> dict:
     """The layout as a dict, checked: every error says what to change."""
     degrees = (("tp", tp), ("pp", pp), ("cp", cp), ("virtual", virtual), ("micro_batch", micro_batch))
     for name, value in degrees:
@@ -250,7 +251,8 @@ def _layout(shape: ModelPreset, gpus, dp, tp, pp, virtual, cp, zero, global_batc
     schedule = schedule or ("interleaved" if virtual > 1 else "1f1b")
     return {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "virtual": virtual, "zero": zero, "seq_len": seq_len,
             "global_batch": global_batch, "micro_batch": micro_batch, "recompute": recompute,
-            "schedule": schedule, "sp": tp > 1 if sp is None else sp, "flash": flash,
+            "schedule": schedule, "sp": tp > 1 if sp is None else sp, "flash": flash, "precision": precision,
+            "element": 4 if precision == "fp32" else 2,
             "microbatches": global_batch // (dp * micro_batch)}
 
 
@@ -267,7 +269,8 @@ def step(model: str | ModelPreset, gpu: str | GPUPreset | Cluster = "a100-80gb",
          dp: int | None = None, tp: int = 1, pp: int = 1, virtual: int = 1, cp: int = 1, zero: int = 0,
          global_batch: int = 1536, micro_batch: int = 1, seq_len: int | None = None,
          recompute: str = "selective", schedule: str | None = None, sp: bool | None = None,
-         flash_attention: bool = False, overlap_dp: bool = True, efficiency: Efficiency | None = None,
+         flash_attention: bool = False, precision: str = "bf16-mixed", overlap_dp: bool = True,
+         efficiency: Efficiency | None = None,
          gpus_per_node: int = 8, inter: str = "ib-hdr", headroom: float = 0.9) -> StepResult:
     """Predict one training step of ``model`` (a preset name or a `ModelPreset`) on ``gpus`` GPUs.
 
@@ -275,6 +278,7 @@ def step(model: str | ModelPreset, gpu: str | GPUPreset | Cluster = "a100-80gb",
     cluster) or a `Cluster`. ``global_batch`` and ``micro_batch`` count sequences; the pipeline runs
     ``global_batch / (dp x micro_batch)`` microbatches under ``schedule`` (default 1F1B, interleaved
     when ``virtual > 1``). ``overlap_dp``: the DP/ZeRO collectives hide under the last backward.
+    ``precision``: "bf16-mixed" (2-byte activations and gradients on the wire) or "fp32" (4 bytes).
     ``flash_attention``: the scores are never stored (memory as with selective recomputation, and
     no memory-bound softmax traffic).
     """
@@ -282,7 +286,7 @@ def step(model: str | ModelPreset, gpu: str | GPUPreset | Cluster = "a100-80gb",
     where = gpu if isinstance(gpu, Cluster) else cluster(gpu, gpus_per_node, inter)
     eff = efficiency or Efficiency()
     lay = _layout(shape, gpus, dp, tp, pp, virtual, cp, zero, global_batch, micro_batch,
-                  seq_len or shape.seq_len, recompute, schedule, sp, flash_attention)
+                  seq_len or shape.seq_len, recompute, schedule, sp, flash_attention, precision)
     m, v = lay["microbatches"], lay["virtual"]
     t = _microbatch_times(shape, where, eff, lay)
     t_f = t["f"] + t["tp_f"] + t["cp_f"] + eff.per_action
@@ -315,7 +319,7 @@ def _memory(shape: ModelPreset, lay: dict) -> MemoryBreakdown:
     schedule = lay["schedule"] if lay["schedule"] in ("gpipe", "1f1b", "interleaved", "zb-h1") else "1f1b"
     recompute = "selective" if lay["flash"] and lay["recompute"] == "none" else lay["recompute"]
     mem = memory_bytes(shape, dp=lay["dp"], zero=lay["zero"], tp=lay["tp"], pp=lay["pp"],
-                       seq_len=lay["seq_len"], micro_batch=lay["micro_batch"], sp=lay["sp"],
-                       recompute=recompute, schedule=schedule, microbatches=lay["microbatches"],
-                       virtual=lay["virtual"])
+                       precision=lay["precision"], seq_len=lay["seq_len"], micro_batch=lay["micro_batch"],
+                       sp=lay["sp"], recompute=recompute, schedule=schedule,
+                       microbatches=lay["microbatches"], virtual=lay["virtual"])
     return replace(mem, activations=mem.activations / lay["cp"])
