@@ -111,8 +111,9 @@ one (`os.cpu_count()`, not fitted). The *fitted* constants:
   t = 2(n-1) alpha + 2 (n-1)/n S / beta (lesson 01's ring);
 * **compute speed** (FLOP/s per core, Python overhead included), once from `tp` and `pp-1f1b` on 2 ranks (the
   geometric mean of the speeds that make each exact), and once from `ddp` on 2 ranks for the data-parallel
-  family: those strategies also sample the memory ledger every step ([distlab/memory.py](../distlab/memory.py)),
-  bookkeeping that a model this small does not hide.
+  family, whose loop does different Python work per step (gradient buckets, and the memory ledger sampled every
+  step, [distlab/memory.py](../distlab/memory.py)): on a quiet machine the two speeds come out close, under load
+  they drift apart.
 
 Then the simulator **predicts** two runs it never saw: `3d:dp=1,tp=2,pp=2` on **4** ranks (tensor and pipeline
 parallelism composed, and twice as many ranks as cores) and `zero3` on 2 ranks (parameters gathered for every
