@@ -133,3 +133,13 @@ def test_the_simulator_is_fast_enough_to_search_with():
     start = time.process_time()
     r = sim.step("llama3-70b", "h100-80gb", 2048, tp=8, pp=8, virtual=5, global_batch=1024, seq_len=8192)
     assert math.isfinite(r.step_time) and time.process_time() - start < 2.0
+
+
+def test_fixed_costs_land_in_overhead():
+    base = sim.step(GPT, "a100-80gb", 8, pp=2, global_batch=8, recompute="none")
+    eff = sim.Efficiency(overhead=0.5, per_action=0.01)
+    r = sim.step(GPT, "a100-80gb", 8, pp=2, global_batch=8, recompute="none", efficiency=eff)
+    m = r.layout["microbatches"]
+    assert r.breakdown["overhead"] == pytest.approx(0.5 + 2 * m * 0.01)
+    # per-action time also widens the bubble
+    assert r.step_time > base.step_time + 0.5 + 2 * m * 0.01 - 1e-9

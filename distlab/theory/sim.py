@@ -3,7 +3,8 @@
 It composes the other `dl.theory` pieces (no second formula for anything they already say):
 FLOPs per layer (Narayanan et al. 2021, Eq. 3), collective times in the alpha-beta model
 (`theory.comm`), memory per GPU (`theory.memory`, Korthikanti et al. 2022), and pipeline bubbles
-replayed from the very action lists `dl.pp` executes (`parallel/pipeline/schedule.py`).
+replayed from the very action lists `dl.pp` executes (`parallel/pipeline/schedule.py`, pure Python,
+imported when first needed: importing its package also loads the torch executor).
 
 One microbatch on one pipeline stage (``layers / pp`` layers on ``tp x cp`` GPUs)::
 
