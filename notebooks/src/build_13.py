@@ -206,7 +206,8 @@ stacked(ax, [f"{n} ({RUNS[n][0]} ranks)\\n{'fitted' if n in FITTED else 'predict
 ax.scatter([measured[n] * 1e3 for n in names], range(len(names)), marker="D", color="black", zorder=3,
            label="measured")
 ax.set_xlabel("milliseconds per step on this machine")
-ax.legend(ncol=4, fontsize=7, loc="lower right")
+ax.legend(ncol=8, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+fig.tight_layout()
 fig
 """)
 code("""
@@ -265,7 +266,8 @@ pick = [rows["narayanan2021_table1"][0], rows["narayanan2021_table1"][-1], rows[
         rows["korthikanti2022_table5"][7], *rows["llama3_2024_table4"]]
 fig, ax = plt.subplots(figsize=(9, 3.2))
 results = [c.result for c in pick]
-stacked(ax, [c.name for c in pick], results, scale=1.0)
+short = {"narayanan2021_table1": "Narayanan", "korthikanti2022_table5": "Korthikanti", "llama3_2024_table4": "Llama 3"}
+stacked(ax, [f"{short[c.table]} {c.name}" for c in pick], results, scale=1.0)
 for i, res in enumerate(results):                  # normalise: share of each step
     for patch in ax.patches[i::len(results)]:
         patch.set_width(patch.get_width() / res.step_time)
