@@ -205,6 +205,7 @@ stacked(ax, [f"{n} ({RUNS[n][0]} ranks)\\n{'fitted' if n in FITTED else 'predict
         [predictions[n] for n in names], scale=1e3)
 ax.scatter([measured[n] * 1e3 for n in names], range(len(names)), marker="D", color="black", zorder=3,
            label="measured")
+ax.set_xlim(0, 1.08e3 * max(max(measured.values()), max(p.step_time for p in predictions.values())))
 ax.set_xlabel("milliseconds per step on this machine")
 ax.legend(ncol=8, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25))
 fig.tight_layout()
