@@ -16,7 +16,8 @@ except ImportError as err:         # the widgets are an extra: say how to get th
 from distlab.widgets.advisor import advisor
 from distlab.widgets.allreduce_explorer import allreduce_explorer
 from distlab.widgets.bubble_explorer import bubble_explorer
+from distlab.widgets.cluster_planner import cluster_planner
 from distlab.widgets.memory_calculator import memory_calculator
 from distlab.widgets.quiz import quiz
 
-__all__ = ["advisor", "allreduce_explorer", "bubble_explorer", "memory_calculator", "quiz"]
+__all__ = ["advisor", "allreduce_explorer", "bubble_explorer", "memory_calculator", "quiz", "cluster_planner"]
