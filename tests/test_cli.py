@@ -247,8 +247,9 @@ def test_a_built_wheel_carries_the_lessons_and_finds_them_installed(tmp_path):
     listed = zipfile.ZipFile(wheel).namelist()
     data = sorted(n.rsplit("/", 1)[1] for n in listed if "/data/share/distlab/lessons/" in n)
     assert data == LESSONS, listed
-    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--prefix", str(tmp_path / "env"),
-                    str(wheel)], check=True, capture_output=True, timeout=300, env=clean)
+    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--ignore-installed",   # never uninstall
+                    "--prefix", str(tmp_path / "env"), str(wheel)],                   # the dev install
+                   check=True, capture_output=True, timeout=300, env=clean)
     site = next((tmp_path / "env").glob("lib/python*/site-packages"))
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import distlab.lessons as L; "
             "assert L.__file__.startswith(sys.argv[1]), L.__file__; print(L.source()); "
