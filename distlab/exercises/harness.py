@@ -75,11 +75,13 @@ class Result:
 
     __repr__ = __str__
 
-    def require(self) -> "Result":
+    def require(self) -> None:
         """Raise unless passed: `NotImplementedError` for a stub not written yet ("not implemented yet"),
-        `ExerciseNotPassed` with the first difference otherwise. For graded cells."""
+        `ExerciseNotPassed` with the first difference otherwise. For graded cells: it returns None, so a
+        cell ending in it shows only what `check` printed (nbval runs cells without history, where a
+        trailing ``;`` does not silence a value)."""
         if self.passed:
-            return self
+            return None
         if "NotImplementedError" in (self.problem or ""):
             raise NotImplementedError(f"{self.name}: not implemented yet; write it in the cell above, then "
                                       "run this cell again")
