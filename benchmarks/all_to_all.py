@@ -187,6 +187,9 @@ def main(argv=None):
     meta = {**machine_facts(started, backend), "dtype": "float32",
             "dl": "dl.comm.all_to_all (pairwise exchange)", "torch": "torch.distributed.all_to_all_single",
             "p2p": "bare isend/irecv loop (gloo's order, no checks or tracing): the send/recv ceiling",
+            "why": "torch runs the whole exchange as one C++ call in gloo's worker thread; any send/recv "
+                   "implementation drives 2(N-1) gloo operations from the Python thread, which is then on "
+                   "the critical path (posting and every wait), exposed to preemption on a loaded machine",
             "statistic": "median over repeats of the slowest rank's time",
             "busbw": "algbw * (N-1)/N (nccl-tests, all-to-all)",
             "target": f"dl busbw >= {TARGET}x torch from 1 MB up"}
