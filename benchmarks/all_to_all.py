@@ -1,6 +1,6 @@
 """All-to-all by pairwise exchange (dl.comm.all_to_all) beside torch.distributed's all_to_all_single.
 
-    python benchmarks/all_to_all.py                      # 1 KB .. 4 MB, 2 and 4 ranks, gloo on CPU
+    python benchmarks/all_to_all.py                      # 1 KB .. 16 MB, 2 and 4 ranks, gloo on CPU
     python benchmarks/all_to_all.py --ranks 2 --sizes 64K,1M --budget 0.2
 
 Every rank sends S bytes (its whole tensor: N row blocks, block i to rank i) and receives S. Reported as
@@ -32,7 +32,7 @@ import distlab as dl  # noqa: E402
 from _results import default_out, machine_facts, write  # noqa: E402
 from allreduce import _sync, human, parse_size  # noqa: E402
 
-DEFAULT_SIZES = [2**k for k in range(10, 23)]           # 1 KiB .. 4 MiB
+DEFAULT_SIZES = [2**k for k in range(10, 25)]           # 1 KiB .. 16 MiB
 IMPLS = ("dl", "torch", "p2p")
 TARGET, FROM = 0.8, 1 << 20
 
@@ -169,7 +169,7 @@ def _over(rows, a, b):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sizes", default=None, help="comma list like 1K,1M,4M (default: powers of 2, 1K..4M)")
+    p.add_argument("--sizes", default=None, help="comma list like 1K,1M,4M (default: powers of 2, 1K..16M)")
     p.add_argument("--ranks", default="2,4", help="world sizes, comma list (default 2,4)")
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     p.add_argument("--budget", type=float, default=1.0, help="seconds of repeats per size (default 1.0)")
