@@ -34,15 +34,16 @@ trip of notices before any byte moves; posted together, every block travels at o
     wait:  step 1, step 2, ..., step N-1                                          (one trace event each)
 
 A send is posted before its step's receive, as gloo's ``alltoall`` does (gloo/alltoall.cc): the peer's
-"ready" then finds the send waiting and gloo's own thread writes the bytes, instead of the caller's
-thread writing them inside ``isend`` while holding the connection's lock. The result is the same bytes,
-and the trace still shows one event per step (from the posting to that step's completion).
+"ready" then usually finds the send waiting and gloo's own thread writes the bytes, rather than the
+caller's thread writing them inside ``isend`` while holding the connection's lock. The result is the
+same bytes, and the trace still shows one event per step (from the posting to that step's completion).
 ``posted=False`` runs the textbook loop above, one blocking exchange per step, tested equal.
 
-What remains between this and ``all_to_all_single`` on gloo is not bytes but Python: 2(N-1) posts and
-waits made from the caller's thread (torch's runs the same loop in C++, in gloo's worker thread).
-``benchmarks/all_to_all.py`` measures a bare isend/irecv loop beside both: the ceiling of any
-send/recv implementation.
+What remains between this and ``all_to_all_single`` on gloo is not bytes but a fixed cost per call:
+2(N-1) posts and waits driven from the Python thread, which is then on the critical path (torch runs
+the same loop as one C++ call in gloo's worker thread). ``benchmarks/all_to_all.py`` measures a bare
+isend/irecv loop beside both, the ceiling of any send/recv implementation: this function sits at it,
+and both close on torch as blocks grow (the fixed cost amortised).
 
 Blocks may differ in size (``splits``, row counts; empty blocks too). A receiver cannot know them
 in advance, so an uneven call first exchanges the row counts the same way (one int64 per block,
