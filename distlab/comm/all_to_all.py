@@ -23,13 +23,27 @@ Bytes per rank, with S the tensor (blocks equal): sends and receives (N-1)/N * S
 
     T_all_to_all = (N-1) alpha + (N-1)/N * S / B
 
-The fast path (``posted=True``, the default) keeps the same pairs in the same order but does not wait
-for one step before starting the next: every receive is posted, then every send, then each step is
-waited on in order (MPICH's medium-message all-to-all, Thakur et al. Sec. 4.4, Isend/Irecv all at
-once). gloo only delivers data into a receive already posted, so posting them all first lets every
-block travel at once instead of paying a round trip per step; the result is the same bytes, and the
-trace still shows one event per step (from the posting to that step's completion). ``posted=False``
-runs the textbook loop above, one blocking exchange per step, tested equal.
+The fast path (``posted=True``, the default) keeps the same pairs but does not wait for one step
+before starting the next (MPICH's medium-message all-to-all, Thakur et al. Sec. 4.4, Isend/Irecv all at
+once). gloo moves a message only once both ends have posted it (a send announces itself, a receive
+answers "ready", then the bytes flow, gloo/transport/tcp/pair.cc), so a blocking step costs a round
+trip of notices before any byte moves; posted together, every block travels at once:
+
+    post:  isend(b[r][r+1]) irecv(<- r-1)  isend(b[r][r+2]) irecv(<- r-2)  ...   gloo's own alltoall order
+    copy:  b[r][r] into place                                                     (overlaps the transfers)
+    wait:  step 1, step 2, ..., step N-1                                          (one trace event each)
+
+A send is posted before its step's receive, as gloo's ``alltoall`` does (gloo/alltoall.cc): the peer's
+"ready" then usually finds the send waiting and gloo's own thread writes the bytes, rather than the
+caller's thread writing them inside ``isend`` while holding the connection's lock. The result is the
+same bytes, and the trace still shows one event per step (from the posting to that step's completion).
+``posted=False`` runs the textbook loop above, one blocking exchange per step, tested equal.
+
+What remains between this and ``all_to_all_single`` on gloo is not bytes but a fixed cost per call:
+2(N-1) posts and waits driven from the Python thread, which is then on the critical path (torch runs
+the same loop as one C++ call in gloo's worker thread). ``benchmarks/all_to_all.py`` measures a bare
+isend/irecv loop beside both, the ceiling of any send/recv implementation: this function sits at it,
+and both close on torch as blocks grow (the fixed cost amortised).
 
 Blocks may differ in size (``splits``, row counts; empty blocks too). A receiver cannot know them
 in advance, so an uneven call first exchanges the row counts the same way (one int64 per block,
@@ -65,19 +79,22 @@ def all_to_all(t: torch.Tensor, splits: list[int] | None = None, group=None,
     x = t.contiguous()
     if out_splits is None:
         out_splits = splits if even else _exchange_sizes(ring, splits, t.device)
-    out_splits = _check_splits(out_splits, n, sum(map(int, out_splits)), "out_splits", "the rows received")
+    else:                                    # (exchanged counts were checked on the ranks that sent them)
+        out_splits = _check_splits(out_splits, n, sum(map(int, out_splits)), "out_splits",
+                                   "the rows received")
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))       # (sum(out_splits), *t.shape[1:])
     send_blocks = torch.split(x, splits)                             # send_blocks[i] -> rank i
     recv_blocks = torch.split(out, out_splits)                       # recv_blocks[j] <- rank j
-    recv_blocks[ring.rank].copy_(send_blocks[ring.rank])             # my own block stays here
     steps = posted_steps if posted else pairwise_steps
     steps(ring, "all_to_all", send_blocks, recv_blocks, call=new_call(), size=x.numel() * x.element_size())
     return out
 
 
 def pairwise_steps(ring: Ring, name: str, send_blocks, recv_blocks, *, call: int, size: int) -> None:
-    """N-1 steps: at step s send block r+s to rank r+s, receive into block r-s from rank r-s."""
+    """My own block is a local copy; then N-1 steps: at step s send block r+s to rank r+s, receive into
+    block r-s from rank r-s."""
     n, r = ring.size, ring.rank
+    recv_blocks[r].copy_(send_blocks[r])
     for s in range(1, n):
         dst, src = (r + s) % n, (r - s) % n
         exchange(ring, name, send=send_blocks[dst].view(-1), dst=dst, recv=recv_blocks[src].view(-1),
@@ -85,24 +102,28 @@ def pairwise_steps(ring: Ring, name: str, send_blocks, recv_blocks, *, call: int
 
 
 def posted_steps(ring: Ring, name: str, send_blocks, recv_blocks, *, call: int, size: int) -> None:
-    """The same N-1 steps, all in flight together: post every receive, then every send, then wait step by
-    step (each recorded as one comm event, from the posting to its completion)."""
+    """The same N-1 steps, all in flight together: post step 1's send and receive, step 2's, ..., copy my
+    own block while they travel, then wait step by step (each recorded as one comm event, from the
+    posting to its completion)."""
     n, r, tr = ring.size, ring.rank, tracer()
     start = tr.now()
     peers = [((r + s) % n, (r - s) % n) for s in range(1, n)]          # step s: (send to, receive from)
-    ops = [(dist.irecv, recv_blocks[src].view(-1), src) for _, src in peers]
-    ops += [(dist.isend, send_blocks[dst].view(-1), dst) for dst, _ in peers]
-    works = post_all(ring, ops)
+    ops = []
+    for dst, src in peers:                     # send, then receive, step by step: gloo's own order
+        ops += [(dist.isend, send_blocks[dst], dst), (dist.irecv, recv_blocks[src], src)]  # row blocks:
+    works = post_all(ring, ops)                                                           # contiguous
+    recv_blocks[r].copy_(send_blocks[r])                               # overlaps the transfers
     for s, (dst, src) in enumerate(peers):
-        recv, send = works[s], works[n - 1 + s]
+        send, recv = works[2 * s], works[2 * s + 1]
         for w in (recv, send):
             if w is not None:
                 w.wait()
-        sent, received = (send_blocks[dst].numel() * send_blocks[dst].element_size(),
-                          recv_blocks[src].numel() * recv_blocks[src].element_size())
-        tr.comm(name, start=start, end=tr.now(), sent=sent, received=received,
-                peer=ring.glob(dst) if sent else None, src=ring.glob(src) if received else None, step=s,
-                call=call, size=size, world=n, send_block=dst, recv_block=src)
+        if tr.enabled:                         # (the arguments alone cost a few microseconds a step)
+            sent, received = (send_blocks[dst].numel() * send_blocks[dst].element_size(),
+                              recv_blocks[src].numel() * recv_blocks[src].element_size())
+            tr.comm(name, start=start, end=tr.now(), sent=sent, received=received,
+                    peer=ring.glob(dst) if sent else None, src=ring.glob(src) if received else None,
+                    step=s, call=call, size=size, world=n, send_block=dst, recv_block=src)
 
 
 def post_all(ring: Ring, ops) -> list:
@@ -120,7 +141,6 @@ def _exchange_sizes(ring: Ring, splits: list[int], device) -> list[int]:
     """Every rank's row count for me: an all-to-all of one int64 per block."""
     counts = torch.tensor(splits, dtype=torch.int64, device=device)
     received = torch.empty_like(counts)
-    received[ring.rank] = counts[ring.rank]
     pairwise_steps(ring, "exchange_sizes", torch.split(counts, 1), torch.split(received, 1),
                    call=new_call(), size=counts.numel() * counts.element_size())
     return received.tolist()
