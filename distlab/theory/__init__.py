@@ -17,6 +17,7 @@ can put a prediction beside a measurement. One idea per module:
   checkpoint   Young's and Daly's optimal checkpoint interval, the wall time it buys
   sim          step time of a training step on a cluster: compute, exposed communication, bubble
   published    published training runs (Narayanan 2021, Korthikanti 2022, Llama 3) beside sim's predictions
+  landscape    TP all-reduces vs matmuls on each interconnect; GPT-3, Llama 2, PaLM costed from their papers
 """
 from distlab.theory.activations import activation_bytes_per_layer, pipeline_in_flight
 from distlab.theory.checkpoint import (checkpointed_wall_time, daly_interval, interval_steps, waste_fraction,
@@ -38,6 +39,7 @@ from distlab.theory.throughput import (chinchilla_tokens, mfu, scaling_efficienc
                                        training_flops, training_time)
 from distlab.theory.units import GB, GiB, MB, MiB
 from distlab.theory import published, sim  # noqa: E402  (modules: dl.theory.sim.step(...))
+from distlab.theory.landscape import accelerator_hours, implied_mfu, run_cost, tp_layer_time  # noqa: E402
 
 __all__ = [
     "activation_bytes_per_layer", "pipeline_in_flight", "algbw", "busbw", "comm_time", "dp_volume",
@@ -53,4 +55,5 @@ __all__ = [
     "fsdp_volume", "fsdp_padding",
     "young_interval", "daly_interval", "waste_fraction", "checkpointed_wall_time", "interval_steps",
     "sim", "published",
+    "accelerator_hours", "implied_mfu", "run_cost", "tp_layer_time",
 ]

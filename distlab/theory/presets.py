@@ -14,7 +14,7 @@ Links (one direction, per GPU):
   NVLink 3 (A100) 300 GB/s, NVLink 4 (H100/H200) 450 GB/s  -- NVIDIA data sheets (600 / 900 both ways)
   PCIe 4.0 x16 32 GB/s, PCIe 5.0 x16 64 GB/s                -- PCI-SIG, 16 / 32 GT/s per lane
   InfiniBand HDR 200 Gb/s = 25 GB/s, NDR 400 Gb/s = 50 GB/s -- IBTA / NVIDIA ConnectX-6/7
-  Ethernet 100 GbE = 12.5 GB/s, 10 GbE = 1.25 GB/s          -- IEEE 802.3
+  Ethernet 400 GbE = 50 GB/s, 100 GbE = 12.5 GB/s, 10 GbE = 1.25 GB/s -- IEEE 802.3 (bs, ba, ae)
 Latencies are order-of-magnitude teaching values (a few microseconds on NVLink/PCIe/IB,
 tens over TCP Ethernet), not specifications.
 """
@@ -89,6 +89,7 @@ LINKS = {k.name: k for k in [
     LinkPreset("pcie5", 64e9, 5e-6),
     LinkPreset("ib-hdr", 25e9, 5e-6),
     LinkPreset("ib-ndr", 50e9, 5e-6),
+    LinkPreset("ethernet-400g", 50e9, 20e-6),
     LinkPreset("ethernet-100g", 12.5e9, 20e-6),
     LinkPreset("ethernet-10g", 1.25e9, 50e-6),
 ]}
