@@ -22,6 +22,7 @@ import nbformat
 import pytest
 
 import distlab as dl
+from distlab.exercises import student
 from distlab.exercises.student import exercise_cells
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,18 +149,26 @@ def test_each_exercise_in_the_lessons_is_its_reference(name):
     for lesson, cells in _lesson_cells().items():
         for i, cell in enumerate(cells):
             if cell[2].get("nbgrader", {}).get("grade_id") == name:
-                found[lesson] = cells[i - 1:i + 2]
+                found[lesson] = i - 1                                       # where its task cell is
     assert found, f"exercise {name} is in no lesson"
-    for lesson, cells in found.items():
-        for got, want, what in zip(cells, expected, ("task", "solution", "check")):
+    for lesson, first in found.items():
+        cells = _lesson_cells()[lesson][first:first + 3]
+        for i, (got, want, what) in enumerate(zip(cells, expected, ("task", "solution", "check"))):
             assert got == want, (
                 f"the {what} cell of exercise {name} in notebooks/{lesson} is not what the reference makes: "
-                f"{_describe(0, got, want, ('lesson', 'reference'))}\n{_refresh(name, lesson)}")
+                f"{_describe(first + i, got, want, ('lesson', 'reference'))}\n{_refresh(name, lesson)}")
 
 
 def _refresh(name: str, lesson: str) -> str:
-    make = (f"import nbformat, jupytext; from distlab.exercises.student import exercise_cells; "
-            f"print(jupytext.writes(nbformat.v4.new_notebook(cells=exercise_cells(['{name}'])[2:]), "
-            f"'py:percent'))")
-    return (f"replace those cells in notebooks/{lesson} by the output of  python -c \"{make}\"  (without its "
-            f"header), then run `make notebooks LESSONS=notebooks/{lesson}`")
+    return (f"replace the task, solution and check cells of {name} in notebooks/{lesson} by the ones "
+            f"`python -m distlab.exercises.student --cells {name}` prints "
+            f"(after its introduction and imports), "
+            f"then run `make notebooks LESSONS=notebooks/{lesson}`")
+
+
+def test_cells_printed_for_a_lesson_read_back_as_the_exercise_cells(capsys):
+    assert student.main(["--cells", "buckets", "ring_all_reduce"]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("# %% [markdown]\n# ## Build it yourself")
+    expected = _cells(nbformat.v4.new_notebook(cells=exercise_cells(["buckets", "ring_all_reduce"])))
+    assert _cells(jupytext.reads(text, fmt="py:percent")) == expected
