@@ -87,7 +87,9 @@ def test_lessons_are_paired_by_jupytext_config():
     assert NOTEBOOKS and len(NOTEBOOKS) == len(SOURCES), (
         f"lessons without a source: {[p.name for p in NOTEBOOKS if not p.with_suffix('.py').exists()]}; "
         f"sources without a lesson: {[p.name for p in SOURCES if not p.with_suffix('.ipynb').exists()]}")
-    assert not (LESSONS / "src").exists(), "notebooks/src/ is gone: lessons are written as notebooks/NN_*.py"
+    assert not (LESSONS / "src").exists(), (
+        "notebooks/src/ is back: a lesson's source is now notebooks/NN_name.py; write it from the executed "
+        "lesson with `make sources NOTEBOOKS=notebooks/NN_name.ipynb`, then delete notebooks/src/")
 
 
 @pytest.mark.parametrize("lesson", NOTEBOOKS, ids=lambda p: p.stem)
