@@ -26,7 +26,7 @@ endif
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: lab test test-fast lint notebooks student bench browser clean
+.PHONY: lab test test-fast lint notebooks sources student bench browser clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -48,11 +48,21 @@ lint: $(STAMP)
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests -x -q
 
-# Re-execute every lesson in place (after changing a lesson's source in notebooks/src/).
+# A lesson is a pair (notebooks/jupytext.toml): NN_name.py, its source in jupytext's percent format, and
+# NN_name.ipynb, the same cells executed. After editing .py files: `make notebooks` copies each one's cells
+# into its .ipynb (jupytext --update: outputs and cell ids kept) and re-executes the lesson in place.
+# LESSONS picks some:  make notebooks LESSONS=notebooks/03_zero.py
+LESSONS ?= notebooks/[0-9]*.py
 notebooks: $(STAMP)
-	for f in notebooks/src/build_*.py; do $(BIN)/python $$f || exit 1; done
-	for nb in notebooks/[0-9]*.ipynb; do \
-	  $(BIN)/jupyter nbconvert --to notebook --execute --inplace $$nb || exit 1; done
+	for py in $(LESSONS); do \
+	  $(BIN)/jupytext --quiet --update --to ipynb $$py || exit 1; \
+	  $(BIN)/jupyter nbconvert --to notebook --execute --inplace $${py%.py}.ipynb || exit 1; done
+
+# The other way, .ipynb -> .py: a lesson that arrived as a notebook only (or was edited in Jupyter without
+# jupytext) gets its source written from its cells.  make sources NOTEBOOKS=notebooks/12_*.ipynb
+NOTEBOOKS ?= notebooks/[0-9]*.ipynb
+sources: $(STAMP)
+	$(BIN)/jupytext --to py:percent $(NOTEBOOKS)
 
 # The student version of the lessons: solutions stripped (nbgrader markup), checks kept, in student/.
 student: $(STAMP)

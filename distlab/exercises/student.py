@@ -52,7 +52,15 @@ def solution_source(name: str) -> str:
 
 def exercise_cells(names: list[str]) -> list:
     """The "Build it yourself" section of a lesson: the task, a solution cell and a graded check per
-    exercise, in nbgrader's markup (``nbgrader generate_assignment`` or `student_notebook` strip it)."""
+    exercise, in nbgrader's markup (``nbgrader generate_assignment`` or `student_notebook` strip it).
+
+    The lessons carry these cells literally in their jupytext sources (``notebooks/NN_name.py``);
+    ``tests/test_lesson_sources.py`` checks that each exercise's task, solution and check there still equal
+    what this function makes from the reference, so a changed reference cannot leave a stale lesson. To
+    write them into a new lesson (or refresh them), print them in the sources' format and paste them:
+
+        python -m distlab.exercises.student --cells buckets ring_all_reduce      # needs jupytext
+    """
     from distlab.exercises import task
     intro = ("## Build it yourself\n\nWrite each function below, then run the check under it: "
              "`dl.exercises.check` runs your code on real ranks (several world sizes, sizes that do not "
@@ -122,9 +130,21 @@ def write_student_versions(source: Path, destination: Path) -> list[Path]:
     return written
 
 
+def percent_cells(names: list[str]) -> str:
+    """`exercise_cells` as jupytext percent-format text, the format of the lessons' sources, no header."""
+    import jupytext
+    text = jupytext.writes(nbformat.v4.new_notebook(cells=exercise_cells(names)), "py:percent")
+    return text[text.index("# %%"):]
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--cells"] and argv[1:]:
+        print(percent_cells(argv[1:]), end="")
+        return 0
     if len(argv) != 2:
-        print("usage: python -m distlab.exercises.student LESSONS_DIR OUTPUT_DIR", file=sys.stderr)
+        print("usage: python -m distlab.exercises.student LESSONS_DIR OUTPUT_DIR\n"
+              "       python -m distlab.exercises.student --cells EXERCISE...   (a lesson's exercise cells, "
+              "in the .py sources' format)", file=sys.stderr)
         return 2
     written = write_student_versions(Path(argv[0]), Path(argv[1]))
     for path in written:

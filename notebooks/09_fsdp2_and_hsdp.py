@@ -1,44 +1,49 @@
-"""Writes notebooks/09_fsdp2_and_hsdp.ipynb (then execute it: `make notebooks`)."""
-from pathlib import Path
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
 
-import nbformat as nbf
+# %% [markdown]
+# # 09 · FSDP2 and HSDP: one shard per parameter, and sharding inside a node
+#
+# Lesson 03 built ZeRO-3 the way DeepSpeed and PyTorch's first FSDP do: each *unit* (a transformer block, the
+# root) flattens its parameters into **one padded buffer**, and rank r keeps chunk r of it. PyTorch's current
+# answer, **FSDP2** (`torch.distributed.fsdp.fully_shard`; Zhao et al. 2023, *PyTorch FSDP*, and the per-parameter
+# rewrite of it), keeps every parameter a parameter and shards **each one on dim 0**:
+#
+#     FSDP1 / ZeRO-3 (flat)                          FSDP2 (per parameter)
+#     unit = [ W0 | b0 | W1 | pad ]   cut in N        W0: rows [r c0, (r+1) c0)     c0 = ceil(d0 / N)
+#     rank r: chunk r (may cut W0 mid-row)            b0: rows [r c1, (r+1) c1)     ... each an nn.Parameter
+#     the optimizer sees flat shards                  the optimizer sees model.parameters(): the shards
+#
+#     for block in model.blocks:
+#         dl.fully_shard(block)                       # bottom-up: each block is a unit, then the root
+#     dl.fully_shard(model)
+#     opt = torch.optim.AdamW(model.parameters())     # any optimizer, built after sharding
+#
+# The communication is the same (gather each unit before its forward and its backward, reduce-scatter its
+# gradients: 3 (N-1)/N Ψ per step); what changes is what a rank holds, what it must copy, and what a user can do
+# with the parameters. This lesson measures each difference, then the two knobs FSDP2 adds, and **HSDP**: shard
+# inside a node, replicate across nodes.
+#
+# **The code, in reading order**: [fsdp.py](../distlab/parallel/zero/fsdp.py) (`fully_shard`, HSDP's groups,
+# `full_state_dict`), then [fsdp_unit.py](../distlab/parallel/zero/fsdp_unit.py) (one unit: gather, free,
+# reduce-scatter), beside [zero3.py](../distlab/parallel/zero/zero3.py) (the flat design) and the queue they share,
+# [reducer.py](../distlab/parallel/zero/reducer.py). Every byte below is recorded by
+# [collectives.py](../distlab/parallel/collectives.py); memory is read from outside by
+# [memory.py](../distlab/memory.py); predictions come from [theory/comm.py](../distlab/theory/comm.py) and
+# [theory/memory.py](../distlab/theory/memory.py).
 
-cells = []
-md = lambda s: cells.append(nbf.v4.new_markdown_cell(s.strip()))                     # noqa: E731
-code = lambda s, *tags: cells.append(nbf.v4.new_code_cell(s.strip(), metadata={"tags": list(tags)}))  # noqa: E731
-
-md("""
-# 09 · FSDP2 and HSDP: one shard per parameter, and sharding inside a node
-
-Lesson 03 built ZeRO-3 the way DeepSpeed and PyTorch's first FSDP do: each *unit* (a transformer block, the
-root) flattens its parameters into **one padded buffer**, and rank r keeps chunk r of it. PyTorch's current
-answer, **FSDP2** (`torch.distributed.fsdp.fully_shard`; Zhao et al. 2023, *PyTorch FSDP*, and the per-parameter
-rewrite of it), keeps every parameter a parameter and shards **each one on dim 0**:
-
-    FSDP1 / ZeRO-3 (flat)                          FSDP2 (per parameter)
-    unit = [ W0 | b0 | W1 | pad ]   cut in N        W0: rows [r c0, (r+1) c0)     c0 = ceil(d0 / N)
-    rank r: chunk r (may cut W0 mid-row)            b0: rows [r c1, (r+1) c1)     ... each an nn.Parameter
-    the optimizer sees flat shards                  the optimizer sees model.parameters(): the shards
-
-    for block in model.blocks:
-        dl.fully_shard(block)                       # bottom-up: each block is a unit, then the root
-    dl.fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters())     # any optimizer, built after sharding
-
-The communication is the same (gather each unit before its forward and its backward, reduce-scatter its
-gradients: 3 (N-1)/N Ψ per step); what changes is what a rank holds, what it must copy, and what a user can do
-with the parameters. This lesson measures each difference, then the two knobs FSDP2 adds, and **HSDP**: shard
-inside a node, replicate across nodes.
-
-**The code, in reading order**: [fsdp.py](../distlab/parallel/zero/fsdp.py) (`fully_shard`, HSDP's groups,
-`full_state_dict`), then [fsdp_unit.py](../distlab/parallel/zero/fsdp_unit.py) (one unit: gather, free,
-reduce-scatter), beside [zero3.py](../distlab/parallel/zero/zero3.py) (the flat design) and the queue they share,
-[reducer.py](../distlab/parallel/zero/reducer.py). Every byte below is recorded by
-[collectives.py](../distlab/parallel/collectives.py); memory is read from outside by
-[memory.py](../distlab/memory.py); predictions come from [theory/comm.py](../distlab/theory/comm.py) and
-[theory/memory.py](../distlab/theory/memory.py).
-""")
-code("""
+# %%
 import math
 from collections import Counter
 
@@ -66,28 +71,29 @@ DATA = dl.models.dataset_for("gpt-tiny")                      # token sequences 
 PSI = sum(p.numel() for p in build_model().parameters())
 print(f"gpt-tiny with {MODEL.layers} blocks: Psi = {PSI} parameters in {len(list(build_model().parameters()))} "
       "tensors")
-""")
-md("""
-## 1. Flat buffers or per-parameter shards: what each costs
 
-Three costs, each measured on N = 3 ranks (3 divides none of the model's dimensions, so padding shows):
 
-* **padding**: a flat unit is padded once, to a multiple of N (fewer than N elements); FSDP2 pads *every*
-  parameter to `N ceil(d0 / N)` rows. `dl.theory.fsdp_padding(shapes, N, layout)` predicts both.
-* **copy-in / copy-out**: FSDP1 all-gathers straight into the unit's flat buffer, and the parameters are
-  views of it: nothing to copy. FSDP2 must *copy in* (pack this rank's shards, padded, into one send buffer, so
-  a unit is still one all-gather) and *copy out* (cut the gathered `(N, S)` rows back into one tensor per
-  parameter).
-* **allocations** (what fragments a GPU's caching allocator): FSDP1 resizes one storage per unit, the same size
-  every step; FSDP2 allocates a send buffer, a receive buffer and one tensor per parameter, of many sizes.
+# %% [markdown]
+# ## 1. Flat buffers or per-parameter shards: what each costs
+#
+# Three costs, each measured on N = 3 ranks (3 divides none of the model's dimensions, so padding shows):
+#
+# * **padding**: a flat unit is padded once, to a multiple of N (fewer than N elements); FSDP2 pads *every*
+#   parameter to `N ceil(d0 / N)` rows. `dl.theory.fsdp_padding(shapes, N, layout)` predicts both.
+# * **copy-in / copy-out**: FSDP1 all-gathers straight into the unit's flat buffer, and the parameters are
+#   views of it: nothing to copy. FSDP2 must *copy in* (pack this rank's shards, padded, into one send buffer, so
+#   a unit is still one all-gather) and *copy out* (cut the gathered `(N, S)` rows back into one tensor per
+#   parameter).
+# * **allocations** (what fragments a GPU's caching allocator): FSDP1 resizes one storage per unit, the same size
+#   every step; FSDP2 allocates a send buffer, a receive buffer and one tensor per parameter, of many sizes.
+#
+# The copies and allocations are counted from outside: a `TorchDispatchMode` sees every aten operator run while a
+# unit gathers (the collective itself excluded), and we wrap the two gather methods with it. Neither algorithm
+# file knows.
 
-The copies and allocations are counted from outside: a `TorchDispatchMode` sees every aten operator run while a
-unit gathers (the collective itself excluded), and we wrap the two gather methods with it. Neither algorithm
-file knows.
-""")
-code("""
+# %%
 class Copies(TorchDispatchMode):
-    \"\"\"Bytes written and fresh tensors allocated by aten operators (views, and the collectives, excluded).\"\"\"
+    """Bytes written and fresh tensors allocated by aten operators (views, and the collectives, excluded)."""
 
     def __init__(self, log):
         super().__init__()
@@ -108,7 +114,7 @@ class Copies(TorchDispatchMode):
 
 
 def counted(cls, name, log):
-    \"\"\"Run ``cls.name`` under `Copies`; a reduce-scatter retired meanwhile (make_room) is not counted.\"\"\"
+    """Run ``cls.name`` under `Copies`; a reduce-scatter retired meanwhile (make_room) is not counted."""
     original = getattr(cls, name)
 
     def wrapped(*args, **kwargs):
@@ -182,15 +188,15 @@ for name, kind in zip(LAYOUTS, ("flat", "per-param")):
     print(f"{name:18} padding: {res['padding'][name]:6d} elements gathered beyond Psi (predicted {predicted}), "
           f"{res['padding'][name] / PSI:.2%} of Psi")
     assert res["padding"][name] == predicted
-""")
-md("""
-Flat padding is a handful of elements per unit; per-parameter padding is up to N-1 *rows* of every parameter. It
-costs bytes on the wire and in the gathered buffer, never in what a rank stores: the padding lives only in the
-send and receive buffers (the shards are exact; `tests/test_fsdp.py` measures their storage).
 
-Now the copies and allocations of one training step (forward and backward gathers of every unit), per rank:
-""")
-code("""
+# %% [markdown]
+# Flat padding is a handful of elements per unit; per-parameter padding is up to N-1 *rows* of every parameter. It
+# costs bytes on the wire and in the gathered buffer, never in what a rank stores: the padding lives only in the
+# send and receive buffers (the shards are exact; `tests/test_fsdp.py` measures their storage).
+#
+# Now the copies and allocations of one training step (forward and backward gathers of every unit), per rank:
+
+# %%
 for name in LAYOUTS:
     for r, rank_res in enumerate(layouts.results):
         log, gathered = rank_res["logs"][name], rank_res["logs"][name + " gathered"]
@@ -213,34 +219,34 @@ print(f"separate storages holding block 0 while it computes: FSDP1 {storages['FS
       f"FSDP2 {storages['FSDP2 (per param)']} (one per parameter: {len(res['shapes']['FSDP2 (per param)'][0])})")
 assert storages["FSDP1 (flat)"] == 1 and storages["FSDP2 (per param)"] == len(res["shapes"]["FSDP2 (per param)"][0])
 assert res["shard_is_a_parameter"]                 # FSDP2's shards: plain nn.Parameters of whole rows
-""")
-md("""
-What each design buys with its costs:
 
-| | FSDP1 / ZeRO-3 (flat) | FSDP2 (per parameter) |
-|---|---|---|
-| padding | < N elements per unit | up to N-1 rows per parameter |
-| copies per gather | none: gathered in place, parameters are views | copy-in (1/N), copy-out (all) |
-| allocations | one storage per unit, reused every step | one per parameter per gather, many sizes |
-| what the optimizer sees | flat shards, parameters cut mid-row | `model.parameters()`: each a whole-row shard |
-| frozen / mixed dtypes in a unit | awkward: one buffer, one dtype, one `requires_grad` | per parameter |
-| state dict, checkpoints | unflatten first | a shard is a slice of the named tensor |
+# %% [markdown]
+# What each design buys with its costs:
+#
+# | | FSDP1 / ZeRO-3 (flat) | FSDP2 (per parameter) |
+# |---|---|---|
+# | padding | < N elements per unit | up to N-1 rows per parameter |
+# | copies per gather | none: gathered in place, parameters are views | copy-in (1/N), copy-out (all) |
+# | allocations | one storage per unit, reused every step | one per parameter per gather, many sizes |
+# | what the optimizer sees | flat shards, parameters cut mid-row | `model.parameters()`: each a whole-row shard |
+# | frozen / mixed dtypes in a unit | awkward: one buffer, one dtype, one `requires_grad` | per parameter |
+# | state dict, checkpoints | unflatten first | a shard is a slice of the named tensor |
+#
+# FSDP2 pays copies (cheap on a GPU next to the all-gather, and hidden by prefetch) to make sharding invisible
+# to everything else: any optimizer, per-parameter learning rates, frozen layers, a state dict by name. (distlab's
+# copy-out copies a padded parameter twice, a reshape of the strided rows and then a clone into an exact-size
+# tensor: the `clone` above; torch copies once, with `split_with_sizes_copy`.) Many allocations of many sizes
+# are what fragments a GPU's caching allocator; torch's FSDP2 frees them with explicit stream synchronisation
+# instead of FSDP1's `recordStream`, which keeps its memory use deterministic. On our CPUs we count the
+# allocations; fragmentation itself needs a GPU allocator to show.
+#
+# ## 2. A step on a timeline: one all-gather per unit, each way, and one reduce-scatter
+#
+# From here on N = 4 ranks, the model sharded as its four blocks and the root (5 units). One function runs every
+# configuration of this lesson in a single launch; each step is traced, and memory is sampled by
+# `fsdp_memory` (the ledger `dl.train("fsdp")` uses) after every collective launch.
 
-FSDP2 pays copies (cheap on a GPU next to the all-gather, and hidden by prefetch) to make sharding invisible
-to everything else: any optimizer, per-parameter learning rates, frozen layers, a state dict by name. (distlab's
-copy-out copies a padded parameter twice, a reshape of the strided rows and then a clone into an exact-size
-tensor: the `clone` above; torch copies once, with `split_with_sizes_copy`.) Many allocations of many sizes
-are what fragments a GPU's caching allocator; torch's FSDP2 frees them with explicit stream synchronisation
-instead of FSDP1's `recordStream`, which keeps its memory use deterministic. On our CPUs we count the
-allocations; fragmentation itself needs a GPU allocator to show.
-
-## 2. A step on a timeline: one all-gather per unit, each way, and one reduce-scatter
-
-From here on N = 4 ranks, the model sharded as its four blocks and the root (5 units). One function runs every
-configuration of this lesson in a single launch; each step is traced, and memory is sampled by
-`fsdp_memory` (the ledger `dl.train("fsdp")` uses) after every collective launch.
-""")
-code("""
+# %%
 N = 4
 CONFIGS = {
     "fsdp": {},
@@ -296,17 +302,18 @@ print("all five configurations, all ranks: the same parameters after 2 steps (fp
 
 
 def window(config, rank=None, step=1):
-    \"\"\"(start, end) of a configuration's measured step: on one rank, or spanning all of them.\"\"\"
+    """(start, end) of a configuration's measured step: on one rank, or spanning all of them."""
     spans = [e for e in run.trace.spans(rank=rank) if (e.args.get("config"), e.args.get("step")) == (config, step)]
     return min(e.start for e in spans), max(e.end for e in spans)
 
 
 def comms(config, rank, step=1):
-    \"\"\"The comm events a rank launched during a configuration's measured step.\"\"\"
+    """The comm events a rank launched during a configuration's measured step."""
     lo, hi = window(config, rank, step)
     return [e for e in run.trace.comms(rank=rank) if lo <= e.start <= hi]
-""")
-code("""
+
+
+# %%
 UNITS = MODEL.layers + 1                                         # the blocks, and the root
 for phase in ("forward", "backward"):
     span = next(e for e in run.trace.spans(rank=0, name=phase)
@@ -323,22 +330,22 @@ fig = dl.viz.timeline(step, comm_kind=lambda e: e.name,
                       title="FSDP2, N = 4, step 2: all-gather (orange) before each unit's forward and backward, "
                             "reduce-scatter (red) after")
 plt.show()
-""")
-md("""
-Read the lower lane of each rank: five all-gathers in forward (root, then blocks 0 to 3: the next one launched
-while the current unit computes, the prefetch), five more in backward in reverse order, and a reduce-scatter
-as soon as each unit's gradients are complete. Per step that is 2 gathers and 1 reduce-scatter per unit:
-3 (N-1)/N Ψ bytes, as for ZeRO-3.
 
-## 3. `reshard_after_forward`: True (ZeRO-3) or False (ZeRO-2-like)
+# %% [markdown]
+# Read the lower lane of each rank: five all-gathers in forward (root, then blocks 0 to 3: the next one launched
+# while the current unit computes, the prefetch), five more in backward in reverse order, and a reduce-scatter
+# as soon as each unit's gradients are complete. Per step that is 2 gathers and 1 reduce-scatter per unit:
+# 3 (N-1)/N Ψ bytes, as for ZeRO-3.
+#
+# ## 3. `reshard_after_forward`: True (ZeRO-3) or False (ZeRO-2-like)
+#
+# `reshard_after_forward=False` keeps each unit's gathered parameters from its forward to its backward: no second
+# all-gather (2 (N-1)/N Ψ per step instead of 3), but every unit stays gathered through the whole step, so the
+# full model sits on every rank between forward and backward. FSDP1 called this `SHARD_GRAD_OP`.
+# `dl.theory.fsdp_volume(Ψ, shards=N, reshard_after_forward=...)` predicts the bytes (Ψ here includes the
+# per-parameter padding measured in section 1: it is what travels).
 
-`reshard_after_forward=False` keeps each unit's gathered parameters from its forward to its backward: no second
-all-gather (2 (N-1)/N Ψ per step instead of 3), but every unit stays gathered through the whole step, so the
-full model sits on every rank between forward and backward. FSDP1 called this `SHARD_GRAD_OP`.
-`dl.theory.fsdp_volume(Ψ, shards=N, reshard_after_forward=...)` predicts the bytes (Ψ here includes the
-per-parameter padding measured in section 1: it is what travels).
-""")
-code("""
+# %%
 for name, reshard in (("fsdp", True), ("no reshard", False)):
     for r in range(N):
         res = results[r][name]
@@ -354,20 +361,20 @@ for name, reshard in (("fsdp", True), ("no reshard", False)):
           f"(predicted {predicted:7.0f}); gathered parameters held between forward and backward: {held:6d} B "
           f"= {held / (4 * PSI):.0%} of the fp32 model; peak transient in backward {res['peak_buffers_backward']} B")
 assert results[0]["fsdp"]["peak_buffers_backward"] < results[0]["no reshard"]["peak_buffers_backward"]
-""")
-md("""
-The trade is exact: one third less traffic for a whole unsharded model held through the step (measured: 100% of
-the fp32 parameters between forward and backward, against 0% with resharding). Torch's FSDP2 also accepts an
-int (reshard to a smaller group, e.g. the 8 GPUs of a node): the backward gather then stays on fast links.
 
-## 4. Mixed precision: the gathers travel in bf16
+# %% [markdown]
+# The trade is exact: one third less traffic for a whole unsharded model held through the step (measured: 100% of
+# the fp32 parameters between forward and backward, against 0% with resharding). Torch's FSDP2 also accepts an
+# int (reshard to a smaller group, e.g. the 8 GPUs of a node): the backward gather then stays on fast links.
+#
+# ## 4. Mixed precision: the gathers travel in bf16
+#
+# `param_dtype=torch.bfloat16` gathers (and computes) in bf16 while the shards stay fp32 masters;
+# `reduce_dtype` picks the reduce-scatter's dtype (fp32 is the safe default: summing N bf16 gradients loses bits).
+# The all-gathers are two thirds of FSDP's traffic, so bf16 parameters alone save a third; bf16 gradients too
+# halve the whole step.
 
-`param_dtype=torch.bfloat16` gathers (and computes) in bf16 while the shards stay fp32 masters;
-`reduce_dtype` picks the reduce-scatter's dtype (fp32 is the safe default: summing N bf16 gradients loses bits).
-The all-gathers are two thirds of FSDP's traffic, so bf16 parameters alone save a third; bf16 gradients too
-halve the whole step.
-""")
-code("""
+# %%
 sent_by_op = {name: Counter() for name in ("fsdp", "bf16 params", "bf16 both")}
 for name in sent_by_op:
     for e in comms(name, 0):
@@ -382,28 +389,28 @@ for name, (param_bytes, grad_bytes) in {"fsdp": (4, 4), "bf16 params": (2, 4), "
           f"reduce_scatter x{ratios['reduce_scatter']:.2f}")
     assert abs(got - predicted) <= 0.01 * predicted
     assert ratios["all_gather"] == param_bytes / 4 and ratios["reduce_scatter"] == grad_bytes / 4
-""")
-md("""
-Exactly half, per collective: bytes are exact, whatever the load on the machine. (The losses and parameters
-still match fp32 to within bf16's rounding, asserted at the top of section 2: within 2^-8 of the parameters' norm.)
 
-## 5. HSDP: shard inside a replica, all-reduce across replicas
+# %% [markdown]
+# Exactly half, per collective: bytes are exact, whatever the load on the machine. (The losses and parameters
+# still match fp32 to within bf16's rounding, asserted at the top of section 2: within 2^-8 of the parameters' norm.)
+#
+# ## 5. HSDP: shard inside a replica, all-reduce across replicas
+#
+# Full sharding over 1024 GPUs puts every gather and reduce-scatter on the slow inter-node links, in messages of
+# Ψ_unit / 1024. **Hybrid sharding** (FSDP's `HYBRID_SHARD`, FSDP2's 2-D mesh, `mesh=(R, S)` here) shards over
+# the S GPUs of a node and keeps R replicas:
+#
+#     grid = arange(R S).view(R, S)       R = 2, S = 2:     [[0, 1],     rows: shard groups (fast links)
+#                                                             [2, 3]]     columns: replica groups (slow links)
+#
+#     inside a row:    all-gather, all-gather, reduce-scatter      (2 + 1) (S-1)/S Ψ
+#     down a column:   all-reduce of this rank's gradient shard     2 (R-1)/R Ψ / S
+#
+# Only 1/S of the gradients ever crosses a slow link, once per step. The price: memory is sharded S ways, not N.
+# `dl.theory.fsdp_volume(Ψ, shards=S, replicas=R)` returns the bytes per link type; each event is tagged with the
+# group it ran on (`name_group` in `hsdp_groups`), so the measurement splits the same way.
 
-Full sharding over 1024 GPUs puts every gather and reduce-scatter on the slow inter-node links, in messages of
-Ψ_unit / 1024. **Hybrid sharding** (FSDP's `HYBRID_SHARD`, FSDP2's 2-D mesh, `mesh=(R, S)` here) shards over
-the S GPUs of a node and keeps R replicas:
-
-    grid = arange(R S).view(R, S)       R = 2, S = 2:     [[0, 1],     rows: shard groups (fast links)
-                                                            [2, 3]]     columns: replica groups (slow links)
-
-    inside a row:    all-gather, all-gather, reduce-scatter      (2 + 1) (S-1)/S Ψ
-    down a column:   all-reduce of this rank's gradient shard     2 (R-1)/R Ψ / S
-
-Only 1/S of the gradients ever crosses a slow link, once per step. The price: memory is sharded S ways, not N.
-`dl.theory.fsdp_volume(Ψ, shards=S, replicas=R)` returns the bytes per link type; each event is tagged with the
-group it ran on (`name_group` in `hsdp_groups`), so the measurement splits the same way.
-""")
-code("""
+# %%
 R, S = CONFIGS["hsdp 2x2"]["mesh"]
 measured = {}
 for r in range(N):
@@ -421,15 +428,15 @@ for link in predicted:
     print(f"  {link:9} link: measured {measured[0][link]:7d} B, predicted {predicted[link]:7.0f} B")
 plain = sum(e.sent for e in comms("fsdp", 0))
 print(f"plain FSDP over all {N} ranks: {plain} B per rank, all of it on rings that also cross the slow links")
-""")
-code("""
+
+# %%
 fig, (ax, ax_scale) = plt.subplots(1, 2, figsize=(12, 3.8))
 links = list(predicted)
 for i, link in enumerate(links):
     ax.bar(i - 0.2, measured[0][link] / 1024, 0.4, color="#1f77b4", label="measured" if i == 0 else None)
     ax.bar(i + 0.2, predicted[link] / 1024, 0.4, color="none", edgecolor="k", hatch="//",
            label="dl.theory.fsdp_volume" if i == 0 else None)
-ax.set_xticks(range(len(links)), [f"{link} group\\n({'inside' if link == 'shard' else 'across'} replicas)"
+ax.set_xticks(range(len(links)), [f"{link} group\n({'inside' if link == 'shard' else 'across'} replicas)"
                                   for link in links])
 ax.set(ylabel="KiB sent per rank per step", title=f"HSDP {R} x {S}: bytes per link type")
 ax.legend(fontsize=8)
@@ -445,33 +452,26 @@ ax_scale.set(xscale="log", xlabel="GPUs", ylabel="GB per GPU per step over the s
 ax_scale.legend(fontsize=8)
 fig.tight_layout()
 plt.show()
-""")
-md("""
-At scale the slow links carry 2 (R-1)/R · Ψ/8 per GPU under HSDP against (for plain FSDP, whose rings span
-nodes) up to 3 (N-1)/N · Ψ: about 12x less, and in one all-reduce per unit instead of a gather before every
-layer's forward and backward. The price is memory: model states divided by S = 8, not by N.
 
-## What to remember
-
-* FSDP1 / ZeRO-3 flatten a unit into one buffer: tiny padding, no copies, one allocation, but the optimizer sees
-  flat shards that cut parameters mid-row. FSDP2 shards each parameter on dim 0: `model.parameters()` *are* the
-  shards, at the cost of per-parameter padding, a copy-in and a copy-out per gather, and many allocations
-  (all measured above).
-* Per step each unit is gathered before its forward and its backward and reduce-scattered once: 3 (N-1)/N Ψ.
-  `reshard_after_forward=False` drops the second gather (2 (N-1)/N Ψ) and keeps the whole model gathered
-  through the step.
-* `param_dtype=bf16` halves the gathers, `reduce_dtype=bf16` the reduce-scatters: exactly, in bytes.
-* HSDP `mesh=(R, S)`: gathers and reduce-scatters inside S ranks, one all-reduce of a 1/S shard across R
-  replicas: `dl.theory.fsdp_volume` gives the bytes on each link, measured here to within 1%.
-
-**Try it**: set `N1 = 4` in section 1 (the model's 32-, 64- and 256-row parameters then divide evenly: FSDP2's
-padding vanishes, and with it most of the gap in gathered bytes), or add `"reshard_after_forward": False` to the
-`"hsdp 2x2"` configuration and pass `reshard_after_forward=False` to `dl.theory.fsdp_volume` in section 5: the
-shard link loses a third of its bytes, the replicate link keeps all of its own.
-""")
-
-nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                               "language": "python"}})
-out = Path(__file__).resolve().parents[1] / "09_fsdp2_and_hsdp.ipynb"
-nbf.write(nb, out)
-print("wrote", out)
+# %% [markdown]
+# At scale the slow links carry 2 (R-1)/R · Ψ/8 per GPU under HSDP against (for plain FSDP, whose rings span
+# nodes) up to 3 (N-1)/N · Ψ: about 12x less, and in one all-reduce per unit instead of a gather before every
+# layer's forward and backward. The price is memory: model states divided by S = 8, not by N.
+#
+# ## What to remember
+#
+# * FSDP1 / ZeRO-3 flatten a unit into one buffer: tiny padding, no copies, one allocation, but the optimizer sees
+#   flat shards that cut parameters mid-row. FSDP2 shards each parameter on dim 0: `model.parameters()` *are* the
+#   shards, at the cost of per-parameter padding, a copy-in and a copy-out per gather, and many allocations
+#   (all measured above).
+# * Per step each unit is gathered before its forward and its backward and reduce-scattered once: 3 (N-1)/N Ψ.
+#   `reshard_after_forward=False` drops the second gather (2 (N-1)/N Ψ) and keeps the whole model gathered
+#   through the step.
+# * `param_dtype=bf16` halves the gathers, `reduce_dtype=bf16` the reduce-scatters: exactly, in bytes.
+# * HSDP `mesh=(R, S)`: gathers and reduce-scatters inside S ranks, one all-reduce of a 1/S shard across R
+#   replicas: `dl.theory.fsdp_volume` gives the bytes on each link, measured here to within 1%.
+#
+# **Try it**: set `N1 = 4` in section 1 (the model's 32-, 64- and 256-row parameters then divide evenly: FSDP2's
+# padding vanishes, and with it most of the gap in gathered bytes), or add `"reshard_after_forward": False` to the
+# `"hsdp 2x2"` configuration and pass `reshard_after_forward=False` to `dl.theory.fsdp_volume` in section 5: the
+# shard link loses a third of its bytes, the replicate link keeps all of its own.

@@ -1,45 +1,50 @@
-"""Writes notebooks/11_mixture_of_experts.ipynb (then execute it: `make notebooks`)."""
-from pathlib import Path
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
 
-import nbformat as nbf
+# %% [markdown]
+# # 11 · Mixture of experts: routing, capacity, and expert parallelism
+#
+# A dense transformer spends the same FLOPs on every token. A **mixture of experts** (MoE) replaces each block's MLP
+# by E MLPs, the *experts*, and a small *router* that sends each token to k of them (Shazeer et al. 2017,
+# *Outrageously Large Neural Networks*; GShard, Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021). The
+# model holds E experts' worth of parameters but each token computes with only k (Mixtral 8x7B, Jiang et al. 2024,
+# routes each token to 2 of 8 experts per layer).
+#
+#     x (T, h) -> router: softmax(x W_g) (T, E) -> top-k -> expert (T, k), weight (T, k)
+#              -> each expert takes at most C = ceil(capacity_factor * k * T / E) tokens; the rest are dropped
+#              -> y(t) = sum over t's kept choices c of weight(t, c) * expert_c(x_t)
+#
+# Three new problems come with it, and this lesson measures each:
+#
+# 1. **Load balance.** Nothing stops the router from sending most tokens to a few experts. Switch's auxiliary
+#    loss, `E * sum_i f_i P_i` (f_i: the fraction of tokens whose first choice is expert i, P_i: the mean router
+#    probability of i), is 1 when the load is uniform and grows as it concentrates; added to the loss, it evens
+#    the load out.
+# 2. **Capacity.** To keep shapes static, each expert takes at most C tokens. Too small a capacity factor drops
+#    tokens (they skip the MLP; the residual carries them on), too large wastes memory and compute.
+# 3. **Where the experts live.** Replicating E experts on every rank costs E x the memory of a dense MLP.
+#    **Expert parallelism** (GShard; DeepSpeed-MoE, Rajbhandari et al. 2022) keeps E/n experts per rank and
+#    moves the *tokens* instead, by two all-to-alls per layer (dispatch and combine) and two more in backward.
+#
+# The code, in the reading order of [distlab/parallel/expert/\_\_init\_\_.py](../distlab/parallel/expert/__init__.py):
+# the router, capacity and the drop rule in [router.py](../distlab/parallel/expert/router.py); tokens to their
+# experts' ranks and back in [dispatch.py](../distlab/parallel/expert/dispatch.py) (the all-to-all itself is traced
+# in [collectives.py](../distlab/parallel/collectives.py)); the layer in [moe.py](../distlab/parallel/expert/moe.py);
+# the strategy `ep` in [strategies/expert.py](../distlab/strategies/expert.py); the formulas in
+# [theory/moe.py](../distlab/theory/moe.py).
 
-cells = []
-md = lambda s: cells.append(nbf.v4.new_markdown_cell(s.strip()))                     # noqa: E731
-code = lambda s, *tags: cells.append(nbf.v4.new_code_cell(s.strip(), metadata={"tags": list(tags)}))  # noqa: E731
-
-md("""
-# 11 · Mixture of experts: routing, capacity, and expert parallelism
-
-A dense transformer spends the same FLOPs on every token. A **mixture of experts** (MoE) replaces each block's MLP
-by E MLPs, the *experts*, and a small *router* that sends each token to k of them (Shazeer et al. 2017,
-*Outrageously Large Neural Networks*; GShard, Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021). The
-model holds E experts' worth of parameters but each token computes with only k (Mixtral 8x7B, Jiang et al. 2024,
-routes each token to 2 of 8 experts per layer).
-
-    x (T, h) -> router: softmax(x W_g) (T, E) -> top-k -> expert (T, k), weight (T, k)
-             -> each expert takes at most C = ceil(capacity_factor * k * T / E) tokens; the rest are dropped
-             -> y(t) = sum over t's kept choices c of weight(t, c) * expert_c(x_t)
-
-Three new problems come with it, and this lesson measures each:
-
-1. **Load balance.** Nothing stops the router from sending most tokens to a few experts. Switch's auxiliary
-   loss, `E * sum_i f_i P_i` (f_i: the fraction of tokens whose first choice is expert i, P_i: the mean router
-   probability of i), is 1 when the load is uniform and grows as it concentrates; added to the loss, it evens
-   the load out.
-2. **Capacity.** To keep shapes static, each expert takes at most C tokens. Too small a capacity factor drops
-   tokens (they skip the MLP; the residual carries them on), too large wastes memory and compute.
-3. **Where the experts live.** Replicating E experts on every rank costs E x the memory of a dense MLP.
-   **Expert parallelism** (GShard; DeepSpeed-MoE, Rajbhandari et al. 2022) keeps E/n experts per rank and
-   moves the *tokens* instead, by two all-to-alls per layer (dispatch and combine) and two more in backward.
-
-The code, in the reading order of [distlab/parallel/expert/\\_\\_init\\_\\_.py](../distlab/parallel/expert/__init__.py):
-the router, capacity and the drop rule in [router.py](../distlab/parallel/expert/router.py); tokens to their
-experts' ranks and back in [dispatch.py](../distlab/parallel/expert/dispatch.py) (the all-to-all itself is traced
-in [collectives.py](../distlab/parallel/collectives.py)); the layer in [moe.py](../distlab/parallel/expert/moe.py);
-the strategy `ep` in [strategies/expert.py](../distlab/strategies/expert.py); the formulas in
-[theory/moe.py](../distlab/theory/moe.py).
-""")
-code("""
+# %%
 import dataclasses
 
 import matplotlib.pyplot as plt
@@ -61,20 +66,21 @@ print(f"parameters: total {P.total}, active per token {P.active}, in experts {P.
       f"({P.experts / P.total:.0%}), N = {N} ranks for expert parallelism")
 LAB = dataclasses.replace(CFG, experts=8)      # sections 1-3: the same GPT with 8 experts, imbalance shows more
 E8 = LAB.experts
-""")
-md("""
-## 1. Who goes where: tokens per expert
 
-`MoE.route(x)` returns the router's probabilities, the gate weights and a `Dispatch`: every (token, choice)
-pair's expert, whether it fit in its expert's capacity (`kept`), and what each rank would send. We hook the input of
-every MoE layer of the untrained model (from outside: the layer carries no probes) and route one batch of 16
-sequences, 512 tokens. Sections 1 to 3 use the same GPT with 8 experts per layer (`LAB`): with more experts
-an uneven load is easier to see. The rule for who gets the C slots is GShard's: first choices before second choices, and in
-token order within a choice.
-""")
-code("""
+
+# %% [markdown]
+# ## 1. Who goes where: tokens per expert
+#
+# `MoE.route(x)` returns the router's probabilities, the gate weights and a `Dispatch`: every (token, choice)
+# pair's expert, whether it fit in its expert's capacity (`kept`), and what each rank would send. We hook the input of
+# every MoE layer of the untrained model (from outside: the layer carries no probes) and route one batch of 16
+# sequences, 512 tokens. Sections 1 to 3 use the same GPT with 8 experts per layer (`LAB`): with more experts
+# an uneven load is easier to see. The rule for who gets the C slots is GShard's: first choices before second choices, and in
+# token order within a choice.
+
+# %%
 def routing(model, ids):
-    \"\"\"Per MoE layer: tokens per expert by choice (k, E), the capacity C, and kept (T, k).\"\"\"
+    """Per MoE layer: tokens per expert by choice (k, E), the capacity C, and kept (T, k)."""
     inputs = []
     hooks = [b.mlp.register_forward_pre_hook(lambda m, args: inputs.append(args[0])) for b in model.blocks]
     with torch.no_grad():
@@ -98,16 +104,16 @@ for i, layer in enumerate(untrained):
     print(f"layer {i}: first choices {layer['counts'][0].tolist()}, second {layer['counts'][1].tolist()}; "
           f"C = {layer['capacity']}; dropped {dropped} of {K * ids.numel()} (token, choice) pairs")
     assert layer["capacity"] == dl.theory.expert_capacity(ids.numel(), E8, K, CFG.capacity_factor)
-""")
-md("""
-## 2. The auxiliary loss evens the load out
 
-We train the same MoE GPT for 30 steps three times, changing only the weight of the balance loss in the loss:
-0 (none), Switch's 0.01 (this preset's) and 0.1. After every step we route a held-out batch and record the load
-of the busiest expert relative to the mean (1 = perfectly even) and the fraction of (token, choice) pairs dropped.
-We compare the last 10 steps' averages.
-""")
-code("""
+# %% [markdown]
+# ## 2. The auxiliary loss evens the load out
+#
+# We train the same MoE GPT for 30 steps three times, changing only the weight of the balance loss in the loss:
+# 0 (none), Switch's 0.01 (this preset's) and 0.1. After every step we route a held-out batch and record the load
+# of the busiest expert relative to the mean (1 = perfectly even) and the fraction of (token, choice) pairs dropped.
+# We compare the last 10 steps' averages.
+
+# %%
 STEPS = 30
 
 def train_moe(aux_coef):
@@ -137,8 +143,8 @@ for c, (model, hist) in trained.items():
           f"steps 21-30 {late[c]['max_over_mean']:.2f}; dropped {hist[0]['dropped']:.1%}, then {late[c]['dropped']:.1%}")
 for c in (0.01, 0.1):           # the balance loss: a flatter load and fewer drops than without it
     assert late[c]["max_over_mean"] < late[0.0]["max_over_mean"] and late[c]["dropped"] < late[0.0]["dropped"]
-""")
-code("""
+
+# %%
 fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
 for c, (model, hist) in trained.items():
     axes[0].plot([h["max_over_mean"] for h in hist], label=f"aux_coef {c}")
@@ -158,22 +164,22 @@ for ax in axes:
     ax.legend(fontsize=7)
 fig.tight_layout()
 plt.show()
-""")
-md("""
-Without the auxiliary loss the router learns favourites and the busiest expert overflows its capacity; with it
-the load is flatter and far fewer pairs are dropped. The weight is a trade: too large and the balance term
-fights the language-modelling loss (Switch found 1e-2 a good compromise; here, on a tiny model trained 30 steps,
-a larger weight shows the effect more clearly).
 
-## 3. Capacity factor vs dropped tokens
+# %% [markdown]
+# Without the auxiliary loss the router learns favourites and the busiest expert overflows its capacity; with it
+# the load is flatter and far fewer pairs are dropped. The weight is a trade: too large and the balance term
+# fights the language-modelling loss (Switch found 1e-2 a good compromise; here, on a tiny model trained 30 steps,
+# a larger weight shows the effect more clearly).
+#
+# ## 3. Capacity factor vs dropped tokens
+#
+# If routing were uniform at random, expert e's load would be Binomial(T, k/E), and the expected fraction of pairs
+# dropped at capacity C is `E * sum_{l > C} (l - C) P(L = l) / (k T)`: `dl.theory.expected_drop_fraction`. We
+# check it with a router whose logits are independent and identically distributed (orthogonal gate rows of equal
+# norm, Gaussian tokens: every top-k choice equally likely), averaged over 8 batches of 2048 tokens, then measure
+# the trained routers of section 2 on the held-out batch, re-planning their choices at each capacity factor.
 
-If routing were uniform at random, expert e's load would be Binomial(T, k/E), and the expected fraction of pairs
-dropped at capacity C is `E * sum_{l > C} (l - C) P(L = l) / (k T)`: `dl.theory.expected_drop_fraction`. We
-check it with a router whose logits are independent and identically distributed (orthogonal gate rows of equal
-norm, Gaussian tokens: every top-k choice equally likely), averaged over 8 batches of 2048 tokens, then measure
-the trained routers of section 2 on the held-out batch, re-planning their choices at each capacity factor.
-""")
-code("""
+# %%
 FACTORS = (0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)
 T_UNIFORM = 2048
 torch.manual_seed(0)
@@ -203,8 +209,8 @@ def model_choices(model):
 measured_trained = {c: [dropped_fraction(model_choices(m), f) for f in FACTORS] for c, (m, _) in trained.items()}
 for c, row in measured_trained.items():
     print(f"trained, aux_coef {c:4}  " + "  ".join(f"{m:6.1%}" for m in row))
-""")
-code("""
+
+# %%
 fig, ax = plt.subplots(figsize=(7, 3.8))
 ax.plot(FACTORS, [100 * e for e in expected], "k-", lw=3, alpha=0.35, label="dl.theory: uniform routing")
 ax.plot(FACTORS, [100 * m for m in measured_uniform], "ko", label="measured: uniform router")
@@ -214,24 +220,24 @@ ax.set(xlabel="capacity factor", ylabel="% (token, choice) pairs dropped",
        title=f"E = {E8}, k = {K}: what a capacity factor drops")
 ax.legend(fontsize=8)
 plt.show()
-""")
-md("""
-Below factor 1 at least 1 - factor of the pairs must drop. Even perfectly uniform routing drops some at factor 1:
-the loads fluctuate around their mean
-(by about sqrt(T k / E)). A trained router without the balance loss drops far more; with it, the curve comes
-back towards the uniform one. That is why Switch and GShard train with both a balance loss and a capacity
-factor of 1.0 to 1.25 (and why recent dropless MoEs, such as MegaBlocks, change the kernels instead).
 
-## 4. Expert parallelism equals one process
+# %% [markdown]
+# Below factor 1 at least 1 - factor of the pairs must drop. Even perfectly uniform routing drops some at factor 1:
+# the loads fluctuate around their mean
+# (by about sqrt(T k / E)). A trained router without the balance loss drops far more; with it, the curve comes
+# back towards the uniform one. That is why Switch and GShard train with both a balance loss and a capacity
+# factor of 1.0 to 1.25 (and why recent dropless MoEs, such as MegaBlocks, change the kernels instead).
+#
+# ## 4. Expert parallelism equals one process
+#
+# Back to `gpt-moe-tiny` (E = 4). `dl.train("ep", world_size=n)` keeps E/n experts per rank (`dl.ep.parallelize`) and every other parameter whole;
+# each rank takes its rows of the global batch. Every rank first all-gathers how many tokens it routes to each
+# expert, so each one computes the same capacity C from the *global* token count and drops exactly the pairs one
+# process would. Equal losses and equal final parameters (within fp32 rounding) at n = 2 and 4, with 6 rows over
+# 4 ranks (uneven), and with `options={"experts": "replicated"}` (every expert on every rank, the alternative of
+# section 6, routed the same way):
 
-Back to `gpt-moe-tiny` (E = 4). `dl.train("ep", world_size=n)` keeps E/n experts per rank (`dl.ep.parallelize`) and every other parameter whole;
-each rank takes its rows of the global batch. Every rank first all-gathers how many tokens it routes to each
-expert, so each one computes the same capacity C from the *global* token count and drops exactly the pairs one
-process would. Equal losses and equal final parameters (within fp32 rounding) at n = 2 and 4, with 6 rows over
-4 ranks (uneven), and with `options={"experts": "replicated"}` (every expert on every rank, the alternative of
-section 6, routed the same way):
-""")
-code("""
+# %%
 KW = dict(model=MODEL, steps=3, seed=0, global_batch=6, optimizer="sgd", lr=0.1)   # SGD: rounding stays rounding
 single = dl.train("single", **KW)
 runs = {"ep n=2": dl.train("ep", world_size=2, **KW), "ep n=4": dl.train("ep", world_size=4, **KW),
@@ -241,16 +247,17 @@ for name, rep in runs.items():
     same = all((rep.params[k] - v).norm() <= 1e-5 * v.norm() + 1e-7 for k, v in single.params.items())
     print(f"{name:15}" + " ".join(f"{x:.5f}" for x in rep.losses) + f"   every parameter within 1e-5: {same}")
     assert all(abs(a - b) <= 1e-5 * b for a, b in zip(rep.losses, single.losses)) and same
-""")
-md("""
-## 5. Tokens per rank, and the all-to-all's bytes
 
-Inside a launch on N ranks, each rank routes its own rows; the `Dispatch` says how many rows it sends to each rank
-(`send`) and receives from each (`recv`). The all-to-all is traced by the collective wrapper with the exact bytes
-that leave and arrive (a rank's rows for its own experts stay in memory). Below: for each rank, the rows its
-experts receive, by source rank, beside its experts' total capacity.
-""")
-code("""
+
+# %% [markdown]
+# ## 5. Tokens per rank, and the all-to-all's bytes
+#
+# Inside a launch on N ranks, each rank routes its own rows; the `Dispatch` says how many rows it sends to each rank
+# (`send`) and receives from each (`recv`). The all-to-all is traced by the collective wrapper with the exact bytes
+# that leave and arrive (a rank's rows for its own experts stay in memory). Below: for each rank, the rows its
+# experts receive, by source rank, beside its experts' total capacity.
+
+# %%
 def routed_on_ranks(rows_per_batch):
     model = dl.ep.parallelize(dl.models.build(MODEL, 0))                   # E/N experts here
     x, y = DATA.batch(1000, rows_per_batch)
@@ -274,8 +281,8 @@ for r, res in enumerate(routed):
         out_, in_ = (sum(send) - send[r]) * ROW, (sum(recv) - recv[r]) * ROW
         assert res["a2a"][2 * layer: 2 * layer + 2] == [(out_, in_), (in_, out_)]   # forward: dispatch, combine
     print(f"rank {r}: layer 0 sends rows {res['send'][0]} and receives {res['recv'][0]} (from ranks 0..{N - 1})")
-""")
-code("""
+
+# %%
 fig, axes = plt.subplots(1, L, figsize=(5 * L, 3.6), sharey=True)
 for layer, ax in enumerate(axes):
     for r in range(N):
@@ -290,15 +297,15 @@ for layer, ax in enumerate(axes):
     ax.legend(fontsize=7)
 fig.tight_layout()
 plt.show()
-""")
-md("""
-The formula of `dl.theory.moe_all_to_all_bytes` assumes balanced routing and nothing dropped: a rank routes its
-T tokens to k experts each, and (n-1)/n of those k T rows of h fp32 values live on other ranks, so one all-to-all
-sends `k T h 4 (n-1)/n` bytes, and a training step runs four per MoE layer. We compare it with the bytes the
-training run `ep n=2` of section 4 sent by all-to-all per step, and with a router made exactly balanced (token t's
-choices t mod E and t+1 mod E, a capacity that fits them all), where the prediction must be exact.
-""")
-code("""
+
+# %% [markdown]
+# The formula of `dl.theory.moe_all_to_all_bytes` assumes balanced routing and nothing dropped: a rank routes its
+# T tokens to k experts each, and (n-1)/n of those k T rows of h fp32 values live on other ranks, so one all-to-all
+# sends `k T h 4 (n-1)/n` bytes, and a training step runs four per MoE layer. We compare it with the bytes the
+# training run `ep n=2` of section 4 sent by all-to-all per step, and with a router made exactly balanced (token t's
+# choices t mod E and t+1 mod E, a capacity that fits them all), where the prediction must be exact.
+
+# %%
 ep_run = dl.train("ep", world_size=N, model=MODEL, steps=2, seed=0, global_batch=16)
 tokens = 16 // N * CFG.seq_len                                             # per rank
 predicted_step = dl.theory.moe_step_all_to_all_bytes(tokens, H, K, N, L)
@@ -322,26 +329,27 @@ exact = dl.launch(balanced, world_size=N, args=(tokens,), output="quiet").result
 one = dl.theory.moe_all_to_all_bytes(tokens, H, K, N)
 print(f"balanced router: 4 all-to-alls of {exact[0]} bytes on every rank; dl.theory: {one:.0f} each")
 assert all(sent == [one] * 4 for sent in exact)
-""")
-md("""
-## 6. When does expert parallelism beat replicating the experts?
 
-Two ways to train an MoE on n ranks, both data parallel for everything else:
 
-    replicated   every rank: dense + E experts     sends: all-reduce of every gradient    2 (n-1)/n x 4 P_total
-    ep           every rank: dense + E/n experts   sends: all-reduce of dense gradients   2 (n-1)/n x 4 P_dense
-                                                        + all-to-all of tokens            4 L x k T h 4 (n-1)/n
+# %% [markdown]
+# ## 6. When does expert parallelism beat replicating the experts?
+#
+# Two ways to train an MoE on n ranks, both data parallel for everything else:
+#
+#     replicated   every rank: dense + E experts     sends: all-reduce of every gradient    2 (n-1)/n x 4 P_total
+#     ep           every rank: dense + E/n experts   sends: all-reduce of dense gradients   2 (n-1)/n x 4 P_dense
+#                                                         + all-to-all of tokens            4 L x k T h 4 (n-1)/n
+#
+# **Memory**: expert parallelism always wins, by (n-1)/n of the experts' share (with AdamW in fp32, 16 bytes a
+# parameter). **Bytes**: the all-to-all grows with the tokens per rank T, the expert all-reduce with the expert
+# parameters; expert parallelism sends less while
+#
+#     4 L k T h < 2 P_experts,     i.e.   T < T* = P_experts / (2 L k h)
+#
+# We measure both, on N = 2 ranks: model-state bytes after one AdamW step, and bytes sent per step at two batch
+# sizes, one on each side of T*.
 
-**Memory**: expert parallelism always wins, by (n-1)/n of the experts' share (with AdamW in fp32, 16 bytes a
-parameter). **Bytes**: the all-to-all grows with the tokens per rank T, the expert all-reduce with the expert
-parameters; expert parallelism sends less while
-
-    4 L k T h < 2 P_experts,     i.e.   T < T* = P_experts / (2 L k h)
-
-We measure both, on N = 2 ranks: model-state bytes after one AdamW step, and bytes sent per step at two batch
-sizes, one on each side of T*.
-""")
-code("""
+# %%
 def model_states(replicate):
     model = dl.ep.parallelize(dl.models.build(MODEL, 0), replicate=replicate)
     opt = torch.optim.AdamW(model.parameters())
@@ -358,8 +366,8 @@ for side, ranks in memory.items():
     want = dl.theory.ep_memory(P, N if side == "ep" else 1)                # 16 bytes per parameter held
     print(f"{side:10}: model states per rank {ranks}, dl.theory {want:.0f}")
     assert all(abs(b - want) <= 0.01 * want for b in ranks)             # Adam's step counters: the rest
-""")
-code("""
+
+# %%
 T_STAR = P.experts / (2 * L * K * H)
 ring = 2 * (N - 1) / N * 4                                                 # bytes sent per fp32 gradient element
 sent, predicted, SIZES = {}, {}, [4 // N * CFG.seq_len, 32 // N * CFG.seq_len]   # tokens per rank
@@ -379,8 +387,8 @@ for batch in (4, 32):
 small, large = SIZES
 assert small < T_STAR < large
 assert sent["ep", small] < sent["replicated", small] and sent["ep", large] > sent["replicated", large]
-""")
-code("""
+
+# %%
 fig, (ax_b, ax_m) = plt.subplots(1, 2, figsize=(12, 3.8))
 ts = list(range(16, 1025, 16))
 ax_b.plot(ts, [(ring * P.dense + dl.theory.moe_step_all_to_all_bytes(t, H, K, N, L)) / 1024 for t in ts],
@@ -406,41 +414,63 @@ print(f"Mixtral-shaped (two-matrix experts; Mixtral's SwiGLU experts have three)
       f"parameters, {mixtral.active / 1e9:.1f}B active per token; replicated model states "
       f"{dl.theory.ep_memory(mixtral, 1) / 1e9:.0f} GB per GPU, ep over 8: {dl.theory.ep_memory(mixtral, 8) / 1e9:.0f} GB; "
       f"T* = {t_star_big:,.0f} tokens per GPU per step")
-""")
-md("""
-At the tiny scale of this lesson the crossover sits at a couple of hundred tokens per rank, because the experts
-are small. At the scale MoEs are built for, T* is tens of thousands of tokens per GPU, more than a micro-batch
-usually holds, and the replicated model states exceed any GPU's memory: expert parallelism is not an
-optimisation there but the only way the model fits. Real systems combine it with the rest: experts split over an
-`ep` group inside a node (the all-to-all wants fast links), data parallelism across, and tensor or pipeline
-parallelism for the dense part.
 
-## What to remember
+# %% [markdown]
+# At the tiny scale of this lesson the crossover sits at a couple of hundred tokens per rank, because the experts
+# are small. At the scale MoEs are built for, T* is tens of thousands of tokens per GPU, more than a micro-batch
+# usually holds, and the replicated model states exceed any GPU's memory: expert parallelism is not an
+# optimisation there but the only way the model fits. Real systems combine it with the rest: experts split over an
+# `ep` group inside a node (the all-to-all wants fast links), data parallelism across, and tensor or pipeline
+# parallelism for the dense part.
+#
+# ## What to remember
+#
+# * An MoE holds E experts but each token computes with k: parameters (memory) and FLOPs come apart.
+#   `dl.theory.gpt_moe_params` gives total and active.
+# * Capacity C = ceil(capacity_factor k T / E): what does not fit is dropped, first choices before second, in
+#   token order. Even uniform routing drops a few percent at factor 1 (`dl.theory.expected_drop_fraction`).
+# * The Switch balance loss `E sum f_i P_i` (1 when even) keeps the router from overloading favourites: measured
+#   here as fewer drops and a flatter load.
+# * Expert parallelism splits the experts and moves tokens: four all-to-alls per MoE layer per step, `k T h (n-1)/n`
+#   values each under balance. With the token counts all-gathered first, it drops exactly what one process drops,
+#   so it equals single.
+# * It always saves memory; it also saves bytes while T < T* = P_experts / (2 L k h).
+# * Strategies that would train an MoE wrongly (tp, cp, a 3d mesh without an ep axis) refuse it, naming the ones
+#   that run it. A pipeline routes per microbatch, and each stage's MoE layers carry their balance loss into
+#   backward themselves (`dl.ep.ride_balance_losses`), since the loss lives on the last stage.
+#
+# **Try it**: set `N = 4` in the first cell (one expert per rank) and re-run: the rows per rank split four ways,
+# the all-to-all sends 3/4 of the rows instead of 1/2, and T* stays where it was (it does not depend on n).
 
-* An MoE holds E experts but each token computes with k: parameters (memory) and FLOPs come apart.
-  `dl.theory.gpt_moe_params` gives total and active.
-* Capacity C = ceil(capacity_factor k T / E): what does not fit is dropped, first choices before second, in
-  token order. Even uniform routing drops a few percent at factor 1 (`dl.theory.expected_drop_fraction`).
-* The Switch balance loss `E sum f_i P_i` (1 when even) keeps the router from overloading favourites: measured
-  here as fewer drops and a flatter load.
-* Expert parallelism splits the experts and moves tokens: four all-to-alls per MoE layer per step, `k T h (n-1)/n`
-  values each under balance. With the token counts all-gathered first, it drops exactly what one process drops,
-  so it equals single.
-* It always saves memory; it also saves bytes while T < T* = P_experts / (2 L k h).
-* Strategies that would train an MoE wrongly (tp, cp, a 3d mesh without an ep axis) refuse it, naming the ones
-  that run it. A pipeline routes per microbatch, and each stage's MoE layers carry their balance loss into
-  backward themselves (`dl.ep.ride_balance_losses`), since the loss lives on the last stage.
+# %% [markdown]
+# ## Build it yourself
+#
+# Write each function below, then run the check under it: `dl.exercises.check` runs your code on real ranks (several world sizes, sizes that do not divide) beside the reference and says the first difference in words. The teacher's version of this notebook shows a solution; `make student` writes the version with the solutions taken out.
 
-**Try it**: set `N = 4` in the first cell (one expert per rank) and re-run: the rows per rank split four ways,
-the all-to-all sends 3/4 of the rows instead of 1/2, and T* stays where it was (it does not depend on n).
-""")
+# %%
+import os
+from pathlib import Path
 
-from distlab.exercises.student import exercise_cells  # noqa: E402
+import torch
+import torch.distributed as dist
 
-cells += exercise_cells(['top_k_router'])
+import distlab as dl
 
-nb = nbf.v4.new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                               "language": "python"}})
-out = Path(__file__).resolve().parents[1] / "11_mixture_of_experts.ipynb"
-nbf.write(nb, out)
-print("wrote", out)
+
+# %% [markdown]
+# **top_k_router**: top_k_router(logits (T, E), k) -> (expert (T, k), weight (T, k)): softmax over experts, top k, weights renormalised when k > 1
+
+# %% nbgrader={"grade": false, "grade_id": "top_k_router", "locked": false, "points": 0, "schema_version": 3, "solution": true}
+def top_k_router(logits: torch.Tensor, k: int):
+    """(expert (T, k), weight (T, k)): softmax over all experts, the k largest, renormalised to sum to 1
+    when k > 1 (GShard; Switch keeps k = 1 unnormalised). As `distlab/parallel/expert/router.py`."""
+    ### BEGIN SOLUTION
+    weight, expert = logits.float().softmax(dim=-1).topk(k, dim=-1)
+    if k > 1:
+        weight = weight / weight.sum(dim=-1, keepdim=True)
+    return expert, weight
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "check_top_k_router", "locked": true, "points": 1, "schema_version": 3, "solution": false}
+dl.exercises.check("top_k_router", top_k_router).require();
