@@ -76,6 +76,14 @@ def plan(spec, world_size: int, max_restarts, shrink) -> list[int]:
     if o.get("checkpoint_dir") is None or not o.get("checkpoint_every"):
         raise ValueError("max_restarts relaunches from the newest checkpoint: pass checkpoint_dir=... and "
                          "checkpoint_every=k (dl.theory.daly_interval suggests k)")
+    if shrink not in (False, None) and max_restarts < 1:
+        raise ValueError(f"shrink={shrink!r} says where to restart, but max_restarts=0 never restarts: pass "
+                         "max_restarts=k >= 1 (--max-restarts K)")
+    earlier = store.step_folders(o["checkpoint_dir"])
+    if earlier and o.get("resume") in (None, False):
+        raise ValueError(f"checkpoint_dir={o['checkpoint_dir']!r} already holds {earlier} from an earlier "
+                         "run: a restart would resume from them as if they were this run's. Pass resume=True to "
+                         "continue that run, or use an empty checkpoint_dir")
     if shrink is True:
         return [max(1, world_size - i) for i in range(max_restarts + 1)]
     if shrink in (False, None):

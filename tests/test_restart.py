@@ -175,3 +175,14 @@ def test_when_every_attempt_fails_the_last_error_carries_the_restarts(tmp_path, 
         (1, 3, 2, 0), (2, 2, 1, 0)]
     assert err.value.restarts[0].reason == "rank 1 was killed by SIGKILL"
     assert capfd.readouterr().err.count("distlab: restart") == 2
+
+
+def test_restart_refuses_a_checkpoint_dir_holding_an_earlier_run_and_shrink_without_restarts(tmp_path):
+    """An earlier run's newer checkpoint would be taken for this run's: refused before any rank starts."""
+    (tmp_path / "step_6").mkdir()
+    with pytest.raises(ValueError, match="earlier run"):
+        dl.train("ddp", world_size=2, steps=4, max_restarts=1, checkpoint_dir=str(tmp_path),
+                 checkpoint_every=2)
+    with pytest.raises(ValueError, match="max_restarts=0 never restarts"):
+        dl.train("ddp", world_size=2, steps=4, shrink=True, checkpoint_dir=str(tmp_path / "new"),
+                 checkpoint_every=2)
