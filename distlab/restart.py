@@ -82,8 +82,8 @@ def plan(spec, world_size: int, max_restarts, shrink) -> list[int]:
     earlier = store.step_folders(o["checkpoint_dir"])
     if earlier and o.get("resume") in (None, False):
         raise ValueError(f"checkpoint_dir={o['checkpoint_dir']!r} already holds {earlier} from an earlier "
-                         "run: a restart would resume from them as if they were this run's. Pass resume=True to "
-                         "continue that run, or use an empty checkpoint_dir")
+                         "run: a restart would resume from them as if they were this run's. Pass "
+                         "resume=True to continue that run, or use an empty checkpoint_dir")
     if shrink is True:
         return [max(1, world_size - i) for i in range(max_restarts + 1)]
     if shrink in (False, None):
