@@ -157,8 +157,12 @@ def _run_train(args) -> int:
     print(f"{args.strategy} on {report.world_size} rank(s), {args.model}, global batch {args.global_batch}",
           file=out)
     for step, loss in enumerate(report.losses):
-        took = f"  {times[step] * 1e3:8.1f} ms" if step < len(times) else ""
+        took = f"  {times[step] * 1e3:8.1f} ms" if step in times else ""     # a resumed run's own steps
         print(f"step {step:4d}  loss {loss:.6f}{took}", file=out)
+    if times:
+        mean = sum(times.values()) / len(times)
+        print(f"mean step time {mean * 1e3:.1f} ms ({1 / mean:.2f} steps/s over {len(times)} steps)",
+              file=out)
     for r, (comm, mem) in enumerate(zip(report.comm, report.memory)):
         peak = mem.get("peak", {})
         parts = "  ".join(f"{k} {v / 2**20:.3f}" for k, v in peak.items())
@@ -176,25 +180,28 @@ def _run_train(args) -> int:
     return 0
 
 
-def _as_json(args, report, times: list[float]) -> dict:
-    """The run's settings, losses, step times (seconds), bytes and peak memory per rank."""
+def _as_json(args, report, times: dict[int, float]) -> dict:
+    """The run's settings, losses, step times (seconds; None for steps an earlier run did before a
+    resume), bytes and peak memory per rank."""
     spec = report.spec
     return {"version": __version__, "strategy": spec.strategy, "world_size": report.world_size,
             "model": spec.model, "steps": spec.steps, "seed": spec.seed, "global_batch": spec.global_batch,
             "grad_accum": spec.grad_accum, "precision": spec.precision, "optimizer": spec.optimizer,
-            "lr": spec.lr, "options": spec.options, "losses": report.losses, "step_seconds": times,
+            "lr": spec.lr, "options": spec.options, "losses": report.losses,
+            "step_seconds": [times.get(step) for step in range(len(report.losses))],
             "seconds": report.seconds, "comm": report.comm,
             "memory": [{k: v for k, v in m.items() if k != "timeline"} for m in report.memory]}
 
 
-def step_seconds(report) -> list[float]:
-    """Wall time of every step on rank 0: from its "step" mark to the end of its "optimizer" span."""
+def step_seconds(report) -> dict[int, float]:
+    """{step: wall time on rank 0}, from its "step" mark to the end of its "optimizer" span, for the
+    steps this run took (after a resume, the earlier run's steps are not there)."""
     trace = report.trace
     if trace is None:
-        return []
+        return {}
     starts = {e.args.get("step"): e.start for e in trace.select("mark", rank=0, name="step")}
     ends = {e.args.get("step"): e.end for e in trace.spans(rank=0, name="optimizer")}
-    return [ends[s] - starts[s] for s in sorted(starts) if s in ends]
+    return {s: ends[s] - starts[s] for s in sorted(starts) if s in ends}
 
 
 def _strategies() -> int:

@@ -272,3 +272,20 @@ def test_widgets_without_ipywidgets_say_how_to_get_them(monkeypatch):
     monkeypatch.delitem(vars(dl), "widgets", raising=False)       # the lazy attribute, if already loaded
     with pytest.raises(ImportError, match=r"pip install distlab\[lab\]"):
         assert dl.widgets is None                                  # never reached
+
+
+def test_step_times_of_a_resumed_run_sit_beside_its_own_steps(tmp_path, capsys):
+    """After a resume the report holds every step's loss but only this run's step times: the times are
+    matched by step number (None for the steps of the run before), not by position."""
+    ck = str(tmp_path / "ck")
+    common = ["train", "--strategy", "ddp", "--world-size", "2", "--global-batch", "4",
+              "--checkpoint-dir", ck, "--checkpoint-every", "2"]
+    assert main([*common, "--steps", "2"]) == 0
+    capsys.readouterr()
+    assert main([*common, "--steps", "4", "--resume", "--json", "-"]) == 0
+    out, err = capsys.readouterr()
+    times = json.loads(out)["step_seconds"]
+    assert len(times) == 4 and times[:2] == [None, None] and all(t > 0 for t in times[2:])
+    lines = [line for line in err.splitlines() if line.startswith("step ")]
+    assert [line.endswith(" ms") for line in lines] == [False, False, True, True]
+    assert "mean step time" in err and "over 2 steps" in err
