@@ -184,3 +184,15 @@ def test_new_axes_checkpoint_and_resume_bit_for_bit(name, model, tmp_path):
     resumed = dl.train(name, world_size=4, **kw, resume=2)
     assert resumed.losses == full.losses
     assert all(torch.equal(v, resumed.params[k]) for k, v in full.params.items())
+
+
+@pytest.mark.parametrize("strategy, options, dropped", [
+    ("3d:dp=2,cp=2", {"microbatches": 4}, "microbatches"),
+    ("3d:dp=2,cp=2,schedule=gpipe", {}, "schedule"),
+    ("3d:dp=2,ep=2", {"attention": "ulysses"}, "attention"),
+    ("3d:dp=2,ep=2,zigzag=0", {}, "zigzag"),
+])
+def test_a_mesh_refuses_options_it_would_drop(strategy, options, dropped):
+    model = "gpt-moe-tiny" if "ep=" in strategy else "gpt-tiny"
+    with pytest.raises(TypeError, match=dropped):
+        dl.train(strategy, world_size=4, model=model, steps=1, global_batch=8, options=options)

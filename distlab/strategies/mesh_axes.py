@@ -59,6 +59,22 @@ def refuse(opts: dict) -> None:
         raise ValueError(f"attention={opts['attention']!r}: choose one of {ATTENTIONS}")
 
 
+#: options that only the dp x tp x pp mesh (pipeline) or only the cp axis reads
+PIPELINE_ONLY = ("schedule", "microbatches", "virtual", "balance")
+CP_ONLY = ("attention", "zigzag")
+
+
+def refuse_unused(spec: TrainSpec, cp: bool) -> None:
+    """An option this mesh would silently drop (a pipeline option with cp= or ep=, an attention option
+    with ep=) is refused, naming it: the strict-options rule holds for meshes too."""
+    given = set(spec.options) | {item.partition("=")[0].strip() for item in spec.strategy[3:].split(",")}
+    unused = sorted(given & set(PIPELINE_ONLY + (() if cp else CP_ONLY)))
+    if unused:
+        axis = "cp" if cp else "ep"
+        raise TypeError(f"{unused} have no effect on a mesh with {axis}= (no pipeline stages"
+                        f"{'' if cp else ', no context-parallel attention'} here): drop them")
+
+
 def sub_spec(spec: TrainSpec, opts: dict) -> TrainSpec:
     """The spec of the strategy family that trains this mesh (``cp-ring`` / ``cp-ulysses`` with dp and
     tp options, or ``ep`` with dp), keeping every option that is not a mesh option (checkpoints...)."""
@@ -75,6 +91,7 @@ def check(spec: TrainSpec, opts: dict, world: int) -> None:
     """Before any rank starts: a refused combination, degrees that do not fill the world, and what the
     family itself refuses (sequence or heads that do not split, experts that do not divide)."""
     refuse(opts)
+    refuse_unused(spec, cp=opts["cp"] > 1)
     degrees = {a: opts[a] for a in ("dp", "cp", "ep", "tp") if opts[a] > 1 or a == "dp"}
     product = 1
     for n in degrees.values():
