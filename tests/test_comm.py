@@ -383,3 +383,17 @@ def test_plots_read_the_trace():
     assert {f"{k} communication" for k in kinds} <= set(legend)
     assert matplotlib.colors.to_hex(legend["ring_all_reduce communication"].get_facecolor()) == "#000000"
     plt.close("all")
+
+
+def _shift_twice():
+    t = torch.full((3,), float(dl.rank()))
+    pending = dl.comm.start_ring_shift(t)
+    first = pending.wait().clone()
+    return first.tolist(), pending.wait().tolist()
+
+
+def test_start_ring_shift_waits_once_and_returns_the_received_block_again():
+    for n in (1, 3):
+        results = dl.launch(_shift_twice, world_size=n, output="quiet").results
+        for r, (first, again) in enumerate(results):
+            assert first == again == [float((r - 1) % n)] * 3

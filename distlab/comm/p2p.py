@@ -227,7 +227,7 @@ class PendingShift:
         self.ring, self.shape, self.start = Ring.of(group), t.shape, tracer().now()
         self.send = flat_view(t)
         self.recv = torch.empty_like(self.send)
-        self.works = []
+        self.works, self.done = [], None
         if self.ring.size > 1 and self.send.numel():
             prev, nxt, g = self.ring.glob(self.ring.prev), self.ring.glob(self.ring.next), self.ring.group
             if dist.get_backend(g) == "nccl":
@@ -237,9 +237,13 @@ class PendingShift:
                 self.works = [dist.irecv(self.recv, prev, group=g), dist.isend(self.send, nxt, group=g)]
 
     def wait(self) -> torch.Tensor:
-        """Block until the block has arrived (and ours has left); returns it, shaped like the one sent."""
+        """Block until the block has arrived (and ours has left); returns it, shaped like the one sent.
+        Waiting again returns the same block."""
+        if self.done is not None:
+            return self.done
         if not self.works:                                   # one rank, or nothing to move
-            return self.send.view(self.shape)
+            self.done = self.send.view(self.shape)
+            return self.done
         for w in self.works:
             w.wait()
         ring, nbytes = self.ring, self.send.numel() * self.send.element_size()
@@ -248,7 +252,8 @@ class PendingShift:
                 peer=ring.glob(ring.next), src=ring.glob(ring.prev), step=0, call=new_call(), size=nbytes,
                 world=ring.size)
         self.works = []
-        return self.recv.view(self.shape)
+        self.done = self.recv.view(self.shape)
+        return self.done
 
 
 def start_ring_shift(t: torch.Tensor, group=None) -> PendingShift:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 REGISTRY: dict[str, "Exercise"] = {}
 
@@ -213,7 +214,6 @@ class P2PLog(contextlib.ContextDecorator):
         self.sends: list[int] = []             # the peer of every send and isend, in order
 
     def __enter__(self):
-        import torch.distributed as dist
         P2PLog.current = self
         self.file = open(self.path, "w", buffering=1)
         for op in self.NAMES:
@@ -222,7 +222,6 @@ class P2PLog(contextlib.ContextDecorator):
         return self
 
     def __exit__(self, *exc):
-        import torch.distributed as dist
         for op, original in self.saved.items():
             setattr(dist, op, original)
         P2PLog.current = None
@@ -237,6 +236,8 @@ class P2PLog(contextlib.ContextDecorator):
     def _logged(self, op: str, original: Callable) -> Callable:
         def call(tensor, peer=None, *args, **kwargs):
             peer = kwargs.pop("dst", kwargs.pop("src", peer))
+            if peer is None and kwargs.get("group_dst", kwargs.get("group_src")) is not None:
+                peer = dist.get_global_rank(kwargs["group"], kwargs.get("group_dst", kwargs.get("group_src")))
             if op in ("send", "isend"):
                 self.sends.append(peer)
             self._write("posted", op, peer)
@@ -267,7 +268,7 @@ def explain_hang(logs: Path, n: int) -> str:
     """Each rank's unfinished operations, matched against its peers' sends: "rank 2 never received
     from rank 1 (rank 1 posted no send to rank 2)"."""
     events = {r: _read(logs / f"rank{r}.jsonl") for r in range(n)}
-    sent = {(r, e["peer"]): 0 for r in range(n) for e in events[r]}
+    sent: dict[tuple[int, int], int] = {}
     for r in range(n):
         for e in events[r]:
             if e["event"] == "posted" and e["op"] in ("send", "isend"):
