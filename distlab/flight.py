@@ -1,0 +1,354 @@
+"""The flight recorder: what every rank was doing when a launch hung.
+
+A hang in distributed training is a rank waiting in a collective that a peer never entered (or a
+receive that nobody sends). NCCL's "flight recorder" (PyTorch, ``TORCH_NCCL_TRACE_BUFFER_SIZE``)
+answers it by keeping each rank's last collectives in a ring buffer; this is the same idea, for
+any backend, readable after the rank was killed::
+
+    rank r, inside dl.launch
+      torch.distributed.all_reduce(...)  ->  tap: enter(op, group, peer, bytes) -> the original -> finish
+                                                 |                                                  |
+                                                 v                                                  v
+      <launch dir>/rank{r}.ring   [ slot 0 | slot 1 | ... | slot SLOTS-1 ]   record n lives in slot n % SLOTS
+      (a file mapped into memory: a write is a memory copy, and it outlives the process when the
+       launcher kills it at the deadline)
+
+    parent, after the deadline:  read every rank's ring  ->  `diagnose`:
+      "ranks 0, 1, 3 wait in all_reduce #17 of group world; rank 2 never entered it,
+       last finished broadcast #16 of group world"
+
+Sequence numbers count, on each rank, the collectives issued on each group (1 for the first, as
+NCCL's ``collective_seq_id`` does per communicator): ranks that agree on the program agree on
+them, so the rank whose count stops short is the one that skipped (or has not reached) the call.
+Point-to-point operations count per (direction, peer): "recv #3 from rank 0".
+
+The tap wraps the functions of ``torch.distributed`` (not of ``distributed_c10d``, whose internal
+calls, such as ``all_gather_object``'s own ``all_gather``, stay one record) once per process; every
+collective of `distlab.parallel.collectives`, of `dl.comm` and of the user's own code goes through
+it. ``isend``/``irecv`` are wrapped in both modules so that ``dist.P2POp(dist.isend, ...)`` still
+passes torch's check. Listeners subscribe with `listening`: the `Recorder` here, and the exercise
+checker's `P2PLog` (`distlab.exercises.harness`).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import mmap
+import os
+import threading
+import time
+from pathlib import Path
+
+SLOTS = 256          # records kept per rank: the ring buffer holds the last SLOTS operations
+SLOT_BYTES = 512     # one record, JSON padded with spaces (a longer one drops its member list)
+
+COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
+               "all_gather_single", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+               "all_to_all", "all_to_all_single", "gather", "scatter", "barrier",
+               "monitored_barrier", "all_gather_object", "broadcast_object_list", "gather_object",
+               "scatter_object_list")
+P2P = ("send", "recv", "isend", "irecv")
+_SENDS = ("send", "isend")
+
+
+# -- the recorder: one ring buffer per rank, in a memory-mapped file ------------------------------
+class Recorder:
+    """This rank's last `SLOTS` operations, written to ``path`` as they enter and finish.
+
+    A record: ``n`` (this rank's operation count), ``op``, ``group`` (its name: "world", a name
+    given by `collectives.name_group`, else "ranks[0,2]"), ``ranks`` (the group's global ranks),
+    ``seq`` (per group, or per direction and peer for point-to-point), ``peer``, ``bytes`` (of the
+    first tensor argument: the buffer), ``entered`` and ``finished`` (wall-clock seconds, ``None``
+    while it runs). Thread-safe: the ring of `dl.comm` and the backends' callbacks write too.
+    """
+
+    def __init__(self, path: str | Path, slots: int = SLOTS):
+        self.slots, self.count, self.seqs = slots, 0, {}
+        self._lock = threading.Lock()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, slots * SLOT_BYTES)
+            self._map = mmap.mmap(fd, slots * SLOT_BYTES)
+        finally:
+            os.close(fd)
+
+    def entered(self, op: str, group: str, ranks: list | None, peer: int | None, nbytes: int) -> dict:
+        with self._lock:
+            key = (group,) if peer is None else ("send" if op in _SENDS else "recv", group, peer)
+            self.seqs[key] = self.seqs.get(key, 0) + 1
+            record = {"n": self.count, "op": op, "group": group, "ranks": ranks, "seq": self.seqs[key],
+                      "peer": peer, "bytes": nbytes, "entered": time.time(), "finished": None}
+            self.count += 1
+            self._write(record)
+        return record
+
+    def finished(self, record: dict) -> None:
+        with self._lock:
+            record["finished"] = time.time()
+            self._write(record)
+
+    def _write(self, record: dict) -> None:
+        data = json.dumps(record, separators=(",", ":")).encode()
+        if len(data) > SLOT_BYTES:                       # a huge group: drop the member list
+            data = json.dumps({**record, "ranks": None}, separators=(",", ":")).encode()[:SLOT_BYTES]
+        slot = (record["n"] % self.slots) * SLOT_BYTES
+        self._map[slot:slot + SLOT_BYTES] = data.ljust(SLOT_BYTES)
+
+    def close(self) -> None:
+        self._map.close()
+
+
+def read(path: str | Path) -> list[dict]:
+    """The records in a ring file, oldest first (a slot cut short by a kill is skipped)."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError:
+        return []
+    records = []
+    for i in range(0, len(raw), SLOT_BYTES):
+        text = raw[i:i + SLOT_BYTES].strip(b" \0")
+        try:
+            records.append(json.loads(text)) if text else None
+        except ValueError:
+            pass
+    return sorted(records, key=lambda r: r["n"])
+
+
+# -- the tap: torch.distributed's functions, wrapped once per process ----------------------------
+_listeners: list = []
+_installed: dict = {}
+
+
+@contextlib.contextmanager
+def listening(listener):
+    """Call ``listener.entered(op, group, ranks, peer, nbytes) -> token`` and ``listener.finished(token)``
+    around every torch.distributed operation made inside the block (installing the tap if needed)."""
+    install()
+    _listeners.append(listener)
+    try:
+        yield listener
+    finally:
+        _listeners.remove(listener)
+
+
+def start(path: str | Path) -> Recorder:
+    """Inside a rank: record every operation from now on into ``path`` (until `stop`)."""
+    recorder = Recorder(path)
+    install()
+    _listeners.append(recorder)
+    return recorder
+
+
+def stop(recorder: Recorder | None) -> None:
+    """Stop recording (the launcher's own closing barrier is not the user's)."""
+    if recorder is not None and recorder in _listeners:
+        _listeners.remove(recorder)
+
+
+def install() -> None:
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    if _installed:
+        return
+    for op in COLLECTIVES + P2P:
+        original = getattr(dist, op, None)
+        if original is None:
+            continue
+        _installed[op] = original
+        tapped = _tap(op, original)
+        setattr(dist, op, tapped)
+        if op in ("isend", "irecv"):                     # dist.P2POp checks `op in [c10d.isend, c10d.irecv]`
+            setattr(c10d, op, tapped)
+
+
+def _tap(op: str, original):
+    signature = inspect.signature(original)
+
+    def call(*args, **kwargs):
+        if not _listeners:
+            return original(*args, **kwargs)
+        try:
+            bound = signature.bind(*args, **kwargs).arguments
+        except TypeError:
+            return original(*args, **kwargs)              # let torch say what is wrong
+        tokens = _enter(op, bound)
+        out = original(*args, **kwargs)
+        if op in ("isend", "irecv") or bound.get("async_op"):
+            return _when_done(out, tokens)
+        _finish(tokens)
+        return out
+    call.__wrapped__, call.__name__, call.__doc__ = original, original.__name__, original.__doc__
+    return call
+
+
+def _enter(op: str, bound: dict) -> list:
+    group, peer = bound.get("group"), None
+    name, ranks = _group(group)
+    if op in P2P:
+        peer = _global_peer(group, bound)
+    nbytes = _nbytes(next((v for k, v in bound.items() if k not in ("group", "op")), None))
+    return [(lst, lst.entered(op, name, ranks, peer, nbytes)) for lst in list(_listeners)]
+
+
+def _finish(tokens: list) -> None:
+    for listener, token in tokens:
+        listener.finished(token)
+
+
+def _when_done(work, tokens: list):
+    """An asynchronous operation finishes when the backend says so (collectives' futures) or, where
+    it cannot (gloo's send and receive), when it is waited for."""
+    if work is None:                                       # inside NCCL's coalescing manager
+        _finish(tokens)
+        return work
+    try:
+        work.get_future().add_done_callback(lambda _: _finish(tokens))
+        return work
+    except (AttributeError, RuntimeError):
+        return _WaitedWork(work, lambda: _finish(tokens))
+
+
+class _WaitedWork:
+    """A request whose ``wait()`` marks its records finished (everything else passes through)."""
+
+    def __init__(self, work, on_done):
+        self.work, self.on_done = work, on_done
+
+    def wait(self, *args, **kwargs):
+        out = self.work.wait(*args, **kwargs)
+        self.on_done()
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def _group(group) -> tuple[str, list | None]:
+    import torch.distributed as dist
+
+    from .parallel.collectives import group_name
+    if group is None or group is dist.GroupMember.WORLD:
+        return group_name(group) or "world", list(range(dist.get_world_size()))
+    try:
+        ranks = dist.get_process_group_ranks(group)
+    except (RuntimeError, ValueError):
+        ranks = None
+    return group_name(group) or f"ranks{ranks}".replace(" ", ""), ranks
+
+
+def _global_peer(group, bound: dict) -> int | None:
+    import torch.distributed as dist
+    for key in ("dst", "src"):
+        if bound.get(key) is not None:
+            return int(bound[key])
+    for key in ("group_dst", "group_src"):
+        if bound.get(key) is not None:
+            return dist.get_global_rank(group, bound[key]) if group is not None else int(bound[key])
+    return None
+
+
+def _nbytes(value) -> int:
+    import torch
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value if isinstance(v, torch.Tensor))
+    return 0
+
+
+# -- the parent's side: a folder per launch, read after the deadline -------------------------------
+class Box:
+    """The folder where the ranks of a launch keep their rings; `collect` reads it, then removes it."""
+
+    def __init__(self):
+        import tempfile
+        self.path = tempfile.mkdtemp(prefix="distlab-flight-")
+
+    def collect(self, world_size: int) -> dict[int, list[dict]]:
+        import shutil
+        records = {r: read(Path(self.path) / f"rank{r}.ring") for r in range(world_size)}
+        shutil.rmtree(self.path, ignore_errors=True)
+        return records
+
+
+def ring_path(folder: str, rank: int) -> str:
+    return str(Path(folder) / f"rank{rank}.ring")
+
+
+# -- the diagnosis ---------------------------------------------------------------------------------
+def diagnose(flight: dict[int, list[dict]], returned=(), failed=()) -> str:
+    """What each rank was doing, in words, from every rank's records (``returned``/``failed``: ranks the
+    launcher saw return or fail). One line per operation ranks wait in, naming the members of its group
+    that are not in it and the last thing each of them finished; then the ranks waiting in nothing."""
+    waiting = {r: _waits_in(records) for r, records in flight.items()}
+    lines, told = [], set()
+    for key in sorted({_key(w) for w in waiting.values() if w is not None}, key=str):
+        ranks = sorted(r for r, w in waiting.items() if w is not None and _key(w) == key)
+        first = waiting[ranks[0]]
+        told.update(ranks)
+        absent = _absent(first, ranks, flight, waiting, returned, failed)
+        told.update(absent)
+        lines.append(f"{_ranks(ranks)} wait{'s' * (len(ranks) == 1)} in {_name(first)}"
+                     + "".join(f"; {part}" for part in absent.values()))
+    for r in sorted(set(flight) - told):
+        lines.append(f"rank {r} {_state(r, flight, waiting, returned, failed)}")
+    return "\n".join(lines)
+
+
+def _waits_in(records: list[dict]) -> dict | None:
+    """The oldest operation this rank entered and never finished: the one it is blocked behind."""
+    return next((r for r in records if r["finished"] is None), None)
+
+
+def _key(record: dict) -> tuple:
+    return (record["op"], record["group"], record["seq"], record["peer"])
+
+
+def _name(record: dict) -> str:
+    if record["peer"] is not None:
+        way = "to" if record["op"] in _SENDS else "from"
+        return f"{record['op']} #{record['seq']} {way} rank {record['peer']}"
+    return f"{record['op']} #{record['seq']} of group {record['group']}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _absent(first: dict, ranks: list[int], flight, waiting, returned, failed) -> dict[int, str]:
+    """{2: "rank 2 never entered it, last finished broadcast #16 of group world"} for every member missing."""
+    if first["peer"] is not None:
+        members = [first["peer"]]
+    else:
+        members = first["ranks"] if first["ranks"] is not None else sorted(flight)
+    parts = {}
+    for m in [m for m in members if m not in ranks]:
+        if first["peer"] is not None:
+            parts[m] = (f"rank {m} {_matching_p2p(first, ranks[0], flight.get(m, []))} and "
+                        f"{_state(m, flight, waiting, returned, failed)}")
+            continue
+        same = [r for r in flight.get(m, []) if r["group"] == first["group"] and r["seq"] >= first["seq"]]
+        if not same:                                       # one that passed this call is not the culprit
+            parts[m] = f"rank {m} never entered it and {_state(m, flight, waiting, returned, failed)}"
+    return parts
+
+
+def _matching_p2p(first: dict, me: int, theirs: list[dict]) -> str:
+    way = "recv" if first["op"] in _SENDS else "send"
+    matched = [r for r in theirs if r["peer"] == me and (r["op"] in _SENDS) == (way == "send")]
+    direction = "to" if way == "send" else "from"
+    return f"posted {len(matched)} {way}{'s' * (len(matched) != 1)} {direction} rank {me}"
+
+
+def _state(rank: int, flight, waiting, returned, failed) -> str:
+    """"waits in all_reduce #3 of group dp" / "returned from the function; last finished ..." / ..."""
+    done = [r for r in flight.get(rank, []) if r["finished"] is not None]
+    last = f"last finished {_name(done[-1])}" if done else "it finished no operation"
+    if waiting.get(rank) is not None:
+        return f"waits in {_name(waiting[rank])}"
+    if rank in returned:
+        return f"returned from the function; {last}"
+    if rank in failed:
+        return f"failed; {last}"
+    return f"is in no operation (computing, sleeping, or stuck outside torch.distributed); {last}"
