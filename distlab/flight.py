@@ -64,7 +64,7 @@ class Recorder:
     """
 
     def __init__(self, path: str | Path, slots: int = SLOTS):
-        self.slots, self.count, self.seqs = slots, 0, {}
+        self.path, self.slots, self.count, self.seqs = str(path), slots, 0, {}
         self._lock = threading.Lock()
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -118,6 +118,7 @@ def read(path: str | Path) -> list[dict]:
 # -- the tap: torch.distributed's functions, wrapped once per process ----------------------------
 _listeners: list = []
 _installed: dict = {}
+_inside = threading.local()            # the operation this thread is inside, if any
 
 
 @contextlib.contextmanager
@@ -166,14 +167,18 @@ def _tap(op: str, original):
     signature = inspect.signature(original)
 
     def call(*args, **kwargs):
-        if not _listeners:
+        if not _listeners or getattr(_inside, "op", None):  # send calls the tapped isend: once
             return original(*args, **kwargs)
         try:
             bound = signature.bind(*args, **kwargs).arguments
         except TypeError:
             return original(*args, **kwargs)              # let torch say what is wrong
         tokens = _enter(op, bound)
-        out = original(*args, **kwargs)
+        _inside.op = op
+        try:
+            out = original(*args, **kwargs)
+        finally:
+            _inside.op = None
         if op in ("isend", "irecv") or bound.get("async_op"):
             return _when_done(out, tokens)
         _finish(tokens)
@@ -329,7 +334,10 @@ def _absent(first: dict, ranks: list[int], flight, waiting, returned, failed) ->
                         f"{_state(m, flight, waiting, returned, failed)}")
             continue
         same = [r for r in flight.get(m, []) if r["group"] == first["group"] and r["seq"] >= first["seq"]]
-        if not same:                                       # one that passed this call is not the culprit
+        other = next((r for r in same if r["seq"] == first["seq"] and r["op"] != first["op"]), None)
+        if other is not None:                              # the ranks disagree on the program
+            parts[m] = f"rank {m} entered {_name(other)} instead (the ranks issue different collectives)"
+        elif not same:                                     # one that passed this call is not the culprit
             parts[m] = f"rank {m} never entered it and {_state(m, flight, waiting, returned, failed)}"
     return parts
 

@@ -200,65 +200,48 @@ def _launch(exercise: Exercise, fn: Callable, n: int, timeout: float) -> list | 
 # -- hangs: who waited for whom -------------------------------------------------------------------
 class P2PLog(contextlib.ContextDecorator):
     """Inside a rank, log every send/recv/isend/irecv as posted and finished, one JSON line each, to
-    a file the parent reads if the ranks hang (a killed rank's file survives it)."""
-
-    NAMES = ("send", "recv", "isend", "irecv")
+    a file the parent reads if the ranks hang (a killed rank's file survives it). It listens to the
+    flight recorder's tap on torch.distributed (`distlab.flight.listening`), which every launch
+    installs; this log adds the per-check file and the peers of the sends."""
 
     current: "P2PLog | None" = None        # the log of this rank, for exercises that count messages
 
     def __init__(self, path: Path):
-        self.path, self.saved = path, {}
+        self.path, self._listening = path, None
         self.sends: list[int] = []             # the peer of every send and isend, in order
 
     def __enter__(self):
-        import torch.distributed as dist
+        from .. import flight
         P2PLog.current = self
         self.file = open(self.path, "w", buffering=1)
-        for op in self.NAMES:
-            self.saved[op] = getattr(dist, op)
-            setattr(dist, op, self._logged(op, self.saved[op]))
+        self._listening = flight.listening(self)
+        self._listening.__enter__()
         return self
 
     def __exit__(self, *exc):
-        import torch.distributed as dist
-        for op, original in self.saved.items():
-            setattr(dist, op, original)
+        self._listening.__exit__(*exc)
         P2PLog.current = None
         self.file.close()
         return False
+
+    def entered(self, op: str, group: str, ranks, peer: int | None, nbytes: int):
+        """Called by the tap as an operation starts; returns the token `finished` gets back."""
+        from ..flight import P2P
+        if op not in P2P:
+            return None
+        if op in ("send", "isend"):
+            self.sends.append(peer)
+        self._write("posted", op, peer)
+        return op, peer
+
+    def finished(self, token) -> None:
+        if token is not None:
+            self._write("finished", *token)
 
     def _write(self, event: str, op: str, peer: int | None) -> None:
         self.file.write(json.dumps({"event": event, "op": op, "peer": peer}) + "\n")
         self.file.flush()
         os.fsync(self.file.fileno())
-
-    def _logged(self, op: str, original: Callable) -> Callable:
-        def call(tensor, peer=None, *args, **kwargs):
-            peer = kwargs.pop("dst", kwargs.pop("src", peer))
-            if op in ("send", "isend"):
-                self.sends.append(peer)
-            self._write("posted", op, peer)
-            work = original(tensor, peer, *args, **kwargs)
-            if op in ("send", "recv"):
-                self._write("finished", op, peer)
-                return work
-            return _LoggedWork(work, lambda: self._write("finished", op, peer))
-        return call
-
-
-class _LoggedWork:
-    """An isend/irecv request whose ``wait()`` is logged."""
-
-    def __init__(self, work, on_done: Callable[[], None]):
-        self.work, self.on_done = work, on_done
-
-    def wait(self, *args, **kwargs):
-        out = self.work.wait(*args, **kwargs)
-        self.on_done()
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self.work, name)
 
 
 def explain_hang(logs: Path, n: int) -> str:
