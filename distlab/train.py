@@ -59,6 +59,12 @@ class Report:
     _single_trace: object = field(default=None, repr=False)
     restarts: list = field(default_factory=list)      # `distlab.restart.Restart`, one per relaunch
 
+    def stragglers(self):
+        """Per step, each rank's forward-and-backward time, the skew between ranks and the slowest rank
+        (`distlab.stragglers`): ``report.stragglers().straggler``, ``.skew``, ``print(...)``."""
+        from .stragglers import stragglers
+        return stragglers(self.trace)
+
     def __repr__(self) -> str:
         last = f"{self.losses[-1]:.4f}" if self.losses else "-"
         return (f"Report({self.spec.strategy!r}, world_size={self.world_size}, model={self.spec.model!r}, "
