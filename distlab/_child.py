@@ -14,7 +14,8 @@ Order matters here, each step for a reason found the hard way:
    own sockets stay on loopback when the rendezvous is), then a barrier, so no rank can exit while
    a peer is still connecting to it;
 6. set torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT),
-   run the user's function, send back its result (or the traceback) and the trace, then a final
+   run the user's function (its torch.distributed calls recorded by the flight recorder,
+   `distlab.flight`), send back its result (or the traceback) and the trace, then a final
    barrier so that no rank tears its connections down while a peer still reads from them.
 """
 from __future__ import annotations

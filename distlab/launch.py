@@ -19,7 +19,8 @@ How it works (see `_child` for what happens inside a rank, `_supervisor` for the
 * **Ctrl-C** is held back while ranks start or stop, so it never orphans one; each rank leads its own
   process group, and the group (with whatever the rank started) is killed at the end.
 * **Errors**: any failing rank raises `LaunchError` naming the root cause, the earliest rank to
-  fail of its own accord, not the peers that then lost their connection to it.
+  fail of its own accord, not the peers that then lost their connection to it. A hang (the
+  deadline) says what each rank was doing, from its flight recorder (`distlab.flight`).
 * **Torchrun**: with RANK and WORLD_SIZE in the environment, `launch` runs ``fn`` right here on
   the existing (or env-initialised) group and all-gathers the results, so code written for a
   notebook runs unchanged on a cluster.
