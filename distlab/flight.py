@@ -296,8 +296,11 @@ def diagnose(flight: dict[int, list[dict]], returned=(), failed=()) -> str:
         told.update(ranks)
         absent = _absent(first, ranks, flight, waiting, returned, failed)
         told.update(absent)
-        lines.append(f"{_ranks(ranks)} wait{'s' * (len(ranks) == 1)} in {_name(first)}"
-                     + "".join(f"; {part}" for part in absent.values()))
+        one = len(ranks) == 1
+        verb = (("was" if one else "were") + " waiting in {} when " + ("it" if one else "they") + " failed"
+                if set(ranks) <= set(failed) else ("waits" if one else "wait") + " in {}")
+        said = verb.format(_name(first))
+        lines.append(f"{_ranks(ranks)} {said}" + "".join(f"; {a}" for a in absent.values()))
     for r in sorted(set(flight) - told):
         lines.append(f"rank {r} {_state(r, flight, waiting, returned, failed)}")
     return "\n".join(lines)

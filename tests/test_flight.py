@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -53,6 +54,24 @@ def test_a_rank_that_skips_a_collective_is_named_with_the_sequence_number(world)
             stuck = err.flight[r][-1]
             assert (stuck["op"], stuck["seq"], stuck["finished"]) == ("all_reduce", 4, None)
             assert stuck["ranks"] == list(range(world))
+
+
+def give_up_waiting():
+    """Ranks 0 and 1 give up on an all-reduce after a second (their own timeout); rank 2 never came."""
+    t = torch.ones(4)
+    dist.broadcast(t, src=0)
+    if dl.rank() == 2:
+        time.sleep(120)
+    dist.all_reduce(t, async_op=True).wait(timeout=timedelta(seconds=1))
+
+
+def test_peers_that_time_out_first_still_get_the_diagnosis():
+    with pytest.raises(dl.LaunchError) as caught:
+        dl.launch(give_up_waiting, world_size=3, timeout=60, output="quiet")
+    message = str(caught.value)
+    assert caught.value.rank in (0, 1) and "timed out" in message
+    assert ("ranks 0, 1 were waiting in all_reduce #2 of group world when they failed; rank 2 never "
+            "entered it and is in no operation") in message, message
 
 
 def stuck_in_recv():
