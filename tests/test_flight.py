@@ -140,3 +140,18 @@ def test_diagnose_names_a_rank_waiting_in_a_different_collective():
                                returned=[1])
     assert returned == ("rank 0 waits in all_reduce #1 of group tp\n"                  # rank 1 passed #1:
                         "rank 1 returned from the function; last finished all_reduce #1 of group tp")
+
+
+def all_reduce_on_some_ranks(t):
+    """A learner's all-reduce that rank 0 never joins."""
+    if dl.rank() != 0:
+        dist.all_reduce(t)
+    return t
+
+
+def test_an_exercise_hung_in_a_collective_says_which_rank_never_entered_it():
+    res = dl.exercises.check("ring_all_reduce", all_reduce_on_some_ranks, world_sizes=(2,), timeout=4,
+                             quiet=True)
+    assert not res.passed
+    assert ("the ranks hung for 4 s: rank 1 waits in all_reduce #1 of group world; rank 0 never entered it "
+            "and returned from the function") in res.problem, res.problem

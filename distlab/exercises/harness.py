@@ -193,7 +193,9 @@ def _launch(exercise: Exercise, fn: Callable, n: int, timeout: float) -> list | 
         except dl.LaunchError as err:
             last_line = err.failures[err.rank].strip().splitlines()[-1] if err.rank is not None else ""
             if err.rank is None or "timed out" in last_line.lower() or "timeout" in last_line.lower():
-                return f"the ranks hung for {timeout:g} s: " + explain_hang(Path(logs), n)
+                returned = set(range(n)) - set(err.unfinished) - set(err.failures)
+                why = explain_hang(Path(logs), n, err.flight, returned)
+                return f"the ranks hung for {timeout:g} s: {why}"
             return f"rank {err.rank} failed: {last_line}"
 
 
@@ -244,10 +246,14 @@ class P2PLog(contextlib.ContextDecorator):
         os.fsync(self.file.fileno())
 
 
-def explain_hang(logs: Path, n: int) -> str:
+def explain_hang(logs: Path, n: int, flight: dict | None = None, returned=()) -> str:
     """Each rank's unfinished operations, matched against its peers' sends: "rank 2 never received
-    from rank 1 (rank 1 posted no send to rank 2)"."""
+    from rank 1 (rank 1 posted no send to rank 2)"; when no rank waits in a send or receive, the
+    flight recorder's account of the collectives (`distlab.flight.diagnose`), if ``flight`` is given."""
     events = {r: _read(logs / f"rank{r}.jsonl") for r in range(n)}
+    if flight and not any(_unfinished(events[r]) for r in range(n)):
+        from ..flight import diagnose
+        return diagnose(flight, returned=returned).replace("\n", "; ")
     sent = {(r, e["peer"]): 0 for r in range(n) for e in events[r]}
     for r in range(n):
         for e in events[r]:
