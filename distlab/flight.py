@@ -76,7 +76,7 @@ class Recorder:
 
     def entered(self, op: str, group: str, ranks: list | None, peer: int | None, nbytes: int) -> dict:
         with self._lock:
-            key = (group,) if peer is None else ("send" if op in _SENDS else "recv", group, peer)
+            key = ("send" if op in _SENDS else "recv", group, peer) if op in P2P else (group,)
             self.seqs[key] = self.seqs.get(key, 0) + 1
             record = {"n": self.count, "op": op, "group": group, "ranks": ranks, "seq": self.seqs[key],
                       "peer": peer, "bytes": nbytes, "entered": time.time()}
@@ -224,7 +224,9 @@ class _WaitedWork:
 
     def wait(self, *args, **kwargs):
         out = self.work.wait(*args, **kwargs)
-        self.on_done()
+        if self.on_done is not None:                       # once, however often it is waited for
+            self.on_done, done = None, self.on_done
+            done()
         return out
 
     def __getattr__(self, name):
@@ -316,9 +318,10 @@ def _key(record: dict) -> tuple:
 
 
 def _name(record: dict) -> str:
-    if record["peer"] is not None:
+    if record["op"] in P2P:
         way = "to" if record["op"] in _SENDS else "from"
-        return f"{record['op']} #{record['seq']} {way} rank {record['peer']}"
+        peer = "any rank" if record["peer"] is None else f"rank {record['peer']}"
+        return f"{record['op']} #{record['seq']} {way} {peer}"
     return f"{record['op']} #{record['seq']} of group {record['group']}"
 
 
@@ -328,17 +331,18 @@ def _ranks(ranks: list[int]) -> str:
 
 def _absent(first: dict, ranks: list[int], flight, waiting, returned, failed) -> dict[int, str]:
     """{2: "rank 2 never entered it, last finished broadcast #16 of group world"} for every member missing."""
-    if first["peer"] is not None:
-        members = [first["peer"]]
+    if first["op"] in P2P:                                 # its peer (none for a receive from anyone)
+        members = [] if first["peer"] is None else [first["peer"]]
     else:
         members = first["ranks"] if first["ranks"] is not None else sorted(flight)
     parts = {}
     for m in [m for m in members if m not in ranks]:
-        if first["peer"] is not None:
+        if first["op"] in P2P:
             parts[m] = (f"rank {m} {_matching_p2p(first, ranks[0], flight.get(m, []))} and "
                         f"{_state(m, flight, waiting, returned, failed)}")
             continue
-        same = [r for r in flight.get(m, []) if r["group"] == first["group"] and r["seq"] >= first["seq"]]
+        same = [r for r in flight.get(m, []) if r["op"] not in P2P and r["group"] == first["group"]
+                and r["seq"] >= first["seq"]]
         other = next((r for r in same if r["seq"] == first["seq"] and r["op"] != first["op"]), None)
         if other is not None:                              # the ranks disagree on the program
             parts[m] = f"rank {m} entered {_name(other)} instead (the ranks issue different collectives)"

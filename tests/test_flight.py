@@ -155,3 +155,11 @@ def test_an_exercise_hung_in_a_collective_says_which_rank_never_entered_it():
     assert not res.passed
     assert ("the ranks hung for 4 s: rank 1 waits in all_reduce #1 of group world; rank 0 never entered it "
             "and returned from the function") in res.problem, res.problem
+
+
+def test_diagnose_a_receive_from_any_rank():
+    waiting = dict(n=0, op="recv", group="world", ranks=[0, 1], seq=1, peer=None, bytes=4, entered=0.0,
+                   finished=None)
+    text = flight.diagnose({0: [waiting], 1: []}, returned=[1])
+    assert text == ("rank 0 waits in recv #1 from any rank\n"
+                    "rank 1 returned from the function; it finished no operation")
