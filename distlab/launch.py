@@ -198,9 +198,10 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
     started = time.perf_counter()
     deadline = time.monotonic() + timeout                 # starting the ranks counts too
     ranks: list[RankStatus] = []
-    rendezvous, box = None, flight.Box()                  # each rank's flight recorder writes into box
+    rendezvous = box = None
     try:
         with interrupts_deferred():                       # Ctrl-C lands once every rank is tracked
+            box = flight.Box()                            # each rank's flight recorder writes in here
             rendezvous = _Rendezvous(method, host, world_size, timeout)
             spec = _child.RankSpec(
                 world_size=world_size, backend=backend, host=host, port=rendezvous.port,
@@ -219,7 +220,7 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
         shutdown(ranks)
         if rendezvous is not None:
             rendezvous.close()
-        records = box.collect(world_size)                 # read after every rank is gone
+        records = box.collect(world_size) if box is not None else {}    # read once every rank is gone
     return _collect(ranks, supervisor, output, timeout, records,
                     dict(world_size=world_size, backend=backend, start_method=method,
                          seconds=time.perf_counter() - started))
