@@ -272,13 +272,26 @@ class Box:
 
     def __init__(self):
         import tempfile
-        self.path = tempfile.mkdtemp(prefix="distlab-flight-")
+        _sweep(Path(tempfile.gettempdir()))
+        self.path = tempfile.mkdtemp(prefix=f"distlab-flight-{os.getpid()}-")
 
     def collect(self, world_size: int) -> dict[int, list[dict]]:
         import shutil
         records = {r: read(Path(self.path) / f"rank{r}.ring") for r in range(world_size)}
         shutil.rmtree(self.path, ignore_errors=True)
         return records
+
+
+def _sweep(tmp: Path) -> None:
+    """Remove the folders of launchers that are gone (a parent killed by SIGKILL cleans up nothing)."""
+    import shutil
+    for folder in tmp.glob("distlab-flight-*-*"):
+        try:
+            os.kill(int(folder.name.split("-")[2]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except (ValueError, OSError):
+            pass
 
 
 def ring_path(folder: str, rank: int) -> str:

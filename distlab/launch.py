@@ -218,9 +218,10 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
     finally:
         _forget(ranks)
         shutdown(ranks)
-        if rendezvous is not None:
-            rendezvous.close()
-        records = box.collect(world_size) if box is not None else {}    # read once every rank is gone
+        with interrupts_deferred():                       # a second Ctrl-C must not leave the folder
+            if rendezvous is not None:
+                rendezvous.close()
+            records = box.collect(world_size) if box is not None else {}    # once every rank is gone
     return _collect(ranks, supervisor, output, timeout, records,
                     dict(world_size=world_size, backend=backend, start_method=method,
                          seconds=time.perf_counter() - started))

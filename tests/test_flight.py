@@ -163,3 +163,17 @@ def test_diagnose_a_receive_from_any_rank():
     text = flight.diagnose({0: [waiting], 1: []}, returned=[1])
     assert text == ("rank 0 waits in recv #1 from any rank\n"
                     "rank 1 returned from the function; it finished no operation")
+
+
+def test_a_killed_launchers_folder_is_swept_by_the_next_launch(tmp_path, monkeypatch):
+    import subprocess
+    import tempfile
+    gone = subprocess.Popen(["true"])
+    gone.wait()                                                       # a pid nobody holds now
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    stale = tmp_path / f"distlab-flight-{gone.pid}-abc"
+    stale.mkdir()
+    (stale / "rank0.ring").write_bytes(b" " * 16)
+    box = flight.Box()
+    assert not stale.exists() and os.path.isdir(box.path)
+    assert box.collect(1) == {0: []} and not os.path.exists(box.path)
