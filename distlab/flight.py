@@ -27,7 +27,9 @@ calls, such as ``all_gather_object``'s own ``all_gather``, stay one record) once
 collective of `distlab.parallel.collectives`, of `dl.comm` and of the user's own code goes through
 it. ``isend``/``irecv`` are wrapped in both modules so that ``dist.P2POp(dist.isend, ...)`` still
 passes torch's check. Listeners subscribe with `listening`: the `Recorder` here, and the exercise
-checker's `P2PLog` (`distlab.exercises.harness`).
+checker's `P2PLog` (`distlab.exercises.harness`). Not seen: a function imported by name before the
+launch (``from torch.distributed import all_reduce`` binds the original), torch's functional
+collectives and DTensor; and under torchrun nothing is recorded (the launcher reads the rings).
 """
 from __future__ import annotations
 

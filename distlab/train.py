@@ -6,6 +6,7 @@
     report.memory[r]       # rank r's ledger: {"peak": {...}, "peak_total": ..., "timeline": [...]}
     report.comm[r]         # rank r's bytes: {"sent", "received", "sent_per_step", "sent_by_op"}
     report.run.trace       # everything recorded (None for "single", which runs in this process)
+    report.stragglers()    # per step: each rank's compute time, the skew, the slowest rank
 
 Checkpoints (every strategy; see `distlab.checkpoint`): ``checkpoint_dir=..., checkpoint_every=k``
 saves every k steps and at the end (``keep_last=n`` keeps the newest n); ``resume=True`` continues from
