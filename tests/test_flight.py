@@ -37,7 +37,7 @@ def skip_one_all_reduce(skipper: int):
 def test_a_rank_that_skips_a_collective_is_named_with_the_sequence_number(world):
     skipper = 2 if world == 4 else 1
     with pytest.raises(dl.LaunchError) as caught:
-        dl.launch(skip_one_all_reduce, world_size=world, args=(skipper,), timeout=6, output="quiet")
+        dl.launch(skip_one_all_reduce, world_size=world, args=(skipper,), timeout=8, output="quiet")
     err = caught.value
     waiters = ", ".join(str(r) for r in range(world) if r != skipper)
     message = str(err)
@@ -87,7 +87,7 @@ def stuck_in_recv():
 
 def test_a_rank_stuck_in_recv_is_named_with_its_peer_and_what_the_peer_sent():
     with pytest.raises(dl.LaunchError) as caught:
-        dl.launch(stuck_in_recv, world_size=2, timeout=5, output="quiet")
+        dl.launch(stuck_in_recv, world_size=2, timeout=6, output="quiet")
     message = str(caught.value)
     assert "rank 1 waits in recv #2 from rank 0; rank 0 posted 1 send to rank 1 and is in no operation" \
         in message, message
