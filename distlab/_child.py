@@ -14,7 +14,8 @@ Order matters here, each step for a reason found the hard way:
    own sockets stay on loopback when the rendezvous is), then a barrier, so no rank can exit while
    a peer is still connecting to it;
 6. set torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT),
-   run the user's function, send back its result (or the traceback) and the trace, then a final
+   run the user's function (its torch.distributed calls recorded by the flight recorder,
+   `distlab.flight`), send back its result (or the traceback) and the trace, then a final
    barrier so that no rank tears its connections down while a peer still reads from them.
 """
 from __future__ import annotations
@@ -47,6 +48,7 @@ class RankSpec:
     payload: object               # (fn, args, kwargs), or cloudpickle bytes of it under spawn
     local_world_size: int
     parent_pid: int = 0           # the launching process: a rank whose parent is gone exits at once
+    flight_dir: str | None = None  # where this rank's flight recorder keeps its last operations
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -146,7 +148,7 @@ def main(rank: int, spec: RankSpec, out_conn, result_conn, fds_to_close: list[in
     import torch
     import torch.distributed as dist
 
-    from . import runtime
+    from . import flight, runtime
     from .progress import _attach as attach_progress
 
     torch.set_num_threads(spec.threads)
@@ -172,7 +174,9 @@ def main(rank: int, spec: RankSpec, out_conn, result_conn, fds_to_close: list[in
         _set_torchrun_environment(rank, local_rank, spec)
         dist.barrier()
         tracer.reset_epoch()
+        recorder = flight.start(flight.ring_path(spec.flight_dir, rank)) if spec.flight_dir else None
         value = fn(*args, **kwargs)
+        flight.stop(recorder)
         message = ("ok", _encode_result(rank, value), tracer.export())
     except BaseException:
         message = ("error", traceback.format_exc(), time.time(),

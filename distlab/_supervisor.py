@@ -18,6 +18,8 @@ import threading
 import time
 from multiprocessing.connection import wait
 
+from . import flight as flight_recorder
+
 #: Errors a rank raises because *another* rank died first: never blamed as the root cause.
 _SECONDARY = re.compile(
     r"Connection (closed|reset) by peer|ECONNRESET|Broken pipe|EPIPE|Connection refused|"
@@ -36,6 +38,25 @@ def _shown(line: bytes) -> str:
         frames = [f for f in line.split(b"\r") if f]
         line = frames[-1] if frames else b""
     return line.decode("utf-8", "replace")
+
+
+class LaunchError(RuntimeError):
+    """One or more ranks failed, or the deadline passed.
+
+    ``.rank``: the root-cause rank (None when the deadline passed with nobody failing);
+    ``.failures``: {rank: traceback text} for every rank that failed; ``.unfinished``: ranks that
+    never finished; ``.outputs``: what each rank printed; ``.flight``: {rank: its last operations}
+    from the flight recorder (`distlab.flight`), oldest first, which a hang's message reads out.
+    """
+
+    def __init__(self, message: str, rank: int | None = None, failures: dict | None = None,
+                 unfinished: list | None = None, outputs: list | None = None, flight: dict | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.failures = failures or {}
+        self.unfinished = unfinished or []
+        self.outputs = outputs or []
+        self.flight = flight or {}
 
 
 class RankStatus:
@@ -288,3 +309,27 @@ def shutdown(ranks: list[RankStatus], grace: float = 2.0) -> None:
                 r.process.close()
             except ValueError:
                 pass
+
+
+def raise_if_failed(supervisor: Supervisor, timeout: float, outputs: list[str], flight: dict) -> None:
+    """A `LaunchError` for the root cause, or for the deadline; when ranks hung (the deadline, or only
+    timeouts of waiting peers), its message ends with what each rank was doing (`flight.diagnose`)."""
+    failures, unfinished = supervisor.failures(), supervisor.unfinished()
+    facts = dict(failures=failures, unfinished=unfinished, outputs=outputs, flight=flight)
+    root = supervisor.root_cause()
+    secondary = root is not None and not supervisor.ranks[root].primary      # a peer's timeout, say
+    hung = supervisor.timed_out or bool(unfinished) or secondary
+    said = ""
+    if hung:
+        returned = [r.rank for r in supervisor.ranks if r.result is not None]
+        said = "\n\nWhat each rank was doing (flight recorder):\n" + (
+            flight_recorder.diagnose(flight, returned=returned, failed=list(failures)) or "no records")
+    if failures:
+        others = sorted(set(failures) - {root})
+        tail = (f" (rank(s) {others} failed after it)" if others else "")
+        raise LaunchError(f"rank {root} failed{tail}:\n\n{failures[root].rstrip()}{said}", rank=root, **facts)
+    if supervisor.timed_out or unfinished:
+        raise LaunchError(
+            f"deadline of {timeout:g} s passed: rank(s) {unfinished} never finished. A rank may be "
+            f"waiting in a collective that a peer never entered, or the work needs a larger timeout.{said}",
+            rank=None, **facts)

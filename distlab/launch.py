@@ -19,7 +19,8 @@ How it works (see `_child` for what happens inside a rank, `_supervisor` for the
 * **Ctrl-C** is held back while ranks start or stop, so it never orphans one; each rank leads its own
   process group, and the group (with whatever the rank started) is killed at the end.
 * **Errors**: any failing rank raises `LaunchError` naming the root cause, the earliest rank to
-  fail of its own accord, not the peers that then lost their connection to it.
+  fail of its own accord, not the peers that then lost their connection to it. A hang (the
+  deadline) says what each rank was doing, from its flight recorder (`distlab.flight`).
 * **Torchrun**: with RANK and WORLD_SIZE in the environment, `launch` runs ``fn`` right here on
   the existing (or env-initialised) group and all-gathers the results, so code written for a
   notebook runs unchanged on a cluster.
@@ -44,31 +45,15 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 import cloudpickle
 import multiprocessing as mp
 
-from . import _child, _torchrun
-from ._supervisor import EXIT_SECONDS, RankStatus, Supervisor, interrupts_deferred, shutdown
+from . import _child, _torchrun, flight
+from ._supervisor import (EXIT_SECONDS, LaunchError, RankStatus, Supervisor, interrupts_deferred,
+                          raise_if_failed, shutdown)
 from .progress import ProgressBar, bar_here, shown_by_default
 from .trace import Trace
 
 BACKENDS = ("auto", "gloo", "nccl")
 START_METHODS = ("auto", "fork", "spawn", "forkserver")
 OUTPUT_MODES = ("live", "ordered", "quiet")
-
-
-class LaunchError(RuntimeError):
-    """One or more ranks failed, or the deadline passed.
-
-    ``.rank``: the root-cause rank (None when the deadline passed with nobody failing);
-    ``.failures``: {rank: traceback text} for every rank that failed; ``.unfinished``: ranks that
-    never finished; ``.outputs``: what each rank printed.
-    """
-
-    def __init__(self, message: str, rank: int | None = None, failures: dict | None = None,
-                 unfinished: list | None = None, outputs: list | None = None):
-        super().__init__(message)
-        self.rank = rank
-        self.failures = failures or {}
-        self.unfinished = unfinished or []
-        self.outputs = outputs or []
 
 
 @dataclass
@@ -213,15 +198,17 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
     started = time.perf_counter()
     deadline = time.monotonic() + timeout                 # starting the ranks counts too
     ranks: list[RankStatus] = []
-    rendezvous = None
+    rendezvous = box = None
     try:
         with interrupts_deferred():                       # Ctrl-C lands once every rank is tracked
+            box = flight.Box()                            # each rank's flight recorder writes in here
             rendezvous = _Rendezvous(method, host, world_size, timeout)
             spec = _child.RankSpec(
                 world_size=world_size, backend=backend, host=host, port=rendezvous.port,
                 rank0_listen_fd=rendezvous.fd_for_rank0, threads=threads_per_rank(world_size),
                 pg_timeout=float(timeout), local_world_size=world_size,
                 parent_pid=os.getpid() if method != "forkserver" else 0,   # (the server's child)
+                flight_dir=box.path,
                 payload=(fn, tuple(args), kwargs) if method == "fork" else
                 _spawn_payload(fn, tuple(args), kwargs))
             _start_ranks(mp.get_context(method), spec, rendezvous, ranks, deadline)
@@ -231,9 +218,11 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
     finally:
         _forget(ranks)
         shutdown(ranks)
-        if rendezvous is not None:
-            rendezvous.close()
-    return _collect(ranks, supervisor, output, timeout,
+        with interrupts_deferred():                       # a second Ctrl-C must not leave the folder
+            if rendezvous is not None:
+                rendezvous.close()
+            records = box.collect(world_size) if box is not None else {}    # once every rank is gone
+    return _collect(ranks, supervisor, output, timeout, records,
                     dict(world_size=world_size, backend=backend, start_method=method,
                          seconds=time.perf_counter() - started))
 
@@ -322,12 +311,12 @@ def _forget(ranks: list[RankStatus]) -> None:
 
 
 def _collect(ranks: list[RankStatus], supervisor: Supervisor, output: str, timeout: float,
-             facts: dict) -> Run:
+             records: dict, facts: dict) -> Run:
     """Print the output, raise for failures, and build the `Run`."""
     outputs = ["\n".join(r.lines) + ("\n" if r.lines else "") for r in ranks]
     if output == "ordered":
         _print_ordered(ranks)
-    _raise_if_failed(supervisor, timeout, outputs)
+    raise_if_failed(supervisor, timeout, outputs, records)
     if supervisor.stuck_at_exit:
         print(f"distlab: rank(s) {supervisor.stuck_at_exit} returned but did not exit within "
               f"{EXIT_SECONDS:g} s (an unmatched send or receive left behind?); they were stopped.",
@@ -341,22 +330,6 @@ def _print_ordered(ranks: list[RankStatus]) -> None:
         for line in r.lines:
             print(f"[rank {r.rank}] {line}")
     sys.stdout.flush()
-
-
-def _raise_if_failed(supervisor: Supervisor, timeout: float, outputs: list[str]) -> None:
-    failures = supervisor.failures()
-    unfinished = supervisor.unfinished()
-    if failures:
-        root = supervisor.root_cause()
-        others = sorted(set(failures) - {root})
-        tail = (f" (rank(s) {others} failed after it)" if others else "")
-        raise LaunchError(f"rank {root} failed{tail}:\n\n{failures[root].rstrip()}",
-                          rank=root, failures=failures, unfinished=unfinished, outputs=outputs)
-    if supervisor.timed_out or unfinished:
-        raise LaunchError(
-            f"deadline of {timeout:g} s passed: rank(s) {unfinished} never finished. A rank may be "
-            "waiting in a collective that a peer never entered, or the work needs a larger timeout.",
-            rank=None, failures={}, unfinished=unfinished, outputs=outputs)
 
 
 def _leave_process_group() -> None:

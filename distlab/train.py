@@ -6,6 +6,7 @@
     report.memory[r]       # rank r's ledger: {"peak": {...}, "peak_total": ..., "timeline": [...]}
     report.comm[r]         # rank r's bytes: {"sent", "received", "sent_per_step", "sent_by_op"}
     report.run.trace       # everything recorded (None for "single", which runs in this process)
+    report.stragglers()    # per step: each rank's compute time, the skew, the slowest rank
 
 Checkpoints (every strategy; see `distlab.checkpoint`): ``checkpoint_dir=..., checkpoint_every=k``
 saves every k steps and at the end (``keep_last=n`` keeps the newest n); ``resume=True`` continues from
@@ -58,6 +59,12 @@ class Report:
 
     _single_trace: object = field(default=None, repr=False)
     restarts: list = field(default_factory=list)      # `distlab.restart.Restart`, one per relaunch
+
+    def stragglers(self):
+        """Per step, each rank's forward-and-backward time, the skew between ranks and the slowest rank
+        (`distlab.stragglers`): ``report.stragglers().straggler``, ``.skew``, ``print(...)``."""
+        from .stragglers import stragglers
+        return stragglers(self.trace)
 
     def __repr__(self) -> str:
         last = f"{self.losses[-1]:.4f}" if self.losses else "-"

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 REGISTRY: dict[str, "Exercise"] = {}
 
@@ -196,78 +195,67 @@ def _launch(exercise: Exercise, fn: Callable, n: int, timeout: float) -> list | 
         except dl.LaunchError as err:
             last_line = err.failures[err.rank].strip().splitlines()[-1] if err.rank is not None else ""
             if err.rank is None or "timed out" in last_line.lower() or "timeout" in last_line.lower():
-                return f"the ranks hung for {timeout:g} s: " + explain_hang(Path(logs), n)
+                returned = set(range(n)) - set(err.unfinished) - set(err.failures)
+                why = explain_hang(Path(logs), n, err.flight, returned)
+                return f"the ranks hung for {timeout:g} s: {why}"
             return f"rank {err.rank} failed: {last_line}"
 
 
 # -- hangs: who waited for whom -------------------------------------------------------------------
 class P2PLog(contextlib.ContextDecorator):
     """Inside a rank, log every send/recv/isend/irecv as posted and finished, one JSON line each, to
-    a file the parent reads if the ranks hang (a killed rank's file survives it)."""
-
-    NAMES = ("send", "recv", "isend", "irecv")
+    a file the parent reads if the ranks hang (a killed rank's file survives it). It listens to the
+    flight recorder's tap on torch.distributed (`distlab.flight.listening`), which every launch
+    installs; this log adds the per-check file and the peers of the sends."""
 
     current: "P2PLog | None" = None        # the log of this rank, for exercises that count messages
 
     def __init__(self, path: Path):
-        self.path, self.saved = path, {}
+        self.path, self._listening = path, None
         self.sends: list[int] = []             # the peer of every send and isend, in order
 
     def __enter__(self):
+        from .. import flight
         P2PLog.current = self
         self.file = open(self.path, "w", buffering=1)
-        for op in self.NAMES:
-            self.saved[op] = getattr(dist, op)
-            setattr(dist, op, self._logged(op, self.saved[op]))
+        self._listening = flight.listening(self)
+        self._listening.__enter__()
         return self
 
     def __exit__(self, *exc):
-        for op, original in self.saved.items():
-            setattr(dist, op, original)
+        self._listening.__exit__(*exc)
         P2PLog.current = None
         self.file.close()
         return False
+
+    def entered(self, op: str, group: str, ranks, peer: int | None, nbytes: int):
+        """Called by the tap as an operation starts; returns the token `finished` gets back."""
+        from ..flight import P2P
+        if op not in P2P:
+            return None
+        if op in ("send", "isend"):
+            self.sends.append(peer)
+        self._write("posted", op, peer)
+        return op, peer
+
+    def finished(self, token) -> None:
+        if token is not None:
+            self._write("finished", *token)
 
     def _write(self, event: str, op: str, peer: int | None) -> None:
         self.file.write(json.dumps({"event": event, "op": op, "peer": peer}) + "\n")
         self.file.flush()
         os.fsync(self.file.fileno())
 
-    def _logged(self, op: str, original: Callable) -> Callable:
-        def call(tensor, peer=None, *args, **kwargs):
-            peer = kwargs.pop("dst", kwargs.pop("src", peer))
-            if peer is None and kwargs.get("group_dst", kwargs.get("group_src")) is not None:
-                peer = dist.get_global_rank(kwargs["group"], kwargs.get("group_dst", kwargs.get("group_src")))
-            if op in ("send", "isend"):
-                self.sends.append(peer)
-            self._write("posted", op, peer)
-            work = original(tensor, peer, *args, **kwargs)
-            if op in ("send", "recv"):
-                self._write("finished", op, peer)
-                return work
-            return _LoggedWork(work, lambda: self._write("finished", op, peer))
-        return call
 
-
-class _LoggedWork:
-    """An isend/irecv request whose ``wait()`` is logged."""
-
-    def __init__(self, work, on_done: Callable[[], None]):
-        self.work, self.on_done = work, on_done
-
-    def wait(self, *args, **kwargs):
-        out = self.work.wait(*args, **kwargs)
-        self.on_done()
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self.work, name)
-
-
-def explain_hang(logs: Path, n: int) -> str:
+def explain_hang(logs: Path, n: int, flight: dict | None = None, returned=()) -> str:
     """Each rank's unfinished operations, matched against its peers' sends: "rank 2 never received
-    from rank 1 (rank 1 posted no send to rank 2)"."""
+    from rank 1 (rank 1 posted no send to rank 2)"; when no rank waits in a send or receive, the
+    flight recorder's account of the collectives (`distlab.flight.diagnose`), if ``flight`` is given."""
     events = {r: _read(logs / f"rank{r}.jsonl") for r in range(n)}
+    if flight and not any(_unfinished(events[r]) for r in range(n)):
+        from ..flight import diagnose
+        return diagnose(flight, returned=returned).replace("\n", "; ")
     sent: dict[tuple[int, int], int] = {}
     for r in range(n):
         for e in events[r]:

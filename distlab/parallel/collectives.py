@@ -246,8 +246,6 @@ def _without_grad(call):
 
 
 # -- tensor-parallel collectives ----------------------------------------------------------------
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _record(op: str, start: float, t: torch.Tensor, numel: int, group, tags: dict) -> None:
@@ -276,7 +274,7 @@ def all_gather(shard: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     shard = shard.contiguous()
     start = tracer().now()
     out = torch.empty((n * shard.shape[0],) + tuple(shard.shape[1:]), dtype=shard.dtype, device=shard.device)
-    _all_gather_single(out, shard, group=group)
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, shard, group=group)  # looked up
     _record("all_gather", start, shard, out.numel(), group, {})
     if dim == 0:
         return out
@@ -298,7 +296,7 @@ def reduce_scatter(t: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     out = torch.empty(blocks.shape[1:], dtype=t.dtype, device=t.device)
     blocks = blocks.flatten(0, 1) if blocks.dim() > 2 else blocks.flatten()
     start = tracer().now()
-    _reduce_scatter_single(out, blocks, group=group)
+    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, blocks, group=group)  # per call
     _record("reduce_scatter", start, t, t.numel(), group, {})
     return out
 
