@@ -60,7 +60,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"], help="optimizer")
     p.add_argument("--weight-decay", type=float, default=0.0, help="weight decay")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per step")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed"], help="compute precision")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed", "fp16-mixed"],
+                   help="compute precision")
     p.add_argument("--clip", type=float, default=None, help="clip the gradient norm to this")
     p.add_argument("--comm", default=None, choices=["torch", "ring"],
                    help="collectives (data parallel; default torch)")

@@ -21,6 +21,7 @@ import difflib
 import importlib
 
 from ..checkpoint.training import OPTIONS as CHECKPOINT_OPTIONS
+from .numerics import OPTIONS as NUMERICS_OPTIONS
 from .base import RankResult, TrainSpec, build_model, global_batch, loss_fn, make_optimizer
 
 REGISTRY: dict[str, str] = {
@@ -41,6 +42,8 @@ REGISTRY: dict[str, str] = {
     "cp-ulysses": "distlab.strategies.context:train_rank",
     "3d": "distlab.strategies.mesh:train_rank",
 }
+#: options of the training loop itself (`loop.OPTIONS`): the numerics of `numerics`, and memory_limit
+LOOP_OPTIONS = NUMERICS_OPTIONS + ("memory_limit",)
 #: how `names` and the CLI show the mesh entry: the form `dl.train` takes
 MESH_FORM = "3d:dp=D,tp=T,pp=P"
 
@@ -68,7 +71,7 @@ def options(strategy: str) -> tuple[str, ...]:
     """The options ``strategy`` reads (its family's ``OPTIONS``), then those every strategy takes (the
     checkpoint's)."""
     key = _key(strategy)
-    return tuple(_module(strategy).OPTIONS[key]) + CHECKPOINT_OPTIONS
+    return tuple(_module(strategy).OPTIONS[key]) + CHECKPOINT_OPTIONS + LOOP_OPTIONS
 
 
 def check_options(strategy: str, given) -> None:
@@ -92,7 +95,9 @@ def check(spec: TrainSpec, world_size: int) -> None:
     options (`check_options`), then the family's own ``check`` (rows per rank, heads over the tensor-
     parallel degree, pipeline stages and microbatches, mesh degrees, ...)."""
     from ..models import PRESETS
+    from ..memory import parse_bytes
     from .moe_support import refuse_moe
+    from .numerics import check as check_numerics
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     models = sorted(PRESETS) + ["mlp"]
@@ -103,6 +108,9 @@ def check(spec: TrainSpec, world_size: int) -> None:
     check_options(spec.strategy, spec.options)
     _module(spec.strategy).check(spec, world_size)
     refuse_moe(spec)                                          # a mixture of experts: ep, single, dp only
+    check_numerics(spec)                                      # fp16 and its options where supported
+    if spec.options.get("memory_limit") is not None:
+        parse_bytes(spec.options["memory_limit"])
 
 
 def load(strategy: str):
