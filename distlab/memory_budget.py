@@ -58,12 +58,14 @@ class Budget:
             raise ValueError("a memory limit needs measure(): the model states' bytes by category")
         self.limit, self.measure, self.activations = int(limit), measure, activations
         self.where: tuple[str, int | None] = ("setup", None)
-        self.last: dict[str, int] = {}          # the row of the previous check: what grew since
+        self.step: int | None = None            # the step of the latest phase (samples follow it)
         self.buffers = 0                        # most transient buffer bytes seen since the last sample
+        self.last: dict[str, int] = {}          # the row of the previous check: what grew since
+        self.last = self._row()                 # (at the start: the model states as built)
 
     @contextlib.contextmanager
     def phase(self, name: str, step: int):
-        before, self.where = self.where, (name, step)
+        before, self.where, self.step = self.where, (name, step), step
         try:
             yield
         finally:
@@ -77,10 +79,13 @@ class Budget:
 
     def check(self) -> None:
         """Measure now (called at every saved tensor packed or unpacked) and compare with the limit."""
+        self.check_row(self._row(), self.where[0])
+
+    def _row(self) -> dict[str, int]:
         row = dict(self.measure())
         self.buffers = max(self.buffers, row.get("buffers", 0))
         row["activations"] = self.activations()
-        self.check_row(row, self.where[0])
+        return row
 
     def check_row(self, row: dict, phase: str) -> None:
         held = sum(row.values())
@@ -89,8 +94,7 @@ class Budget:
         if held <= self.limit:
             return
         category = max(grew, key=lambda c: (grew[c], row[c]))
-        step = self.where[1]
-        at = f"{phase} of step {step}" if step is not None else phase
+        at = f"{phase} of step {self.step}" if self.step is not None else phase
         parts = ", ".join(f"{c} {megabytes(v)}" for c, v in row.items())
         raise MemoryLimitExceeded(
             f"out of memory in {at}: {megabytes(held)} held > memory_limit {megabytes(self.limit)} "
