@@ -173,3 +173,35 @@ def test_out_of_memory_in_backward_and_zero3_fits_under_the_same_limit():
     assert max(m["peak_total"] for m in fits.memory) <= limit
     with pytest.raises(dl.LaunchError, match="out of memory in forward"):
         dl.train("zero3", world_size=2, **kw, memory_limit=limit // 2)
+
+
+def test_loss_scaler_agrees_with_torch_grad_scaler():
+    """Beside PyTorch's own: the same model, the same gradients (an inf planted at steps 1 and 2), the
+    same scale history and the same weights as ``torch.amp.GradScaler`` (init 2^10, growth after 2)."""
+    torch.manual_seed(0)
+    ours, theirs = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    theirs.load_state_dict(ours.state_dict())
+    opt_a, opt_b = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs))
+    scaler, gs = LossScaler(2.0 ** 10, growth_interval=2), torch.amp.GradScaler("cpu", init_scale=2.0 ** 10,
+                                                                                 growth_interval=2)
+    for step in range(7):
+        x = torch.randn(5, 4)
+        for model in (ours, theirs):
+            loss = model(x).pow(2).mean()
+            (scaler.scale_loss(loss) if model is ours else gs.scale(loss)).backward()
+            if step in (1, 2):
+                model.weight.grad[0, 0] = float("inf")
+        assert scaler.scale == gs.get_scale()
+        grads = [p.grad for p in ours.parameters()]
+        scaler.unscale_(grads)
+        found = any(not torch.isfinite(g).all() for g in grads)
+        if not found:
+            opt_a.step()
+        scaler.update(found)
+        gs.step(opt_b)
+        gs.update()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        for a, b in zip(ours.parameters(), theirs.parameters()):
+            assert torch.equal(a, b), step
+    assert scaler.scale == gs.get_scale() == 2.0 ** 10       # 2^10, halved twice, doubled twice

@@ -191,7 +191,9 @@ class StepGuard:
         return dataclasses.replace(state, capture=capture_with_scale, restore=restore_with_scale)
 
     def record(self, step: int, norm) -> None:
-        self.watch.record(step, math.nan if norm is None else float(norm))
+        """The step's global gradient norm (None: not computed, unless the step was skipped: nan)."""
+        if norm is not None or step in self.skipped:
+            self.watch.record(step, math.nan if norm is None else float(norm))
 
     def summary(self) -> dict:
         """Plain values for `RankResult.info["numerics"]`."""
