@@ -9,11 +9,22 @@ import pytest
 import torch
 
 import distlab as dl
+from distlab.checkpoint import store
 from distlab.memory import Ledger, MemoryLimitExceeded, parse_bytes
 from distlab.strategies.numerics import LossScaler, SpikeWatch
 
 FP16 = dict(steps=6, global_batch=10, precision="fp16-mixed", clip=1.0, loss_scale=2.0 ** 20,
             growth_interval=2)
+
+
+def _adam_steps(state) -> list[float]:
+    """Every Adam ``step`` counter found in a saved rank state."""
+    if isinstance(state, dict):
+        own = [float(v) for k, v in state.items() if k == "step" and isinstance(v, torch.Tensor)]
+        return own + [c for k, v in state.items() if k != "step" for c in _adam_steps(v)]
+    if isinstance(state, (list, tuple)):
+        return [c for v in state for c in _adam_steps(v)]
+    return []
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -98,11 +109,15 @@ def test_fp16_loss_scale_is_checkpointed_and_resumes_bit_exact(tmp_path):
 
 # -- a NaN planted on one rank: the step is skipped on every rank, never on one only -----------------
 @pytest.mark.parametrize("strategy,n,plant_rank", [("ddp", 3, 1), ("zero2", 3, 2)])
-def test_a_nan_on_one_rank_skips_the_step_on_every_rank(strategy, n, plant_rank):
+def test_a_nan_on_one_rank_skips_the_step_on_every_rank(strategy, n, plant_rank, tmp_path):
     kw = dict(steps=4, global_batch=10, clip=1.0, nan_at_step=1, spike_factor=1.05)
     ref = dl.train("single", **kw, nan_rank=0)                     # the reference skips the same step
     assert ref.numerics["skipped"] == [1]
-    rep = dl.train(strategy, world_size=n, **kw, nan_rank=plant_rank)
+    rep = dl.train(strategy, world_size=n, **kw, nan_rank=plant_rank, checkpoint_dir=tmp_path,
+                   checkpoint_every=4)
+    # the optimizer state of every rank stepped 3 times in 4 steps (Adam's step counter, as saved)
+    counters = [v for state in store.load_all(tmp_path, 4) for v in _adam_steps(state)]
+    assert counters and all(c == 3 for c in counters), counters
     every = [r.info["numerics"] for r in rep.results]
     # only the planted rank saw a non-finite gradient; every rank skipped step 1, and only it
     assert [e["nonfinite_here"] for e in every] == [[1] if r == plant_rank else [] for r in range(n)]

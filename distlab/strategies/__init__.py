@@ -10,7 +10,8 @@ to change, for a layout that cannot run on ``world`` ranks). `check` runs both i
 any rank starts: a misspelled or misplaced option is a TypeError naming the strategy's options, with a
 did-you-mean; an impossible layout (heads over tp, rows per rank, stages per model) a ValueError.
 
-Reading order: `base` (the spec, the data, the result), `loop` (THE step loop every strategy runs), then
+Reading order: `base` (the spec, the data, the result), `loop` (THE step loop every strategy runs) and
+`numerics` (its fp16 loss scaling, non-finite steps skipped on every rank, gradient-norm spikes), then
 one file per family, each only building the model, the criterion and the loop's `loop.Plan`:
 `data_parallel` (single, DDP, ZeRO), `fsdp` (`dl.fully_shard`), `tensor`, `pipeline`, `context` (cp-ring,
 cp-ulysses), `expert` (ep), `mesh` (3D), `mesh_axes` (its cp= and ep= axes).
