@@ -9,9 +9,11 @@ are allocated while most activations are still alive::
 
 `Budget` adds up the bytes a ledger counts (the model states its ``measure()`` returns, plus the
 activations alive) at every moment autograd saves a tensor (forward) or reads one back (backward),
-and raises `MemoryLimitExceeded` as soon as they exceed ``limit``, naming the phase and the category
-that grew. The cures are the textbook ones: shard the model states (ZeRO-3 / FSDP, Rajbhandari et al.
-2020: (2 + 2 + K) Psi / N), recompute activations (Chen et al. 2016), or a smaller micro-batch.
+and at each of the ledger's samples (the end of every forward, backward and optimizer step), and
+raises `MemoryLimitExceeded` as soon as they exceed ``limit``, naming the phase, the step and the
+category that grew since the previous check. The cures are the textbook ones: shard the model
+states (ZeRO-3 / FSDP, Rajbhandari et al. 2020: (2 + 2 + K) Psi / N), recompute activations (Chen et
+al. 2016), or a smaller micro-batch.
 """
 from __future__ import annotations
 

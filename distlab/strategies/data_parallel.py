@@ -19,7 +19,9 @@ reduce-scatters and holds full gradients meanwhile, undoing ZeRO-3's gradient sh
 buckets alive at once), ``no_sync`` (accumulate locally;
 True except for ZeRO-3). Checkpoints: ``checkpoint_dir``, ``checkpoint_every``, ``keep_last``,
 ``resume`` (True: the latest; or a step), and fault injection ``fail_at_step``/``fail_rank``/``fail_in``
-(see `distlab.checkpoint.training`). The steps themselves run in `distlab.strategies.loop`.
+(see `distlab.checkpoint.training`). The steps themselves run in `distlab.strategies.loop`, whose own
+options apply here too: ``memory_limit``, and the numerics of `distlab.strategies.numerics` (fp16 loss
+scaling: ``loss_scale``, ``growth_interval``; ``skip_nonfinite``; ``spike_factor``; ``nan_at_step``).
 """
 from __future__ import annotations
 
