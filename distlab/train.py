@@ -138,3 +138,6 @@ def _print_notes(results: list[RankResult]) -> None:
     for note in dict.fromkeys(r.info.get("checkpoint", {}).get("note") for r in results):
         if note:
             print(f"distlab: {note}", file=sys.stderr, flush=True)
+    from .strategies.numerics import notes
+    for note in notes(results[0].info.get("numerics", {})) if results else ():
+        print(f"distlab: {note}", file=sys.stderr, flush=True)

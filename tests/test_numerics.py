@@ -122,6 +122,8 @@ def test_a_nan_on_one_rank_skips_the_step_on_every_rank(strategy, n, plant_rank,
     # only the planted rank saw a non-finite gradient; every rank skipped step 1, and only it
     assert [e["nonfinite_here"] for e in every] == [[1] if r == plant_rank else [] for r in range(n)]
     assert all(e["skipped"] == [1] for e in every)
+    marks = rep.trace.select("mark", name="skipped step")
+    assert sorted((e.rank, e.args["step"]) for e in marks) == [(r, 1) for r in range(n)]
     # replicas stayed equal: every rank's loss share is finite, and the result is the reference's
     assert all(math.isfinite(v) for v in rep.losses)
     assert rep.losses == pytest.approx(ref.losses, rel=1e-5)
@@ -155,6 +157,15 @@ def test_numerics_options_are_refused_where_unsupported_before_any_rank_starts()
 
 
 # -- memory limits ---------------------------------------------------------------------------------
+def test_train_tells_the_user_about_skipped_steps_and_spikes():
+    from distlab.strategies.numerics import notes
+    said = notes({"skipped": [0, 3], "loss_scale": 16384.0,
+                  "grad_norms": {0: math.nan, 1: 1.0, 2: 1.1, 4: 9.0},
+                  "spikes": [{"step": 4, "norm": 9.0, "median": 1.05, "ratio": 9.0 / 1.05}]})
+    assert said == ["2 step(s) skipped on every rank for an inf/NaN gradient (step 0, 3); fp16 loss scale "
+                    "now 16384", "gradient-norm spike at step 4: 9, 8.6 x the median of the 3 steps before"]
+
+
 def test_parse_bytes():
     assert parse_bytes(1000) == 1000 and parse_bytes("64MB") == 64_000_000
     assert parse_bytes("1.5 KiB") == 1536 and parse_bytes("2GiB") == 2 ** 31

@@ -158,7 +158,9 @@ def _optimizer_step(spec: TrainSpec, plan: Plan, step: int, ledger: Ledger | Non
             with C.scope(phase="step", operator="grad_norm"):     # checked runs: the norm, unclipped
                 norm = plan.clip(spec.clip if spec.clip is not None else math.inf)
         guard.record(step, norm)
-        if not skip:
+        if skip:
+            tr.mark("skipped step", step=step)                # an inf/NaN gradient on some rank
+        else:
             plan.optimizer.step()
     _sample(ledger, "step", plan)
     plan.optimizer.zero_grad()

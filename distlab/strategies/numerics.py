@@ -201,3 +201,20 @@ class StepGuard:
                 "grad_norms": dict(self.watch.norms), "spikes": list(self.watch.spikes),
                 "loss_scales": list(self.scales),
                 "loss_scale": None if self.scaler is None else self.scaler.scale}
+
+
+def notes(summary: dict) -> list[str]:
+    """What `dl.train` tells the user about a run's numerics (``StepGuard.summary``): skipped steps,
+    the final fp16 loss scale, gradient-norm spikes."""
+    out = []
+    skipped, norms = summary.get("skipped", []), summary.get("grad_norms", {})
+    if skipped:
+        scale = summary.get("loss_scale")
+        tail = f"; fp16 loss scale now {scale:g}" if scale is not None else ""
+        shown = ", ".join(map(str, skipped[:8])) + (", ..." if len(skipped) > 8 else "")
+        out.append(f"{len(skipped)} step(s) skipped on every rank for an inf/NaN gradient "
+                   f"(step {shown}){tail}")
+    for s in summary.get("spikes", []):
+        out.append(f"gradient-norm spike at step {s['step']}: {s['norm']:.3g}, {s['ratio']:.1f} x the median "
+                   f"of the {sum(1 for k in norms if k < s['step'])} steps before")
+    return out
