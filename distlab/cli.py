@@ -234,6 +234,7 @@ def _error(err: Exception) -> int:
 def main(argv: list[str] | None = None) -> int:
     from .checkpoint.store import CheckpointError
     from .launch import LaunchError
+    from .memory_budget import MemoryLimitExceeded
     parser = argparse.ArgumentParser(prog="distlab", description="distributed training, from send/recv up")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             return _strategies()
         if args.command == "lessons":
             return _lessons(args)
-    except (ValueError, TypeError, OSError, CheckpointError, LaunchError) as err:
+    except (ValueError, TypeError, OSError, CheckpointError, LaunchError, MemoryLimitExceeded) as err:
         if getattr(args, "traceback", False):
             raise
         return _error(err)

@@ -40,7 +40,8 @@ def parse_bytes(value) -> int:
 
 
 def megabytes(n: int) -> str:
-    return f"{n / 1e6:.3f} MB"
+    """Bytes for a message: MB from 1 MB up, kB below (3 decimals: small budgets stay readable)."""
+    return f"{n / 1e6:.3f} MB" if n >= 10 ** 6 else f"{n / 1e3:.3f} kB"
 
 
 class MemoryLimitExceeded(torch.OutOfMemoryError):

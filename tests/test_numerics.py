@@ -231,3 +231,14 @@ def test_loss_scaler_agrees_with_torch_grad_scaler():
         for a, b in zip(ours.parameters(), theirs.parameters()):
             assert torch.equal(a, b), step
     assert scaler.scale == gs.get_scale() == 2.0 ** 10       # 2^10, halved twice, doubled twice
+
+
+def test_cli_fp16_and_memory_limit(capsys):
+    from distlab import cli
+    assert cli.main(["train", "--strategy", "single", "--steps", "2", "--precision", "fp16-mixed",
+                     "--option", "nan_at_step=1"]) == 0
+    assert "1 step(s) skipped on every rank" in capsys.readouterr().err
+    assert cli.main(["train", "--strategy", "single", "--model", "mlp", "--optimizer", "sgd",
+                     "--global-batch", "4", "--steps", "2", "--option", "memory_limit=1kB"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("distlab: error: out of memory in forward of step 0")
