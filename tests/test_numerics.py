@@ -146,6 +146,10 @@ def test_numerics_options_are_refused_where_unsupported_before_any_rank_starts()
         dl.train("tp", world_size=2, precision="fp16-mixed")
     with pytest.raises(ValueError, match="nan_at_step"):
         dl.train("ddp", world_size=2, nan_at_step=-1)
+    with pytest.raises(ValueError, match="nan_rank=2 but the ranks are 0 .. 1"):
+        dl.train("ddp", world_size=2, nan_at_step=1, nan_rank=2)
+    with pytest.raises(ValueError, match="skip_nonfinite"):
+        dl.train("ddp", world_size=2, skip_nonfinite="yes")
     with pytest.raises(ValueError, match="spike_factor"):
         dl.train("ddp", world_size=2, spike_factor=0.5)
     with pytest.raises(ValueError, match="memory_limit"):

@@ -109,7 +109,7 @@ def check(spec: TrainSpec, world_size: int) -> None:
     check_options(spec.strategy, spec.options)
     _module(spec.strategy).check(spec, world_size)
     refuse_moe(spec)                                          # a mixture of experts: ep, single, dp only
-    check_numerics(spec)                                      # fp16 and its options where supported
+    check_numerics(spec, world_size)                          # fp16 and its options where supported
     if spec.options.get("memory_limit") is not None:
         parse_bytes(spec.options["memory_limit"])
 

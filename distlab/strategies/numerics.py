@@ -115,7 +115,7 @@ OPTIONS = ("loss_scale", "growth_interval", "skip_nonfinite", "spike_factor", "n
 SUPPORTED = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp")
 
 
-def check(spec) -> None:
+def check(spec, world: int) -> None:
     """Refuse, before any rank starts, fp16 or a numerics option on a strategy that does not hand the
     loop its gradients (`loop.Plan.grads`), and bad values."""
     asked = [k for k in OPTIONS if k in spec.options]
@@ -129,6 +129,10 @@ def check(spec) -> None:
     for key in ("nan_at_step", "nan_rank"):
         if key in o and not (isinstance(o[key], int) and o[key] >= 0):
             raise ValueError(f"{key} must be a step / rank number >= 0, got {o[key]!r}")
+    if o.get("nan_rank", 0) >= world:
+        raise ValueError(f"nan_rank={o['nan_rank']} but the ranks are 0 .. {world - 1}")
+    if not isinstance(o.get("skip_nonfinite", False), bool):
+        raise ValueError(f"skip_nonfinite must be True or False, got {o['skip_nonfinite']!r}")
 
 
 class StepGuard:
