@@ -305,9 +305,12 @@ class Ledger:
             self.budget = Budget(limit, measure, lambda: self.saved.current)
             self.saved.on_change = self.budget.check
 
-    def phase(self, name: str, step: int):
-        """Context manager: the phase (forward, backward) a budget error names."""
-        return self.budget.phase(name, step) if self.budget is not None else contextlib.nullcontext()
+    def phase(self, name: str, step: int, root=None):
+        """Context manager: the phase (forward, backward) a budget error names; ``root``: the loss a
+        backward runs from (the budget is then checked as each gradient is accumulated)."""
+        if self.budget is None:
+            return contextlib.nullcontext()
+        return self.budget.phase(name, step, root)
 
     def activations(self):
         """Context manager: count tensors saved for backward by what runs inside (usually the forward)."""

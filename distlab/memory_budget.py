@@ -8,12 +8,12 @@ are allocated while most activations are still alive::
                  ------------------------------------------------------ limit: crossed here
 
 `Budget` adds up the bytes a ledger counts (the model states its ``measure()`` returns, plus the
-activations alive) at every moment autograd saves a tensor (forward) or reads one back (backward),
-and at each of the ledger's samples (the end of every forward, backward and optimizer step), and
-raises `MemoryLimitExceeded` as soon as they exceed ``limit``, naming the phase, the step and the
-category that grew since the previous check. The cures are the textbook ones: shard the model
-states (ZeRO-3 / FSDP, Rajbhandari et al. 2020: (2 + 2 + K) Psi / N), recompute activations (Chen et
-al. 2016), or a smaller micro-batch.
+activations alive) at every moment autograd saves a tensor (forward), reads one back or accumulates
+a parameter's gradient (backward), and at each of the ledger's samples (the end of every forward,
+backward and optimizer step), and raises `MemoryLimitExceeded` as soon as they exceed ``limit``,
+naming the phase, the step and the category that grew since the previous check. The cures are the
+textbook ones: shard the model states (ZeRO-3 / FSDP, Rajbhandari et al. 2020: (2 + 2 + K) Psi / N),
+recompute activations (Chen et al. 2016), or a smaller micro-batch.
 """
 from __future__ import annotations
 
@@ -44,6 +44,21 @@ def megabytes(n: int) -> str:
     return f"{n / 1e6:.3f} MB" if n >= 10 ** 6 else f"{n / 1e3:.3f} kB"
 
 
+def leaves(root: torch.Tensor) -> list[torch.Tensor]:
+    """The leaf tensors (parameters) whose gradients a backward from ``root`` accumulates: the
+    ``AccumulateGrad`` nodes of its graph."""
+    found, seen, todo = {}, set(), [root.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):
+            found[id(node.variable)] = node.variable
+        todo.extend(fn for fn, _ in node.next_functions)
+    return list(found.values())
+
+
 class MemoryLimitExceeded(torch.OutOfMemoryError):
     """Raised by a `Ledger` with a ``limit`` the moment the bytes it counts cross it (``.phase``,
     ``.category``, ``.held`` and ``.limit`` say where and how much)."""
@@ -67,12 +82,18 @@ class Budget:
         self.last = self._row()                 # (at the start: the model states as built)
 
     @contextlib.contextmanager
-    def phase(self, name: str, step: int):
+    def phase(self, name: str, step: int, root: torch.Tensor | None = None):
+        """Inside, errors name ``name`` and ``step``; with ``root`` (the loss about to be
+        backpropagated), a check also runs as each leaf's gradient is accumulated."""
         before, self.where, self.step = self.where, (name, step), step
+        hooks = [] if root is None else [p.register_post_accumulate_grad_hook(lambda _: self.check())
+                                         for p in leaves(root)]
         try:
             yield
         finally:
             self.where = before
+            for h in hooks:
+                h.remove()
 
     def take_buffers(self) -> int:
         """The buffer peak seen by the checks since the last ledger sample (``measure()`` resets the

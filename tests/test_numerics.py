@@ -199,6 +199,7 @@ def test_out_of_memory_in_backward_and_zero3_fits_under_the_same_limit():
     with pytest.raises(MemoryLimitExceeded, match="out of memory in backward of step 0") as err:
         dl.train("single", **kw, memory_limit=limit)
     assert err.value.category == "grads" and "zero3" in str(err.value)
+    assert "backward" in [entry.name for entry in err.traceback]       # raised inside loss.backward()
     fits = dl.train("zero3", world_size=4, **kw, memory_limit=limit)   # params, grads / 4
     assert max(m["peak_total"] for m in fits.memory) <= limit
     with pytest.raises(dl.LaunchError, match="out of memory in forward"):

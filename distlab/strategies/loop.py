@@ -136,8 +136,9 @@ def _micro_steps(spec: TrainSpec, plan: Plan, step: int, ledger: Ledger | None,
                 loss = plan.forward(step, micro)
             _sample(ledger, "forward", plan)
             if loss is not None and plan.backward:
-                with tr.span("backward", step=step, micro=micro), _phase(ledger, "backward", step):
-                    guard.loss_to_backward(loss).backward()     # fp16: S * loss
+                scaled = guard.loss_to_backward(loss)          # fp16: S * loss
+                with tr.span("backward", step=step, micro=micro), _phase(ledger, "backward", step, scaled):
+                    scaled.backward()
         if loss is not None:
             total, held = total + loss.item() * plan.loss_share, True
     return total if held else None
@@ -166,9 +167,9 @@ def _optimizer_step(spec: TrainSpec, plan: Plan, step: int, ledger: Ledger | Non
     plan.optimizer.zero_grad()
 
 
-def _phase(ledger: Ledger | None, phase: str, step: int):
+def _phase(ledger: Ledger | None, phase: str, step: int, root=None):
     """Tell the ledger which phase runs (its memory-limit error names it)."""
-    return ledger.phase(phase, step) if ledger is not None else contextlib.nullcontext()
+    return ledger.phase(phase, step, root) if ledger is not None else contextlib.nullcontext()
 
 
 def _sample(ledger: Ledger | None, label: str, plan: Plan) -> None:
