@@ -43,7 +43,8 @@ REGISTRY: dict[str, str] = {
     "cp-ulysses": "distlab.strategies.context:train_rank",
     "3d": "distlab.strategies.mesh:train_rank",
 }
-#: options of the training loop itself (`loop.OPTIONS`): the numerics of `numerics`, and memory_limit
+#: options of the training loop itself (`loop`), taken by every strategy: memory_limit, and the numerics
+#: of `numerics` (refused by `numerics.check` outside `numerics.SUPPORTED`)
 LOOP_OPTIONS = NUMERICS_OPTIONS + ("memory_limit",)
 #: how `names` and the CLI show the mesh entry: the form `dl.train` takes
 MESH_FORM = "3d:dp=D,tp=T,pp=P"

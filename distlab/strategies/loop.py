@@ -40,9 +40,6 @@ from ..runtime import device, group_size, rank, tracer
 from . import numerics
 from .base import TrainSpec
 
-#: options of the loop itself, taken by every strategy (numerics ones only where `numerics.SUPPORTED`)
-OPTIONS = numerics.OPTIONS + ("memory_limit",)
-
 
 @dataclass
 class Plan:
