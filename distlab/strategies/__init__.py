@@ -23,6 +23,7 @@ import importlib
 
 from ..checkpoint.training import OPTIONS as CHECKPOINT_OPTIONS
 from .numerics import OPTIONS as NUMERICS_OPTIONS
+from .numerics import SUPPORTED as NUMERICS_SUPPORTED
 from .base import RankResult, TrainSpec, build_model, global_batch, loss_fn, make_optimizer
 
 REGISTRY: dict[str, str] = {
@@ -87,9 +88,11 @@ def check_options(strategy: str, given) -> None:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         takers = [n for n in names() if key in options(n)]
         where = f"; {key!r} is an option of {', '.join(takers)}" if takers and not close else ""
-        own = ", ".join(o for o in valid if o not in CHECKPOINT_OPTIONS) or "none of its own"
+        shared = CHECKPOINT_OPTIONS + ("memory_limit",)        # numerics: own where supported
+        hidden = shared + (() if strategy in NUMERICS_SUPPORTED else NUMERICS_OPTIONS)
+        own = ", ".join(o for o in valid if o not in hidden) or "none of its own"
         raise TypeError(f"strategy {strategy!r} has no option {key!r}{hint}{where}. Its options: {own}; "
-                        f"and, for every strategy, {', '.join(CHECKPOINT_OPTIONS)}")
+                        f"and, for every strategy, {', '.join(shared)}")
 
 
 def check(spec: TrainSpec, world_size: int) -> None:
