@@ -60,7 +60,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"], help="optimizer")
     p.add_argument("--weight-decay", type=float, default=0.0, help="weight decay")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per step")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed"], help="compute precision")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed", "fp16-mixed"],
+                   help="compute precision")
     p.add_argument("--clip", type=float, default=None, help="clip the gradient norm to this")
     p.add_argument("--comm", default=None, choices=["torch", "ring"],
                    help="collectives (data parallel; default torch)")
@@ -240,6 +241,7 @@ def _error(err: Exception) -> int:
 def main(argv: list[str] | None = None) -> int:
     from .checkpoint.store import CheckpointError
     from .launch import LaunchError
+    from .memory_budget import MemoryLimitExceeded
     parser = argparse.ArgumentParser(prog="distlab", description="distributed training, from send/recv up")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -256,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             return _strategies()
         if args.command == "lessons":
             return _lessons(args)
-    except (ValueError, TypeError, OSError, CheckpointError, LaunchError) as err:
+    except (ValueError, TypeError, OSError, CheckpointError, LaunchError, MemoryLimitExceeded) as err:
         if getattr(args, "traceback", False):
             raise
         return _error(err)

@@ -23,6 +23,12 @@ ZeRO or FSDP rank's state from outside (storages, and the plain queries ``reduce
     ledger.peak          # {"params": ..., "grads": ..., ...} max over samples, per category
     ledger.record()      # into dl.tracer(), for dl.viz.memory(run.trace)
 
+A budget: ``Ledger(limit="64MB", measure=state_bytes)`` checks the bytes held (the model states
+``measure()`` returns, plus the live activations) at every sample, at every tensor autograd saves
+(forward) and every one it reads back (backward), and raises `MemoryLimitExceeded` the moment the
+total crosses the limit, naming the phase and the category that grew: an out-of-memory in backward,
+shown on a CPU (``dl.train(..., memory_limit="64MB")``).
+
 Two saved-tensor counters: `SavedTensors` follows what is *alive* over a whole step (released as
 backward frees it, with its peak), for the ledger; `SavedActivations` totals what one forward saved
 (the pipeline's stash per microbatch; `measure_layer`, the per-layer check against Korthikanti
@@ -36,6 +42,7 @@ import weakref
 import torch
 import torch.nn as nn
 
+from .memory_budget import Budget, MemoryLimitExceeded, parse_bytes  # noqa: F401  (re-exported)
 from .runtime import tracer
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
@@ -159,10 +166,11 @@ class SavedTensors:
     activations and are skipped. ``current`` and ``peak`` are in bytes.
     """
 
-    def __init__(self):
+    def __init__(self, on_change=None):
         self.current = 0
         self.peak = 0
         self._refs: dict[int, int] = {}
+        self.on_change = on_change          # called after every pack / unpack (a `Ledger`'s budget)
 
     class _Held:
         __slots__ = ("tensor", "__weakref__")
@@ -183,6 +191,8 @@ class SavedTensors:
         self._refs[key] = self._refs.get(key, 0) + 1
         held = SavedTensors._Held(t)
         weakref.finalize(held, self._release, key, storage.nbytes())
+        if self.on_change is not None:
+            self.on_change()
         return held
 
     def _release(self, key: int, nbytes: int) -> None:
@@ -191,8 +201,9 @@ class SavedTensors:
             del self._refs[key]
             self.current -= nbytes
 
-    @staticmethod
-    def _unpack(x):
+    def _unpack(self, x):
+        if self.on_change is not None:
+            self.on_change()
         return x.tensor if isinstance(x, SavedTensors._Held) else x
 
     @contextlib.contextmanager
@@ -286,9 +297,20 @@ class PipelineStash:
 class Ledger:
     """Memory samples by category for one rank; `peak` per category and `peak_total` over samples."""
 
-    def __init__(self):
+    def __init__(self, limit: int | None = None, measure=None):
         self.timeline: list[tuple[str, dict[str, int]]] = []
         self.saved = SavedTensors()
+        self.budget = None
+        if limit is not None:                       # checked at every saved tensor (see `Budget`)
+            self.budget = Budget(limit, measure, lambda: self.saved.current)
+            self.saved.on_change = self.budget.check
+
+    def phase(self, name: str, step: int, root=None):
+        """Context manager: the phase (forward, backward) a budget error names; ``root``: the loss a
+        backward runs from (the budget is then checked as each gradient is accumulated)."""
+        if self.budget is None:
+            return contextlib.nullcontext()
+        return self.budget.phase(name, step, root)
 
     def activations(self):
         """Context manager: count tensors saved for backward by what runs inside (usually the forward)."""
@@ -302,6 +324,9 @@ class Ledger:
         row = {c: int(bytes_by_category.get(c, 0)) for c in CATEGORIES}
         if "activations" not in bytes_by_category:
             row["activations"] = self.saved.current
+        if self.budget is not None:
+            row["buffers"] = max(row["buffers"], self.budget.take_buffers())
+            self.budget.check_row(row, label)
         extra = {}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             extra = {"cuda_allocated": torch.cuda.memory_allocated(),

@@ -11,8 +11,11 @@
 Checkpoints (every strategy; see `distlab.checkpoint`): ``checkpoint_dir=..., checkpoint_every=k``
 saves every k steps and at the end (``keep_last=n`` keeps the newest n); ``resume=True`` continues from
 the newest checkpoint that verifies, bit-exact (a damaged newer one is skipped, and named);
-``fail_at_step=s`` kills a rank on purpose (lessons, tests). ``async_save=True`` writes checkpoints in
-the background (`distlab.checkpoint.background`). ``max_restarts=k`` relaunches a failed run from its
+``fail_at_step=s`` kills a rank on purpose (lessons, tests). ``precision="fp16-mixed"`` scales the loss
+dynamically; a step whose gradients hold an inf/NaN on any rank is skipped on all (``report.numerics``);
+``memory_limit="64MB"`` raises an out-of-memory error the moment the ledger crosses it.
+``async_save=True`` writes checkpoints in the background (`distlab.checkpoint.background`).
+``max_restarts=k`` relaunches a failed run from its
 newest checkpoint up to k times, on fewer ranks with ``shrink`` (`distlab.restart`; ``report.restarts``).
 
 A strategy is a ``train_rank(spec)`` function (`distlab.strategies`), run on every rank by
@@ -65,6 +68,12 @@ class Report:
         (`distlab.stragglers`): ``report.stragglers().straggler``, ``.skew``, ``print(...)``."""
         from .stragglers import stragglers
         return stragglers(self.trace)
+
+    @property
+    def numerics(self) -> dict:
+        """Rank 0's step numerics (`distlab.strategies.numerics`): ``skipped`` (steps skipped on every
+        rank for an inf/NaN gradient), ``grad_norms`` {step: norm}, ``spikes``, ``loss_scales`` (fp16)."""
+        return self.results[0].info.get("numerics", {}) if self.results else {}
 
     def __repr__(self) -> str:
         last = f"{self.losses[-1]:.4f}" if self.losses else "-"
@@ -136,3 +145,6 @@ def _print_notes(results: list[RankResult]) -> None:
     for note in dict.fromkeys(r.info.get("checkpoint", {}).get("note") for r in results):
         if note:
             print(f"distlab: {note}", file=sys.stderr, flush=True)
+    from .strategies.numerics import notes
+    for note in notes(results[0].info.get("numerics", {})) if results else ():
+        print(f"distlab: {note}", file=sys.stderr, flush=True)

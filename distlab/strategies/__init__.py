@@ -10,7 +10,8 @@ to change, for a layout that cannot run on ``world`` ranks). `check` runs both i
 any rank starts: a misspelled or misplaced option is a TypeError naming the strategy's options, with a
 did-you-mean; an impossible layout (heads over tp, rows per rank, stages per model) a ValueError.
 
-Reading order: `base` (the spec, the data, the result), `loop` (THE step loop every strategy runs), then
+Reading order: `base` (the spec, the data, the result), `loop` (THE step loop every strategy runs) and
+`numerics` (its fp16 loss scaling, non-finite steps skipped on every rank, gradient-norm spikes), then
 one file per family, each only building the model, the criterion and the loop's `loop.Plan`:
 `data_parallel` (single, DDP, ZeRO), `fsdp` (`dl.fully_shard`), `tensor`, `pipeline`, `context` (cp-ring,
 cp-ulysses), `expert` (ep), `mesh` (3D), `mesh_axes` (its cp= and ep= axes).
@@ -21,6 +22,8 @@ import difflib
 import importlib
 
 from ..checkpoint.training import OPTIONS as CHECKPOINT_OPTIONS
+from .numerics import OPTIONS as NUMERICS_OPTIONS
+from .numerics import SUPPORTED as NUMERICS_SUPPORTED
 from .base import RankResult, TrainSpec, build_model, global_batch, loss_fn, make_optimizer
 
 REGISTRY: dict[str, str] = {
@@ -41,6 +44,9 @@ REGISTRY: dict[str, str] = {
     "cp-ulysses": "distlab.strategies.context:train_rank",
     "3d": "distlab.strategies.mesh:train_rank",
 }
+#: options of the training loop itself (`loop`), taken by every strategy: memory_limit, and the numerics
+#: of `numerics` (refused by `numerics.check` outside `numerics.SUPPORTED`)
+LOOP_OPTIONS = NUMERICS_OPTIONS + ("memory_limit",)
 #: how `names` and the CLI show the mesh entry: the form `dl.train` takes
 MESH_FORM = "3d:dp=D,tp=T,pp=P"
 
@@ -68,7 +74,7 @@ def options(strategy: str) -> tuple[str, ...]:
     """The options ``strategy`` reads (its family's ``OPTIONS``), then those every strategy takes (the
     checkpoint's)."""
     key = _key(strategy)
-    return tuple(_module(strategy).OPTIONS[key]) + CHECKPOINT_OPTIONS
+    return tuple(_module(strategy).OPTIONS[key]) + CHECKPOINT_OPTIONS + LOOP_OPTIONS
 
 
 def check_options(strategy: str, given) -> None:
@@ -82,9 +88,11 @@ def check_options(strategy: str, given) -> None:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         takers = [n for n in names() if key in options(n)]
         where = f"; {key!r} is an option of {', '.join(takers)}" if takers and not close else ""
-        own = ", ".join(o for o in valid if o not in CHECKPOINT_OPTIONS) or "none of its own"
+        shared = CHECKPOINT_OPTIONS + ("memory_limit",)        # numerics: own where supported
+        hidden = shared + (() if strategy in NUMERICS_SUPPORTED else NUMERICS_OPTIONS)
+        own = ", ".join(o for o in valid if o not in hidden) or "none of its own"
         raise TypeError(f"strategy {strategy!r} has no option {key!r}{hint}{where}. Its options: {own}; "
-                        f"and, for every strategy, {', '.join(CHECKPOINT_OPTIONS)}")
+                        f"and, for every strategy, {', '.join(shared)}")
 
 
 def check(spec: TrainSpec, world_size: int) -> None:
@@ -92,7 +100,9 @@ def check(spec: TrainSpec, world_size: int) -> None:
     options (`check_options`), then the family's own ``check`` (rows per rank, heads over the tensor-
     parallel degree, pipeline stages and microbatches, mesh degrees, ...)."""
     from ..models import PRESETS
+    from ..memory import parse_bytes
     from .moe_support import refuse_moe
+    from .numerics import check as check_numerics
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     models = sorted(PRESETS) + ["mlp"]
@@ -103,6 +113,9 @@ def check(spec: TrainSpec, world_size: int) -> None:
     check_options(spec.strategy, spec.options)
     _module(spec.strategy).check(spec, world_size)
     refuse_moe(spec)                                          # a mixture of experts: ep, single, dp only
+    check_numerics(spec, world_size)                          # fp16 and its options where supported
+    if spec.options.get("memory_limit") is not None:
+        parse_bytes(spec.options["memory_limit"])
 
 
 def load(strategy: str):

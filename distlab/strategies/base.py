@@ -19,7 +19,7 @@ from .. import models
 from ..runtime import device, rank
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
-PRECISIONS = ("fp32", "bf16-mixed")
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")     # fp16: with dynamic loss scaling (`numerics`)
 
 
 @dataclass

@@ -19,9 +19,13 @@ reduce-scatters and holds full gradients meanwhile, undoing ZeRO-3's gradient sh
 buckets alive at once), ``no_sync`` (accumulate locally;
 True except for ZeRO-3). Checkpoints: ``checkpoint_dir``, ``checkpoint_every``, ``keep_last``,
 ``resume`` (True: the latest; or a step), and fault injection ``fail_at_step``/``fail_rank``/``fail_in``
-(see `distlab.checkpoint.training`). The steps themselves run in `distlab.strategies.loop`.
+(see `distlab.checkpoint.training`). The steps themselves run in `distlab.strategies.loop`, whose own
+options apply here too: ``memory_limit``, and the numerics of `distlab.strategies.numerics` (fp16 loss
+scaling: ``loss_scale``, ``growth_interval``; ``skip_nonfinite``; ``spike_factor``; ``nan_at_step``).
 """
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
@@ -44,6 +48,7 @@ from .base import (
 from .loop import Plan, run, sum_losses
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
+LOW = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}     # the model's dtype under each
 _ZERO = ("bucket_mb", "overlap", "comm", "no_sync", "max_inflight")
 #: the options each strategy reads (`distlab.strategies.check_options` refuses any other); ``single``
 #: takes those of ddp and ignores them, so one set of keywords runs the reference and ddp side by side
@@ -66,6 +71,11 @@ class LocalOptimizer:
     def clip_grad_norm_(self, max_norm: float):
         self._grads_to_masters()
         return torch.nn.utils.clip_grad_norm_(self.masters, max_norm)
+
+    def grads(self) -> list[torch.Tensor]:
+        """The fp32 gradients the optimizer will read (masters' copies under mixed precision)."""
+        self._grads_to_masters()
+        return [m.grad for m in self.masters if m.grad is not None]
 
     def _grads_to_masters(self):
         if self.mixed:
@@ -116,14 +126,15 @@ def _wrap(spec: TrainSpec, model: torch.nn.Module):
 def train_rank(spec: TrainSpec) -> RankResult:
     n, r = _check(spec)
     model = build_model(spec)
-    if spec.precision == "bf16-mixed":
-        model = model.to(torch.bfloat16)
+    if spec.precision in LOW:                               # fp32 masters in the optimizer
+        model = model.to(LOW[spec.precision])
     wrapped, opt, memory_bytes = _wrap(spec, model)
     no_sync = getattr(wrapped, "no_sync", None)
     if not spec.options.get("no_sync", spec.strategy != "zero3"):
         no_sync = None                                    # communicate on every micro-step
     plan = Plan(_forward(spec, wrapped, model, n, r), opt, rank_state(model, opt, keeps_history=r == 0),
-                loss_share=1 / n, no_sync=no_sync, clip=opt.clip_grad_norm_, memory=memory_bytes)
+                loss_share=1 / n, no_sync=no_sync, clip=opt.clip_grad_norm_, memory=memory_bytes,
+                grads=opt.grads if isinstance(opt, LocalOptimizer) else partial(shard_grads, opt))
     trained = run(spec, plan)
     losses = sum_losses(trained.losses)                   # each rank's weighted share, summed
     state = wrapped.full_state_dict() if hasattr(wrapped, "full_state_dict") else model.state_dict()
@@ -170,6 +181,14 @@ def _forward(spec: TrainSpec, wrapped, model, n: int, r: int):
         return (criterion(out.float() if spec.model == "mlp" else out, ys) + aux) * weight
 
     return forward
+
+
+def shard_grads(opt) -> list[torch.Tensor]:
+    """A ZeRO rank's gradient shards, reduced and in fp32 (as its step reads them): for loss scaling
+    and the non-finite check of `distlab.strategies.numerics`."""
+    opt.reduce_grads()
+    opt.grad_shards = [g if g is None or g.dtype == torch.float32 else g.float() for g in opt.grad_shards]
+    return [g for g in opt.grad_shards if g is not None]
 
 
 def rank_state(model, opt, keeps_history: bool):

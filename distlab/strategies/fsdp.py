@@ -6,7 +6,8 @@ child of an ``nn.ModuleList`` (the GPT's blocks, the MLP's layers) a unit, then 
 rest; the optimizer is built afterwards on ``model.parameters()``, the local shards.
 
 ``spec.options``: ``hsdp`` (replicate degree R, default 1: mesh (R, N / R)), ``param_dtype``
-("bf16", "fp16" or None; ``precision="bf16-mixed"`` means "bf16"), ``reshard_after_forward`` (True),
+("bf16", "fp16" or None; ``precision="bf16-mixed"`` means "bf16", "fp16-mixed" "fp16"),
+``reshard_after_forward`` (True),
 ``no_sync`` (True: accumulate micro-steps locally). Checkpoints: the "model-parallel" format, each
 shard a dim-0 block of its parameter (rows saved), so a checkpoint consolidates and reshards to and
 from the other strategies (`distlab.checkpoint.reshard`).
@@ -42,7 +43,7 @@ def options(spec: TrainSpec, world: int) -> dict:
     if not isinstance(hsdp, int) or hsdp < 1 or world % hsdp:
         raise ValueError(f"hsdp={hsdp!r}: the replicate degree must be a positive int dividing "
                          f"world_size={world} (mesh (hsdp, world_size / hsdp))")
-    name = spec.options.get("param_dtype", "bf16" if spec.precision == "bf16-mixed" else None)
+    name = spec.options.get("param_dtype", {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}.get(spec.precision))
     if name not in DTYPES:
         raise ValueError(f"param_dtype={name!r}: choose 'bf16', 'fp16' or None (fp32)")
     return {"mesh": (hsdp, world // hsdp) if hsdp > 1 else None, "param_dtype": DTYPES[name],
@@ -88,7 +89,8 @@ def train_rank(spec: TrainSpec) -> RankResult:
     plan = Plan(_forward(spec, model, model, n, r), optimizer, state, loss_share=1 / n, no_sync=no_sync,
                 clip=lambda max_norm: clip_grad_norm_(params, max_norm, sharded=sharded,
                                                       groups=[unit.shard_comm.group]),
-                memory=fsdp_memory(model, optimizer))
+                memory=fsdp_memory(model, optimizer),
+                grads=lambda: [p.grad for p in params if p.grad is not None])
     trained = run(spec, plan)
     losses = sum_losses(trained.losses)
     full = fsdp.full_state_dict(model)

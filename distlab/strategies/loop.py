@@ -9,6 +9,7 @@ optimizer steps, how gradients are clipped, what a checkpoint holds); `run` driv
             loss = plan.forward(step, micro)             "forward" span
             loss.backward()                              "backward" span (a pipeline does both inside)
         plan.sync_grads()                                finish the gradient all-reduces, if any
+        unscale; inf/NaN on any rank? skip everywhere    fp16 loss scaling, agreed skips (`numerics`)
         plan.clip(max_norm)                              the whole model's gradient norm (`parallel.clip`)
         optimizer.step(); optimizer.zero_grad()          "optimizer" span
         checkpoint after the step (and fault injection before it)
@@ -17,11 +18,13 @@ Losses: ``plan.forward`` returns the loss this rank backpropagates, already scal
 gradients summed over micro-steps (and averaged over data-parallel replicas) are those of the global
 batch's mean loss; ``plan.loss_share`` turns it into this rank's share of the step's reported loss.
 Instrumentation lives here, not in the strategies: the "step" mark, spans, memory-ledger samples
-(when ``plan.memory`` is given), the bytes sent during the steps, and ``dl.progress``.
+(when ``plan.memory`` is given; with ``memory_limit`` the ledger raises the moment the budget is
+crossed), the bytes sent during the steps, the gradient norm of every step, and ``dl.progress``.
 """
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,10 +33,11 @@ import torch.distributed as dist
 
 from ..checkpoint import training as checkpointing
 from ..checkpoint.state import RankState
-from ..memory import Ledger
+from ..memory import Ledger, parse_bytes
 from ..parallel import collectives as C
 from ..progress import progress
-from ..runtime import device, group_size, tracer
+from ..runtime import device, group_size, rank, tracer
+from . import numerics
 from .base import TrainSpec
 
 
@@ -49,7 +53,9 @@ class Plan:
     whose shares are summed at the end). ``no_sync()``: a context in which a backward accumulates
     locally (all micro-steps but the last run in it). ``sync_grads()``: finishes gradient communication
     after the micro-steps. ``clip(max_norm)``: scales gradients to the whole model's norm.
-    ``memory()``: bytes held by category, sampled into the memory ledger.
+    ``memory()``: bytes held by category, sampled into the memory ledger. ``grads()``: after
+    ``sync_grads``, the gradient tensors this rank's optimizer will read (fp32), for loss scaling and
+    the non-finite check (`numerics`).
     """
 
     forward: Callable[[int, int], torch.Tensor | None]
@@ -61,6 +67,7 @@ class Plan:
     sync_grads: Callable[[], None] | None = None
     clip: Callable[[float], object] | None = None
     memory: Callable[[], dict] | None = None
+    grads: Callable[[], list] | None = None
 
 
 @dataclass
@@ -76,29 +83,43 @@ class Trained:
 
 def run(spec: TrainSpec, plan: Plan) -> Trained:
     """Resume (or start), then train steps ``start .. spec.steps - 1`` as ``plan`` says."""
-    ckpt = checkpointing.for_spec(spec, plan.state)
+    guard = numerics.StepGuard(spec, rank())              # fp16 loss scale, agreed skips, norms
+    ckpt = checkpointing.for_spec(spec, guard.checkpointed(plan.state))
     start, losses = ckpt.resume()
-    tr, ledger = tracer(), Ledger() if plan.memory is not None else None
+    tr, ledger = tracer(), _ledger(spec, plan)
     t_start = tr.now()
     for step in range(start, spec.steps):
         ckpt.before_step(step)                            # fault injection (fail_at_step)
         tr.mark("step", step=step)
-        share = _micro_steps(spec, plan, step, ledger)
+        share = _micro_steps(spec, plan, step, ledger, guard)
         losses.append(0.0 if share is None else share)
         _sample(ledger, "backward", plan)
-        _optimizer_step(spec, plan, step, ledger)
+        _optimizer_step(spec, plan, step, ledger, guard)
         ckpt.after_step(step + 1, losses)
         shown = {} if share is None or not plan.loss_share else {"loss": share / plan.loss_share}
         progress(step + 1, spec.steps, **shown)           # this rank's loss on its part of the batch
     t_end = tr.now()
     events = [e for e in tr.events() if e.kind == "comm" and t_start <= e.start <= t_end]
-    info = {"comm": comm_totals(events, max(1, spec.steps - start)), **ckpt.summary(start)}
+    info = {"comm": comm_totals(events, max(1, spec.steps - start)), **ckpt.summary(start),
+            "numerics": guard.summary()}
     if ledger is not None:
         info["memory"] = ledger.as_dict()
     return Trained(losses, start, events, info)
 
 
-def _micro_steps(spec: TrainSpec, plan: Plan, step: int, ledger: Ledger | None) -> float | None:
+def _ledger(spec: TrainSpec, plan: Plan) -> Ledger | None:
+    """The memory ledger when the strategy measures memory; with ``memory_limit`` (bytes or "64MB") it
+    raises `distlab.memory.MemoryLimitExceeded` the moment the bytes held cross the budget."""
+    limit = spec.options.get("memory_limit")
+    if plan.memory is None:
+        if limit is not None:
+            raise ValueError(f"memory_limit: strategy {spec.strategy!r} does not measure its memory")
+        return None
+    return Ledger(limit=None if limit is None else parse_bytes(limit), measure=plan.memory)
+
+
+def _micro_steps(spec: TrainSpec, plan: Plan, step: int, ledger: Ledger | None,
+                 guard: numerics.StepGuard) -> float | None:
     """Forward and backward of every micro-step of ``step``; returns this rank's share of its loss
     (None on a rank that holds no loss)."""
     tr, total, nothing, held = tracer(), 0.0, contextlib.nullcontext, False
@@ -108,30 +129,44 @@ def _micro_steps(spec: TrainSpec, plan: Plan, step: int, ledger: Ledger | None) 
         span = tr.span("forward", step=step, micro=micro) if plan.backward else nothing()
         activations = ledger.activations() if ledger is not None else nothing()
         with local:                                       # all but the last: accumulate without talking
-            with span, activations:
+            with span, activations, _phase(ledger, "forward", step):
                 loss = plan.forward(step, micro)
             _sample(ledger, "forward", plan)
             if loss is not None and plan.backward:
-                with tr.span("backward", step=step, micro=micro):
-                    loss.backward()
+                scaled = guard.loss_to_backward(loss)          # fp16: S * loss
+                with tr.span("backward", step=step, micro=micro), _phase(ledger, "backward", step, scaled):
+                    scaled.backward()
         if loss is not None:
             total, held = total + loss.item() * plan.loss_share, True
     return total if held else None
 
 
-def _optimizer_step(spec: TrainSpec, plan: Plan, step: int, ledger: Ledger | None) -> None:
-    """Finish the gradients, clip them, step, sample memory, and zero them for the next step."""
+def _optimizer_step(spec: TrainSpec, plan: Plan, step: int, ledger: Ledger | None,
+                    guard: numerics.StepGuard) -> None:
+    """Finish the gradients, unscale and check them (a step with an inf/NaN on any rank is skipped on
+    every rank), clip them, step, sample memory, and zero them for the next step."""
     tr = tracer()
     with tr.span("optimizer", step=step):
         if plan.sync_grads is not None:
             with tr.span("grad sync", step=step):
                 plan.sync_grads()
-        if spec.clip is not None:
-            with C.scope(phase="step", operator="grad_norm"):
-                plan.clip(spec.clip)
-        plan.optimizer.step()
+        skip = guard.checks and guard.skip(step, plan.grads(), device())
+        norm = None
+        if not skip and (spec.clip is not None or guard.checks):
+            with C.scope(phase="step", operator="grad_norm"):     # checked runs: the norm, unclipped
+                norm = plan.clip(spec.clip if spec.clip is not None else math.inf)
+        guard.record(step, norm)
+        if skip:
+            tr.mark("skipped step", step=step)                # an inf/NaN gradient on some rank
+        else:
+            plan.optimizer.step()
     _sample(ledger, "step", plan)
     plan.optimizer.zero_grad()
+
+
+def _phase(ledger: Ledger | None, phase: str, step: int, root=None):
+    """Tell the ledger which phase runs (its memory-limit error names it)."""
+    return ledger.phase(phase, step, root) if ledger is not None else contextlib.nullcontext()
 
 
 def _sample(ledger: Ledger | None, label: str, plan: Plan) -> None:
