@@ -22,6 +22,7 @@ Instrumentation lives here, not in the strategies: the "step" mark, spans, memor
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -82,7 +83,7 @@ def run(spec: TrainSpec, plan: Plan) -> Trained:
     t_start = tr.now()
     for step in range(start, spec.steps):
         ckpt.before_step(step)                            # fault injection (fail_at_step)
-        tr.mark("step", step=step)
+        tr.mark("step", step=step, cpu=time.process_time())   # CPU seconds this rank has run so far
         share = _micro_steps(spec, plan, step, ledger)
         losses.append(0.0 if share is None else share)
         _sample(ledger, "backward", plan)
