@@ -49,24 +49,49 @@ def test_busy_is_the_step_without_its_bubble_and_wall_stretches_only_the_work():
 
 
 def test_fit_recovers_the_constants_it_was_given_and_predicts_the_rest():
+    truth = sim.Efficiency(compute=70.0, comm=1.0, overhead=0.02, per_action=0.0015, per_collective=0.0004)
+    unit = sim.Efficiency(compute=1.0, comm=1.0)
+    for fitted in (("single", "ddp", "pp", "tp"), ("single", "zero3", "pp", "3d", "tp")):
+        cpu = [calibrate.busy(_predict(n, truth)) for n in fitted]
+        eff = calibrate.fit([_predict(n, unit) for n in fitted], cpu)
+        assert eff.compute == pytest.approx(70.0) and eff.overhead == pytest.approx(0.02)
+        assert eff.per_action == pytest.approx(0.0015) and eff.per_collective == pytest.approx(0.0004)
+        for name in RUNS:
+            assert calibrate.busy(_predict(name, eff)) == pytest.approx(calibrate.busy(_predict(name, truth)))
+
+
+def test_tp_collectives_counts_what_sim_charges_per_collective():
+    base = sim.Efficiency(compute=50.0, comm=1.0)
+    for name in RUNS:
+        with_cost = _predict(name, sim.Efficiency(compute=50.0, comm=1.0, per_collective=1.0))
+        extra = calibrate.busy(with_cost) - calibrate.busy(_predict(name, base))
+        assert extra == pytest.approx(calibrate.tp_collectives(with_cost))
+    assert calibrate.tp_collectives(_predict("tp", base)) == 16        # 4 layers x (2 forward + 2 backward)
+    assert calibrate.tp_collectives(_predict("3d", base)) == 32        # 4 microbatches x 2 layers x 4
+
+
+def test_fit_drops_what_the_runs_cannot_see_or_what_comes_out_negative():
     truth = sim.Efficiency(compute=70.0, comm=1.0, overhead=0.02, per_action=0.0015)
     unit = sim.Efficiency(compute=1.0, comm=1.0)
-    fitted = ("single", "ddp", "pp")
+    fitted = ("single", "ddp", "pp")                                 # no TP run: per_collective unseen
     cpu = [calibrate.busy(_predict(n, truth)) for n in fitted]
     eff = calibrate.fit([_predict(n, unit) for n in fitted], cpu)
-    assert eff.compute == pytest.approx(70.0) and eff.overhead == pytest.approx(0.02)
-    assert eff.per_action == pytest.approx(0.0015)
-    for name in ("zero3", "tp", "3d"):
-        assert calibrate.busy(_predict(name, eff)) == pytest.approx(calibrate.busy(_predict(name, truth)))
+    assert eff.per_collective == 0.0 and eff.per_action == pytest.approx(0.0015)
+    cheap_pp = [0.0, 0.0, -0.012]               # pp's 6 extra actions cost 9 ms: 12 ms less is negative
+    cpu = [calibrate.busy(_predict(n, truth)) + d for n, d in zip(fitted, cheap_pp)]
+    eff = calibrate.fit([_predict(n, unit) for n in fitted], cpu)
+    assert eff.per_action == 0.0 and eff.compute > 0
 
 
 def test_fit_refuses_what_cannot_determine_it():
     unit = sim.Efficiency(compute=1.0, comm=1.0)
     with pytest.raises(ValueError, match=">= 3 runs"):
         calibrate.fit([_predict("ddp", unit)], [0.05])
-    same = [_predict(n, unit) for n in ("ddp", "zero3", "tp")]      # same FLOPs, same actions
+    same = [_predict(n, unit) for n in ("ddp", "zero3", "tp", "pp")]       # the same FLOPs per rank
     with pytest.raises(ValueError, match="do not determine"):
-        calibrate.fit(same, [0.05, 0.06, 0.07])
+        calibrate.fit(same, [0.05, 0.06, 0.07, 0.06])
+    with pytest.raises(ValueError, match="cannot determine 4 constants"):
+        calibrate.fit([_predict(n, unit) for n in ("single", "pp", "tp")], [0.09, 0.06, 0.07])
 
 
 def test_the_loop_stamps_cpu_seconds_on_every_step():

@@ -10,6 +10,7 @@ this machine's. Two clocks matter here, and they answer different questions:
 
       busy = compute (FLOPs / speed) + exposed comm (CPU cost of gloo's copies) + overhead per step
              + overhead per pipeline action (Python and autograd dispatch per forward / backward)
+             + overhead per tensor-parallel collective (the f / g autograd functions around it)
 
 * **Wall time** is the work stretched by **processor sharing** (Kleinrock 1967; lesson 00): ``k``
   runnable processes on ``c`` cores each run at ``min(1, c / k)`` of a core::
@@ -17,9 +18,9 @@ this machine's. Two clocks matter here, and they answer different questions:
       ranks R, cores c, other runnable programs L      share = min(1, c / (R + L))
       wall  ~  busy / share + bubble                   (a rank waits for the pipeline at no cost)
 
-The constants are fitted on some strategies (`fit`: least squares, pure Python) and the others are
-*predicted*. A CPU "GPU" here is one core at 1 GFLOP/s of "peak", so ``Efficiency.compute`` reads as
-GFLOP/s per core.
+The constants (speed, overhead per step, per pipeline action, per tensor-parallel collective) are
+fitted on some runs (`fit`: least squares, pure Python) and the others are *predicted*. A CPU
+"GPU" here is one core at 1 GFLOP/s of "peak", so ``Efficiency.compute`` reads as GFLOP/s per core.
 """
 from __future__ import annotations
 
@@ -95,33 +96,53 @@ def wall(result: StepResult, share: float) -> float:
     return busy(result) / share + result.breakdown["bubble"]
 
 
-def _terms(result: StepResult) -> tuple[float, float, float, float]:
-    """(seconds at 1 GFLOP/s of compute, comm seconds, 1 per step, pipeline actions per step)."""
-    b = result.breakdown
-    actions = 2 * result.layout["microbatches"] * result.layout["virtual"]
-    return b["compute"] + b["recompute"], b["tp"] + b["cp"] + b["dp"], 1.0, float(actions)
+def tp_collectives(result: StepResult) -> float:
+    """Tensor-parallel collectives per step on one rank, as `sim` counts them: per layer, f and g of
+    the attention and of the MLP, twice forward (and again for a full recomputation) and twice backward."""
+    lay = result.layout
+    if lay["tp"] == 1:
+        return 0.0
+    per_layer = 4 + (2 if lay["recompute"] == "full" else 0)
+    return lay["microbatches"] * lay["layers"] / lay["pp"] * per_layer
+
+
+CONSTANTS = ("1/speed", "overhead", "per_action", "per_collective")
+
+
+def _terms(result: StepResult) -> tuple[float, list[float]]:
+    """(comm seconds, [seconds at 1 GFLOP/s, 1 per step, pipeline actions, TP collectives]) per step."""
+    b, lay = result.breakdown, result.layout
+    actions = 2 * lay["microbatches"] * lay["virtual"]
+    comm = b["tp"] + b["cp"] + b["dp"]
+    return comm, [b["compute"] + b["recompute"], 1.0, float(actions), tp_collectives(result)]
 
 
 def fit(units: list[StepResult], cpu: list[float]) -> Efficiency:
-    """Least-squares constants from measured CPU seconds per step: ``cpu = work / speed + comm +
-    overhead + actions x per_action`` (``units``: each run predicted with compute=1, no overhead).
+    """Least-squares constants from measured CPU seconds per step::
 
-    Three unknowns (1/speed, overhead, per_action), so give at least three runs whose FLOPs and
-    action counts differ. Negative constants are clamped to 0 (then the others are refitted).
+        cpu = work / speed + comm + overhead + actions x per_action + TP collectives x per_collective
+
+    ``units``: each run predicted with compute=1 and no overheads (so its breakdown holds the terms).
+    A constant the runs cannot see (no TP run: per_collective) or that comes out negative is set to 0
+    and the others are refitted. Give at least as many runs as constants, differing in FLOPs per rank.
     """
     if len(units) != len(cpu) or len(units) < 3:
         raise ValueError(f"fit needs >= 3 runs with a CPU time each, got {len(units)} and {len(cpu)}")
     rows = [_terms(u) for u in units]
-    ys = [c - comm for c, (_, comm, _, _) in zip(cpu, rows)]
-    xs = [(flops, one, actions) for flops, _, one, actions in rows]
-    inv_speed, overhead, per_action = _least_squares(xs, ys)
-    if per_action < 0:                                          # refit without it
-        inv_speed, overhead = _least_squares([x[:2] for x in xs], ys)
-        per_action = 0.0
-    if inv_speed <= 0:
+    ys = [c - comm for c, (comm, _) in zip(cpu, rows)]
+    keep = [i for i in range(len(CONSTANTS)) if i < 2 or any(x[i] for _, x in rows)]
+    while True:
+        if len(units) < len(keep):
+            raise ValueError(f"{len(units)} runs cannot determine {len(keep)} constants: add runs")
+        solved = dict(zip(keep, _least_squares([[x[i] for i in keep] for _, x in rows], ys)))
+        negative = [i for i in keep if i >= 2 and solved[i] < 0]
+        if not negative:
+            break
+        keep.remove(min(negative, key=solved.get))                   # the most negative one goes
+    if solved[0] <= 0:
         raise ValueError("the fitted speed is not positive: the runs differ too little in FLOPs")
-    return Efficiency(compute=1.0 / inv_speed, comm=1.0, overhead=max(0.0, overhead),
-                      per_action=per_action)
+    return Efficiency(compute=1.0 / solved[0], comm=1.0, overhead=max(0.0, solved[1]),
+                      per_action=solved.get(2, 0.0), per_collective=solved.get(3, 0.0))
 
 
 def _least_squares(xs: list[tuple], ys: list[float]) -> list[float]:
