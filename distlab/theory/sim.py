@@ -299,6 +299,8 @@ def step(model: str | ModelPreset, gpu: str | GPUPreset | Cluster = "a100-80gb",
     makespan = pipeline_time(lay["schedule"], pp, m, v, t_f, t_b, _p2p_time(shape, where, eff, lay))
     dp_step, dp_micro = _dp_time(shape, where, eff, lay, m)
     if overlap_dp and lay["zero"] == 3:
+        # each chunk's parameter all-gathers (dp_micro / v) hide under that chunk's forward and backward;
+        # the gradients' reduce-scatter (dp_step - m x dp_micro) is counted exposed (conservative)
         exposed = m * v * max(0.0, dp_micro / v - (t["f"] + t["b"])) + (dp_step - m * dp_micro)
     elif overlap_dp:
         exposed = max(0.0, dp_step - t["b"] - t["recompute"])              # hides under the last backward
