@@ -29,8 +29,9 @@
 # A model is only worth its checks, so this lesson checks it at both ends of the scale:
 #
 # 1. one step of GPT-3 175B on 1,024 A100s, and where its time goes;
-# 2. **here**: calibrate the simulator's constants on this machine from a collective benchmark and two of
-#    distlab's own runs, then predict three other runs (ZeRO-3, tensor parallel, 3D) and measure them;
+# 2. **here**: calibrate the simulator's constants on this machine (CPU time, cores shared by processor sharing)
+#    from a collective benchmark and distlab's own runs, and predict each run (DDP, ZeRO-3, tensor parallel,
+#    1F1B pipeline, two 3D layouts on 4 ranks) from constants fitted without it;
 # 3. **there**: reproduce published tables (Narayanan et al. 2021, Korthikanti et al. 2022, Llama 3) with one set
 #    of efficiency constants per table;
 # 4. answer the interview question: *how long to train a 70B model on 2,048 H100s, and how?*
@@ -45,8 +46,9 @@
 # [distlab/widgets/cluster_planner.py](../distlab/widgets/cluster_planner.py).
 
 # %%
-import math
+import dataclasses
 import os
+import statistics
 import time
 
 import matplotlib.pyplot as plt
@@ -54,9 +56,9 @@ import torch
 import torch.distributed as dist
 
 import distlab as dl
-from distlab.theory import published, sim
+from distlab.theory import calibrate, published, sim
 from distlab.theory.layouts import describe, rank_layouts
-from distlab.theory.presets import GPUPreset, LinkPreset, ModelPreset
+from distlab.theory.presets import LinkPreset, ModelPreset
 
 KINDS = ("compute", "recompute", "tp", "cp", "bubble", "dp", "overhead")
 COLORS = dict(zip(KINDS, ("#4C72B0", "#8172B3", "#DD8452", "#937860", "#C44E52", "#55A868", "#8C8C8C")))
@@ -107,126 +109,168 @@ print("within 15% of the paper's 140 TFLOP/s and 34 days")
 # %% [markdown]
 # ## 2. Here: calibrated on this machine, checked on distlab's own runs
 #
-# The same simulator describes this machine if we give it this machine's constants. A "GPU" is one rank, its link
-# is gloo over loopback, and ranks share the cores: with more ranks than cores each rank gets cores / ranks of
-# one (`os.cpu_count()`, not fitted). The *fitted* constants:
+# The same simulator describes this machine once it has this machine's constants. A "GPU" is one rank (a process
+# on a CPU core), its link is gloo over loopback. A shared 2-core machine has two clocks, and they answer
+# different questions ([distlab/theory/calibrate.py](../distlab/theory/calibrate.py)):
 #
-# * **the link** (latency alpha and bandwidth beta): from timing one small and one large `all_reduce`,
-#   t = 2(n-1) alpha + 2 (n-1)/n S / beta (lesson 01's ring);
-# * **compute speed** (FLOP/s per core, Python overhead included), once from `tp` and `pp-1f1b` on 2 ranks (the
-#   geometric mean of the speeds that make each exact), and once from `ddp` on 2 ranks for the data-parallel
-#   family, whose loop does different Python work per step (gradient buckets, and the memory ledger sampled every
-#   step, [distlab/memory.py](../distlab/memory.py)): on a quiet machine the two speeds come out close, under load
-#   they drift apart.
+# * **CPU time** (`time.process_time` in each rank: the seconds it actually ran, gloo's copies included) is the
+#   *work*. Waiting (for a message, for the pipeline, for a core taken by another program) is not in it, so a
+#   loaded machine barely moves it. THE training loop stamps it on every step mark
+#   ([distlab/strategies/loop.py](../distlab/strategies/loop.py)). The simulator predicts it as the step without
+#   its bubble, with a core per rank.
+# * **Wall time** is that work stretched by **processor sharing** (lesson 00): R ranks on c cores beside L other
+#   runnable programs each run at min(1, c / (R + L)) of a core; the bubble is waiting and is not stretched.
 #
-# Then the simulator **predicts** two runs it never saw: `3d:dp=1,tp=2,pp=2` on **4** ranks (tensor and pipeline
-# parallelism composed, and twice as many ranks as cores) and `zero3` on 2 ranks (parameters gathered for every
-# forward and backward). A step time is the fastest of steps 1-6 (step 0 warms up), the least disturbed by whatever
-# else runs here.
+# Four constants are fitted (least squares, `calibrate.fit`) from the CPU time of distlab's runs:
 #
-# **Tolerance, stated before measuring:** each prediction within a factor of 3 of the measurement. That is what is
-# honest here: ranks time-slice 2 shared cores with other jobs, a message waits for its receiver to be scheduled,
-# and one run's steps vary by 2x (printed below); a datacenter GPU gets the 15% of section 3. If an assertion fails,
-# the machine was busier than that: re-run the section.
+#     CPU per step = FLOPs / speed + CPU cost of the collectives (alpha, beta)
+#                    + overhead per step + pipeline actions x per-action cost + TP collectives x per-collective cost
+#
+# (the last: Megatron's f and g are autograd functions around every tensor-parallel all-reduce, and their
+# Python costs more than the bare call's alpha).
+#
+# The link's CPU cost (alpha, beta) comes from timing one small and one large `all_reduce` with the same clock
+# (t = 2(n-1) alpha + 2(n-1)/n S / beta, lesson 01's ring, solved by `calibrate.fit_link`). Then every strategy
+# is **predicted by constants fitted without it** (leave one out): `ddp`, `zero3` (parameters gathered for every
+# forward and backward), `tp` (two all-reduces per layer and pass), `pp-1f1b` (eight actions per step) and
+# `3d:dp=1,tp=2,pp=2` and `3d:dp=2,tp=1,pp=2` on 4 ranks (twice as many ranks as cores: half the FLOPs per
+# rank, and as many pipeline actions as `pp-1f1b`) are each predicted from the other five and `single`, a
+# one-process run with twice the FLOPs per rank of the 2-rank runs (`tp` and `3d:dp=1,tp=2,pp=2` are the only runs that see
+# the per-collective cost, so each is predicted with it fitted on the other). A run's CPU time is its least disturbed step
+# (steps 1-6 of each rank; step 0 warms up): interference (another process evicting the caches, a context
+# switch) only ever adds CPU time.
+#
+# **Tolerance, stated before measuring: each predicted CPU time within 40% of its measurement.** Why 40%: one
+# run's per-step CPU times (printed below) spread by 10-100% from slowest to fastest step, and in 10
+# repetitions of this section (load averages 6 to 11 on 2 cores: other engineers' tests running) the
+# leave-one-out predictions landed between 0.79 and 1.28 of the measurement; the worst run of each
+# repetition was off by 3-28% (median 12%), most often `3d:dp=1,tp=2,pp=2` (without the per-collective constant and the second 3D run, 0.67-1.37: `3d` under-predicted and
+# `pp-1f1b` over-predicted, each the only other run to learn the per-action cost from; a 4-rank `ddp` costs
+# exactly half the FLOPs less CPU than a 2-rank one, so sharing cores does not inflate CPU time here). The wall time is shown beside the processor-sharing prediction for
+# *free* cores (L = 0); other programs on this machine only add to it, so the assert there is one-sided: no run
+# may beat processor sharing by more than 40%.
+# If an assertion fails, re-run the section (and look at the load printed beside each run).
 
 # %% tags=["nbval-ignore-output"]
 def bench(sizes, reps=5):
-    best = {}
+    best = {}                                     # bytes -> (fastest wall seconds, fewest CPU seconds)
     for nbytes in sizes:
         x = torch.ones(nbytes // 4)
-        dist.all_reduce(x)                           # warm up the connection
-        best[nbytes] = float("inf")
+        dist.all_reduce(x)                        # warm up the connection
+        best[nbytes] = (float("inf"), float("inf"))
         for _ in range(reps):
             dist.barrier()
-            t = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             dist.all_reduce(x)
-            best[nbytes] = min(best[nbytes], time.perf_counter() - t)
+            best[nbytes] = (min(best[nbytes][0], time.perf_counter() - wall),
+                            min(best[nbytes][1], time.process_time() - cpu))
     return best
+
+
+def link_from(results, clock, name):               # clock 0: wall, 1: CPU; the slower rank of each size
+    slowest = {n: max(res[n][clock] for res in results) for n in (SMALL, LARGE)}
+    return calibrate.fit_link(N, (SMALL, slowest[SMALL]), (LARGE, slowest[LARGE]), name)
 
 
 N, SMALL, LARGE = 2, 64, 4 << 20
 link_run = dl.launch(bench, world_size=N, args=([SMALL, LARGE],), output="quiet")
-t_small, t_large = (max(res[n] for res in link_run.results) for n in (SMALL, LARGE))
-alpha = t_small / (2 * (N - 1))
-beta = 2 * (N - 1) / N * LARGE / max(t_large - 2 * (N - 1) * alpha, 1e-9)
-link = LinkPreset("gloo loopback", beta, alpha)
-print(f"alpha = {alpha * 1e6:.0f} us per message, beta = {beta / 1e9:.2f} GB/s")
+link, link_wall = link_from(link_run.results, 1, "gloo loopback, CPU"), link_from(link_run.results, 0, "wall")
+for what, x in (("CPU cost: ", link), ("wall time:", link_wall)):
+    print(f"{what} alpha = {x.latency * 1e6:4.0f} us per message, beta = {x.bandwidth / 1e9:.2f} GB/s")
 
 # %% tags=["nbval-ignore-output"]
 cfg = dl.models.PRESETS["gpt-small"]
 shape = ModelPreset("gpt-small", cfg.d_model, cfg.layers, cfg.heads, cfg.vocab, cfg.seq_len)
 BATCH, CORES = 16, os.cpu_count()
-RUNS = {                      # name: (ranks, layout for the simulator, family)
-    "tp": (2, dict(tp=2, micro_batch=16), "plain"), "pp-1f1b": (2, dict(pp=2, micro_batch=4), "plain"),
-    "ddp": (2, dict(micro_batch=8), "data-parallel"),
-    "3d:dp=1,tp=2,pp=2": (4, dict(tp=2, pp=2, micro_batch=4), "plain"),
-    "zero3": (2, dict(zero=3, micro_batch=8), "data-parallel")}
-FITTED, PREDICTED = ("tp", "pp-1f1b", "ddp"), ("3d:dp=1,tp=2,pp=2", "zero3")
+RUNS = {                                 # name: (ranks, layout for the simulator); global batch 16 sequences
+    "single": (1, dict(micro_batch=16)), "ddp": (2, dict(micro_batch=8)), "pp-1f1b": (2, dict(pp=2, micro_batch=4)),
+    "zero3": (2, dict(zero=3, micro_batch=8)), "tp": (2, dict(tp=2, micro_batch=16)),
+    "3d:dp=1,tp=2,pp=2": (4, dict(tp=2, pp=2, micro_batch=4)), "3d:dp=2,tp=1,pp=2": (4, dict(pp=2, micro_batch=2))}
+PREDICTED = [name for name in RUNS if name != "single"]
 
 
-def step_times(report, rank=0):
-    marks = sorted(e.start for e in report.trace.select("mark", rank=rank, name="step"))
-    return [b - a for a, b in zip(marks[1:], marks[2:])]           # steps 1..6
+def per_step(report, rank):
+    marks = sorted(report.trace.select("mark", rank=rank, name="step"), key=lambda e: e.start)
+    cpu, wall = [m.args["cpu"] for m in marks], [m.start for m in marks]
+    return ([b - a for a, b in zip(cpu[1:], cpu[2:])],              # CPU seconds of steps 1..6 (0 warms up)
+            [b - a for a, b in zip(wall[1:], wall[2:])])
 
 
-measured, spread = {}, {}
-for name, (ranks, _, _) in RUNS.items():
+cpu, wall, spread, load = {}, {}, {}, {}
+threads = torch.get_num_threads()
+torch.set_num_threads(1)          # `single` runs in this process: one thread, as every rank has, so CPU time = work
+for name, (ranks, _) in RUNS.items():
+    load[name] = os.getloadavg()[0]
     report = dl.train(name, world_size=ranks, model="gpt-small", steps=8, seed=0, global_batch=BATCH)
-    times = step_times(report)
-    measured[name], spread[name] = min(times), max(times) / min(times)
-    print(f"{name:20s} on {ranks} ranks: fastest step {measured[name] * 1e3:5.0f} ms, slowest / fastest "
-          f"{spread[name]:.1f}")
+    steps = [per_step(report, r) for r in range(ranks)]
+    cpu[name] = statistics.mean(min(c) for c, _ in steps)     # a rank's least disturbed step, mean over ranks
+    wall[name] = min(steps[0][1])
+    spread[name] = max(max(c) / min(c) for c, _ in steps) - 1
+    print(f"{name:18s} {ranks} ranks, load {load[name]:4.1f}: CPU {cpu[name] * 1e3:5.1f} ms per step "
+          f"(slowest step +{spread[name]:.0%} over the fastest), wall {wall[name] * 1e3:6.1f} ms")
+torch.set_num_threads(threads)
 
 
 # %% tags=["nbval-ignore-output"]
-def predict(name, speed):
-    ranks, layout, _ = RUNS[name]
-    share = min(1.0, CORES / ranks)                            # ranks time-slice the cores
-    machine = sim.Cluster(GPUPreset("one rank here", 8 * 2**30, 1e9 * share, "gloo"), ranks, link, link)
-    eff = sim.Efficiency(compute=speed, comm=1.0)              # speed: GFLOP/s of one core
-    return sim.step(shape, machine, ranks, global_batch=BATCH, seq_len=cfg.seq_len, recompute="none",
-                    precision="fp32", sp=False, overlap_dp=False, efficiency=eff, **layout)
+def predict(name, eff):
+    ranks, layout = RUNS[name]
+    return calibrate.predict(shape, ranks, link, eff, global_batch=BATCH, **layout)
 
 
-def exact_speed(name):
-    # compute and bubble scale as 1 / speed; communication does not
-    unit = predict(name, 1.0)
-    scaled = unit.breakdown["compute"] + unit.breakdown["bubble"]
-    return scaled / max(measured[name] - (unit.step_time - scaled), 1e-6)
-
-
-speed = {"plain": math.sqrt(exact_speed("tp") * exact_speed("pp-1f1b")), "data-parallel": exact_speed("ddp")}
-predictions = {name: predict(name, speed[family]) for name, (_, _, family) in RUNS.items()}
-print(f"fitted: {speed['plain']:.1f} GFLOP/s per core, {speed['data-parallel']:.1f} for the data-parallel family")
-for name in RUNS:
-    kind = "fitted   " if name in FITTED else "predicted"
-    print(f"{kind} {name:20s} measured {measured[name] * 1e3:6.0f} ms   simulated "
-          f"{predictions[name].step_time * 1e3:6.0f} ms   ratio {predictions[name].step_time / measured[name]:.2f}")
+unit = sim.Efficiency(compute=1.0, comm=1.0)                 # 1 GFLOP/s, no overhead: the fit's terms
+everything = calibrate.fit([predict(n, unit) for n in RUNS], [cpu[n] for n in RUNS])
+print(f"fitted on all seven: {everything.compute:.0f} GFLOP/s per core, {everything.overhead * 1e3:.1f} ms per step, "
+      f"{everything.per_action * 1e3:.2f} ms per pipeline action, {everything.per_collective * 1e3:.2f} ms per "
+      "TP collective")
+predictions = {"single": predict("single", everything)}
+for name in PREDICTED:                                       # leave one out: fitted on the other five
+    others = [n for n in RUNS if n != name]
+    predictions[name] = predict(name, calibrate.fit([predict(n, unit) for n in others], [cpu[n] for n in others]))
+floor = {name: calibrate.wall(p, calibrate.core_share(RUNS[name][0], CORES)) for name, p in predictions.items()}
+for name, p in predictions.items():
+    kind = "fitted   " if name == "single" else "predicted"
+    print(f"{kind} {name:18s} CPU: measured {cpu[name] * 1e3:5.1f} ms, simulated {calibrate.busy(p) * 1e3:5.1f} ms "
+          f"({calibrate.busy(p) / cpu[name] - 1:+4.0%})  |  wall: measured {wall[name] * 1e3:6.1f} ms, "
+          f"free cores {floor[name] * 1e3:6.1f} ms")
 
 # %%
-fig, ax = plt.subplots(figsize=(9, 3.2))
+fig, (ax, ax_w) = plt.subplots(1, 2, figsize=(11, 4.8), sharey=True, gridspec_kw={"width_ratios": [3, 2]})
 names = list(RUNS)
-stacked(ax, [f"{n} ({RUNS[n][0]} ranks)\n{'fitted' if n in FITTED else 'predicted'}" for n in names],
-        [predictions[n] for n in names], scale=1e3)
-ax.scatter([measured[n] * 1e3 for n in names], range(len(names)), marker="D", color="black", zorder=3,
-           label="measured")
-ax.set_xlim(0, 1.08e3 * max(max(measured.values()), max(p.step_time for p in predictions.values())))
-ax.set_xlabel("milliseconds per step on this machine")
-ax.legend(ncol=8, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+labels = [f"{n} ({RUNS[n][0]} rank{'s' if RUNS[n][0] > 1 else ''})\n{'predicted' if n in PREDICTED else 'fitted'}"
+          for n in names]
+busy_only = [dataclasses.replace(predictions[n], breakdown={**predictions[n].breakdown, "bubble": 0.0})
+             for n in names]
+stacked(ax, labels, busy_only, scale=1e3)
+ax.scatter([cpu[n] * 1e3 for n in names], labels, marker="D", color="black", zorder=3,
+           label="measured CPU")
+ax.set_xlabel("CPU milliseconds per step and rank")
+ax.legend(ncol=4, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+ax_w.barh(labels, [floor[n] * 1e3 for n in names], color="#CCCCCC", label="processor sharing, free cores")
+ax_w.scatter([wall[n] * 1e3 for n in names], labels, marker="D", color="black", zorder=3,
+             label="measured wall")
+ax_w.set_xlabel("wall milliseconds per step")
+ax_w.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14))
 fig.tight_layout()
 fig
 
 # %%
+TOLERANCE = 0.40
 for name in PREDICTED:
-    ratio = predictions[name].step_time / measured[name]
-    assert 1 / 3 <= ratio <= 3, f"{name}: simulated / measured = {ratio:.2f}, outside [1/3, 3]: re-run this section"
-print("3d:dp=1,tp=2,pp=2 (4 ranks) and zero3: both predictions within a factor of 3 of their measurement")
+    error = calibrate.busy(predictions[name]) / cpu[name] - 1
+    assert abs(error) <= TOLERANCE, f"{name}: simulated CPU time {error:+.0%} off the measurement: re-run this section"
+for name in RUNS:                                # other programs only slow us down
+    assert wall[name] >= (1 - TOLERANCE) * floor[name], (name, wall[name], floor[name])
+print("ddp, zero3, tp, pp-1f1b and 3d (twice), each predicted by constants fitted without it: CPU time within 40%; "
+      "no wall time beat processor sharing")
 
 # %% [markdown]
-# What the fit says about this machine: a core does a few GFLOP/s on a model this small (Python and dispatch
-# overhead included, far from its peak), the 3D run on 4 ranks is slower per rank because 4 ranks share 2 cores,
-# and a message costs a scheduling quantum more than bytes / bandwidth. On a GPU cluster the FLOPs and the
-# bandwidth dominate instead. The same simulator; only its constants change.
+# What the fit says about this machine: a core runs this small model's matmuls at 75-115 GFLOP/s, but a distlab
+# step also pays 15-25 ms of Python (the loop, hooks, the memory ledger, the optimizer), up to a millisecond per
+# pipeline action and about half a millisecond per tensor-parallel collective beyond its bytes; gloo's copies
+# cost 2-4 GB/s of CPU. Wall time is another matter: it was 1-4x the processor-sharing floor here, and that
+# factor is the other programs (the load printed beside each run), which no simulator of *our* step can see.
+# The 3D runs' 4 ranks do half the FLOPs each of a 2-rank run, but on 2 cores their floor doubles: processor
+# sharing, not the simulator's GPUs. On a GPU cluster the FLOPs and the bandwidth dominate instead. The same simulator; only its constants change.
 
 # %% [markdown]
 # ## 3. There: published tables, reproduced
@@ -335,7 +379,8 @@ planner
 # * The bubble comes from replaying the schedule actually executed, not from a separate formula; with no
 #   communication it reduces to (p-1)/(m+p-1).
 # * A simulator is only as good as its constants: fit them once per machine (or per table), never per row, and
-#   check it on runs it never saw. 15% on datacenter tables; a factor of 2 on a shared 2-core laptop.
+#   check it on runs it never saw. 15% on datacenter tables; 40% on a shared 2-core machine, and only for CPU
+#   time: wall time there depends on the other programs, which processor sharing can bound but not foresee.
 # * Width helps: memory-bound work per layer grows as s b h, matmuls as s b h^2, so wide layers reach a higher
 #   share of peak (Narayanan's "superlinear" scaling).
 # * For "how long, and how?": 6 N D / (GPUs x peak x MFU) for the order of magnitude, then the layout that fits

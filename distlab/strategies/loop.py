@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -90,7 +91,7 @@ def run(spec: TrainSpec, plan: Plan) -> Trained:
     t_start = tr.now()
     for step in range(start, spec.steps):
         ckpt.before_step(step)                            # fault injection (fail_at_step)
-        tr.mark("step", step=step)
+        tr.mark("step", step=step, cpu=time.process_time())   # CPU seconds this rank has run so far
         share = _micro_steps(spec, plan, step, ledger, guard)
         losses.append(0.0 if share is None else share)
         _sample(ledger, "backward", plan)

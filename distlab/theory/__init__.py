@@ -18,6 +18,7 @@ can put a prediction beside a measurement. One idea per module:
   sim          step time of a training step on a cluster: compute, exposed communication, bubble
   published    published training runs (Narayanan 2021, Korthikanti 2022, Llama 3) beside sim's predictions
   landscape    TP all-reduces vs matmuls on each interconnect; GPT-3, Llama 2, PaLM costed from their papers
+  calibrate    sim on this machine: CPU time as work, processor sharing, constants fitted from distlab's runs
 """
 from distlab.theory.activations import activation_bytes_per_layer, pipeline_in_flight
 from distlab.theory.checkpoint import (checkpointed_wall_time, daly_interval, interval_steps, waste_fraction,
@@ -38,7 +39,7 @@ from distlab.theory.presets import GPUS, LINKS, MODELS, gpu, link, model
 from distlab.theory.throughput import (chinchilla_tokens, mfu, scaling_efficiency, throughput,
                                        training_flops, training_time)
 from distlab.theory.units import GB, GiB, MB, MiB
-from distlab.theory import published, sim  # noqa: E402  (modules: dl.theory.sim.step(...))
+from distlab.theory import calibrate, published, sim  # noqa: E402  (modules: dl.theory.sim.step(...))
 from distlab.theory.landscape import accelerator_hours, implied_mfu, run_cost, tp_layer_time  # noqa: E402
 
 __all__ = [
@@ -54,6 +55,6 @@ __all__ = [
     "moe_all_to_all_bytes", "moe_layer_params", "moe_step_all_to_all_bytes", "expected_drop_fraction",
     "fsdp_volume", "fsdp_padding",
     "young_interval", "daly_interval", "waste_fraction", "checkpointed_wall_time", "interval_steps",
-    "sim", "published",
+    "sim", "published", "calibrate",
     "accelerator_hours", "implied_mfu", "run_cost", "tp_layer_time",
 ]

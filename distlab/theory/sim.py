@@ -60,6 +60,8 @@ class Efficiency:
     ``comm``      share of a link's bandwidth a collective reaches (nccl-tests busbw / peak)
     ``overhead``  seconds per step outside the layers (optimizer, data loading, launch gaps)
     ``per_action`` seconds per pipeline action outside the layers (a framework's per-call cost)
+    ``per_collective`` seconds per tensor-parallel collective beyond its alpha-beta time (the Python
+                  and autograd around the call; 0 on a GPU cluster, where launches overlap)
     """
 
     compute: float = 0.6
@@ -67,6 +69,7 @@ class Efficiency:
     comm: float = 0.8
     overhead: float = 0.0
     per_action: float = 0.0
+    per_collective: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,7 @@ def _microbatch_times(shape, cluster, eff, layout) -> dict[str, float]:
     message = e * (s // cp) * b * h                                         # one activation, bytes
     bw, lat = group_link(cluster, tp, 1, eff)
     tp_one = comm_time("all_reduce", message, tp, bw, lat)                   # = reduce-scatter + all-gather
+    tp_one += eff.per_collective if tp > 1 else 0.0
     full = layout["recompute"] == "full"
     tp_f, tp_b = 2 * layers * tp_one, (2 + (2 if full else 0)) * layers * tp_one
     kv = 2 * (s // cp) * b * (shape.kv_heads or shape.heads) * (h // shape.heads) * e / tp   # K and V
@@ -253,7 +257,7 @@ def _layout(shape: ModelPreset, gpus, dp, tp, pp, virtual, cp, zero, global_batc
     return {"dp": dp, "tp": tp, "pp": pp, "cp": cp, "virtual": virtual, "zero": zero, "seq_len": seq_len,
             "global_batch": global_batch, "micro_batch": micro_batch, "recompute": recompute,
             "schedule": schedule, "sp": tp > 1 if sp is None else sp, "flash": flash, "precision": precision,
-            "element": 4 if precision == "fp32" else 2,
+            "element": 4 if precision == "fp32" else 2, "layers": shape.layers,
             "microbatches": global_batch // (dp * micro_batch)}
 
 
@@ -295,6 +299,8 @@ def step(model: str | ModelPreset, gpu: str | GPUPreset | Cluster = "a100-80gb",
     makespan = pipeline_time(lay["schedule"], pp, m, v, t_f, t_b, _p2p_time(shape, where, eff, lay))
     dp_step, dp_micro = _dp_time(shape, where, eff, lay, m)
     if overlap_dp and lay["zero"] == 3:
+        # each chunk's parameter all-gathers (dp_micro / v) hide under that chunk's forward and backward;
+        # the gradients' reduce-scatter (dp_step - m x dp_micro) is counted exposed (conservative)
         exposed = m * v * max(0.0, dp_micro / v - (t["f"] + t["b"])) + (dp_step - m * dp_micro)
     elif overlap_dp:
         exposed = max(0.0, dp_step - t["b"] - t["recompute"])              # hides under the last backward
