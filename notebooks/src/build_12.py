@@ -73,14 +73,14 @@ times its compute (under `no_sync()`, nothing sent) and its all-reduce (`finish_
   E(N) = [t_c(1) / t_c(N)] · [t_c(N) / T(N)]  =  E_cpu(N) · E_comm(N)
 
 where E_cpu is the oversubscription (it would be 1 with one device per rank) and E_comm is what communication
-costs, the part this lesson is about. In the same launch each rank first times all-reduces of 1, 4 and 16 MB
-through the DDP's own ring (best of 5), and we fit α and B to them; the DDP's 8.4 MB all-reduce is then a
+costs, the part this lesson is about. In the same launch each rank first times all-reduces of 16 KB to 16 MB
+through the DDP's own ring (best of 6), and we fit α and B to them; the DDP's 8.4 MB all-reduce is then a
 *prediction* from that fit.
 """)
 code("""
-FIT_SIZES = [1 << 20, 4 << 20, 16 << 20]
+FIT_SIZES = [16 << 10, 128 << 10, 1 << 20, 4 << 20, 16 << 20]
 BATCHES = {"comm-bound": 4, "compute-bound": 256}
-STEPS = 5
+STEPS = 6
 
 
 def timed(fn):
@@ -95,7 +95,7 @@ def scaling_rank():
     tr = dl.tracer()
     model = dl.DDP(wide_mlp(), comm="ring", overlap=False, bucket_mb=64)   # one 8.4 MB bucket, after backward
     buffers = {S: torch.ones(S // 4) for S in FIT_SIZES}
-    out = {"fit": {S: min(timed(lambda: model.comm.all_reduce(buffers[S])) for _ in range(5))   # DDP's own path
+    out = {"fit": {S: min(timed(lambda: model.comm.all_reduce(buffers[S])) for _ in range(6))   # DDP's own path
                    for S in FIT_SIZES}}
     for name, rows in BATCHES.items():
         x = torch.randn(rows, WIDTH)
@@ -163,7 +163,7 @@ for n, (alpha, B) in fit.items():
 md("""
 **Check.** Timings on a shared 2-core machine move from run to run, so the asserts are on what does not: the
 communication-bound batch loses far more to communication than the compute-bound one at every N > 1, and the fitted
-model predicts the all-reduce that was not in its fit within a factor of 2 (the scatter of best-of-5 loopback
+model predicts the all-reduce that was not in its fit within a factor of 2 (the scatter of best-of-6 loopback
 timings between runs here; lesson 01 shows the fit's quality in detail).
 """)
 code("""
@@ -175,25 +175,27 @@ for n in (2, 4):
 print("checks passed")
 """)
 md("""
-Now extrapolate with the same fitted α and B (from N = 4, ranks taking turns included, so pessimistic for a real
-cluster) and the compute time of one uncontended rank (N = 1): E_comm(N) for N up to 256. Two terms make it fall:
-the bandwidth term approaches 2 S / B and stops growing, but the latency term 2(N-1) α grows without bound. That is
-why large jobs all-reduce hierarchically (inside a node first) and why the compute per byte, b · 6 / 4 FLOPs per
-gradient byte here, must grow with N: a bigger batch per rank, or fewer bytes per step (section 4).
+Now extrapolate with the model: the α and B fitted at N = 2 (two ranks on two cores: no turn-taking, the fairest
+stand-in for one device per rank) and the compute time measured at N = 2, E_comm(N) for N up to 256. Two terms
+make it fall: the bandwidth term approaches 2 S / B and stops growing, but the latency term 2(N-1) α grows without
+bound. That is why large jobs all-reduce hierarchically (inside a node first) and why the compute per byte,
+6 b / 4 FLOPs per gradient byte here, must grow with N: a bigger batch per rank, or fewer bytes per step
+(section 4). Dots: measured; open circles: the model's prediction for the same run (its own N's fit and compute).
 """)
 code("""
-alpha, B = fit[4]
+alpha, B = fit[2]
 ns = [2, 4, 8, 16, 32, 64, 128, 256]
 fig, ax = plt.subplots(figsize=(7, 3.6))
 for i, name in enumerate(BATCHES):
-    tc = rows[1, name]["tc"]
+    tc = rows[2, name]["tc"]
     curve = [tc / (tc + dl.theory.comm_time("all_reduce", 4 * PSI, n, bandwidth=B, latency=alpha)) for n in ns]
-    ax.plot(ns, curve, "-", color=f"C{i}", label=f"{name} (b = {BATCHES[name]}): theory, fitted alpha, B")
+    ax.plot(ns, curve, "-", color=f"C{i}", label=f"{name} (b = {BATCHES[name]}): model, alpha and B fitted at N = 2")
     ax.plot([2, 4], [rows[n, name]["E_comm"] for n in (2, 4)], "o", color=f"C{i}", label=f"{name}: measured")
+    ax.plot([2, 4], [rows[n, name]["E_comm_predicted"] for n in (2, 4)], "o", mfc="none", ms=10, color=f"C{i}")
 ax.set(xscale="log", xlabel="ranks N", ylabel="E_comm = t_compute / T(N)", ylim=(0, 1.05),
        title="weak-scaling efficiency left by communication (CPU oversubscription divided out)")
 ax.set_xticks(ns, [str(n) for n in ns])
-ax.legend(fontsize=8)
+ax.legend(fontsize=8, loc="lower left")
 fig.tight_layout()
 plt.show()
 """)
@@ -437,11 +439,13 @@ for i, (name, report) in enumerate(reports.items()):
     ax_l.plot(report.losses, color=f"C{i}", label=name)
     ax_b.bar(i, measured_bytes[name] / 1e3, color=f"C{i}")
     ax_b.plot(i, 4 * elements[name] / 1e3, "k_", ms=30, mew=2)
+    ax_b.annotate(f"{measured_bytes[name] / 1e3:.1f}", (i, measured_bytes[name] / 1e3), ha="center",
+                  va="bottom", fontsize=8, xytext=(0, 3), textcoords="offset points")
 ax_l.set(xlabel="step", ylabel="training loss", title="gpt-tiny, N = 2: convergence")
 ax_l.legend(fontsize=8)
 ax_b.set_xticks(range(len(reports)), [n.replace("PowerSGD ", "").replace(", no error feedback", "\\nno EF")
                                       for n in reports], fontsize=8)
-ax_b.set(ylabel="kB sent per rank per step", yscale="log",
+ax_b.set(ylabel="kB sent per rank per step",
          title="bytes per step: bars measured, black marks theory")
 fig.tight_layout()
 plt.show()
