@@ -24,7 +24,8 @@ e = 0: plain DDP, up to rounding.
                                  [n r]                    [m r]
 
 Gradient accumulation: like `DDP`, ``no_sync()`` keeps gradients local; the first backward outside
-compresses and averages the sum.
+compresses and averages the sum. Not yet in a checkpoint: the error memories and warm-start Q's, so a
+resumed run restarts them (zero error, the seeded Q), as torch's ``PowerSGDState`` does unless pickled.
 """
 from __future__ import annotations
 
