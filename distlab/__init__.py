@@ -35,6 +35,7 @@ _LAZY = {
     "cp": (".parallel.context", None),
     "NaiveDDP": (".parallel.data", "NaiveDDP"),
     "DDP": (".parallel.data", "DDP"),
+    "PowerSGDDDP": (".parallel.data", "PowerSGDDDP"),
     "ZeRO": (".parallel.zero", "ZeRO"),
     "ShardedOptimizer": (".parallel.zero", "ShardedOptimizer"),
     "fully_shard": (".parallel.zero", "fully_shard"),

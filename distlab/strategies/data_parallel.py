@@ -15,8 +15,9 @@ reduce-scatters and holds full gradients meanwhile, undoing ZeRO-3's gradient sh
 `distlab.parallel.zero`); pass ``no_sync=True`` to make that trade.
 
 ``spec.options`` (all optional): ``bucket_mb`` (25.0), ``overlap`` (True), ``comm`` ("torch" or
-"ring"), ``naive`` (DDP, False), ``prefetch`` (ZeRO-3, False), ``max_inflight`` (ZeRO, 1: flat gradient
-buckets alive at once), ``no_sync`` (accumulate locally;
+"ring"), ``naive`` (DDP, False), ``compression`` (DDP: None or "powersgd", with ``powersgd_rank``, 4,
+and ``error_feedback``, True; `distlab.parallel.data.powersgd`), ``prefetch`` (ZeRO-3, False),
+``max_inflight`` (ZeRO, 1: flat gradient buckets alive at once), ``no_sync`` (accumulate locally;
 True except for ZeRO-3). Checkpoints: ``checkpoint_dir``, ``checkpoint_every``, ``keep_last``,
 ``resume`` (True: the latest; or a step), and fault injection ``fail_at_step``/``fail_rank``/``fail_in``
 (see `distlab.checkpoint.training`). The steps themselves run in `distlab.strategies.loop`, whose own
@@ -52,8 +53,8 @@ LOW = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}     # the mode
 _ZERO = ("bucket_mb", "overlap", "comm", "no_sync", "max_inflight")
 #: the options each strategy reads (`distlab.strategies.check_options` refuses any other); ``single``
 #: takes those of ddp and ignores them, so one set of keywords runs the reference and ddp side by side
-OPTIONS = {"single": ("bucket_mb", "overlap", "comm", "naive", "no_sync"),
-           "ddp": ("bucket_mb", "overlap", "comm", "naive", "no_sync"),
+_DDP = ("bucket_mb", "overlap", "comm", "naive", "no_sync", "compression", "powersgd_rank", "error_feedback")
+OPTIONS = {"single": _DDP, "ddp": _DDP,
            "zero1": _ZERO, "zero2": _ZERO, "zero3": _ZERO + ("prefetch",)}
 
 
@@ -106,7 +107,11 @@ def _wrap(spec: TrainSpec, model: torch.nn.Module):
     comm = opts.get("comm", "torch")
     if spec.strategy in ("single", "ddp"):
         wrapped = model
-        if spec.strategy == "ddp" and opts.get("naive", False):
+        if spec.strategy == "ddp" and opts.get("compression") == "powersgd":
+            from ..parallel.data import PowerSGDDDP
+            wrapped = PowerSGDDDP(model, rank=opts.get("powersgd_rank", 4),
+                                  error_feedback=opts.get("error_feedback", True), comm=comm)
+        elif spec.strategy == "ddp" and opts.get("naive", False):
             from ..parallel.data import NaiveDDP
             wrapped = NaiveDDP(model, comm=comm)
         elif spec.strategy == "ddp":
@@ -156,6 +161,15 @@ def check(spec: TrainSpec, n: int) -> None:
         raise ValueError(f"bucket_mb must be a positive number of megabytes, got {o['bucket_mb']!r}")
     if o.get("comm", "torch") not in ("torch", "ring"):
         raise ValueError(f"comm={o['comm']!r}: choose 'torch' (torch.distributed's collectives) or 'ring'")
+    _check_compression(o)
+
+
+def _check_compression(o: dict) -> None:
+    if o.get("compression") not in (None, "none", "powersgd"):
+        raise ValueError(f"compression={o['compression']!r}: choose None (plain DDP) or 'powersgd'")
+    r = o.get("powersgd_rank", 4)
+    if not (isinstance(r, int) and not isinstance(r, bool) and r >= 1):
+        raise ValueError(f"powersgd_rank must be a positive integer (try 1, 2 or 4), got {r!r}")
 
 
 def _check(spec: TrainSpec) -> tuple[int, int]:

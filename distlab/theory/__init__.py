@@ -8,6 +8,8 @@ can put a prediction beside a measurement. One idea per module:
   activations  Korthikanti et al. 2022 activation memory; pipeline in-flight microbatches
   offload      DeepSpeed's CPU-offload estimators
   comm         alpha-beta collective times, nccl-tests algbw/busbw, per-step volumes
+  compression  PowerSGD's elements per step and compression ratio
+  batch        the linear LR scaling rule, warmup, the gradient noise scale and the critical batch size
   context      context parallelism: activation memory per rank, ring attention vs Ulysses bytes
   moe          mixture of experts: total vs active parameters, expert-parallel memory, all-to-all bytes
   pipeline     bubble fractions of GPipe, 1F1B, interleaved, ZB-H1/H2, DualPipe
@@ -25,6 +27,9 @@ from distlab.theory.checkpoint import (checkpointed_wall_time, daly_interval, in
                                        young_interval)
 from distlab.theory.comm import (algbw, busbw, comm_time, dp_volume, fsdp_volume, pp_volume, tp_volume,
                                  zero_volume)
+from distlab.theory.batch import (examples_factor, linear_scaling_lr, noise_scale, steps_factor,
+                                  warmup_lr)
+from distlab.theory.compression import powersgd_elements, powersgd_ratio
 from distlab.theory.context import (cp_activation_bytes_per_layer, cp_bytes_per_layer,
                                     cp_saved_bytes_per_layer, ring_attention_flops)
 from distlab.theory.memory import MemoryBreakdown, bytes_per_param, fsdp_padding, memory, shard_numel
@@ -46,6 +51,8 @@ __all__ = [
     "activation_bytes_per_layer", "pipeline_in_flight", "algbw", "busbw", "comm_time", "dp_volume",
     "pp_volume", "tp_volume", "zero_volume", "cp_activation_bytes_per_layer", "cp_bytes_per_layer",
     "cp_saved_bytes_per_layer", "ring_attention_flops",
+    "powersgd_elements", "powersgd_ratio", "examples_factor", "linear_scaling_lr", "noise_scale",
+    "steps_factor", "warmup_lr",
     "MemoryBreakdown", "bytes_per_param", "memory",
     "shard_numel", "OffloadEstimate", "zero2_offload", "zero3_offload", "gpt_params",
     "transformer_params", "bubble", "bubble_time", "Advice", "Plan", "advise", "cheapest_plan", "fits",

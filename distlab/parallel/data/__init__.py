@@ -6,7 +6,9 @@ Reading order:
                        then DDP: gradients bucketed and all-reduced during backward (overlap)
     buckets.py         flat buffers and the bucketing DDP and ZeRO share
     backward_hooks.py  knowing, during backward, when a bucket's gradients are all there
+    powersgd.py        PowerSGDDDP: gradients all-reduced as rank-r factors P Q^T (Vogels et al. 2019)
 """
 from .ddp import DDP, NaiveDDP
+from .powersgd import PowerSGD, PowerSGDDDP
 
-__all__ = ["NaiveDDP", "DDP"]
+__all__ = ["NaiveDDP", "DDP", "PowerSGD", "PowerSGDDDP"]

@@ -1,0 +1,142 @@
+"""PowerSGD: data parallelism that all-reduces a rank-r approximation of each gradient matrix.
+
+Vogels, Karimireddy and Jaggi 2019, "PowerSGD: Practical Low-Rank Gradient Compression for
+Distributed Optimization" (NeurIPS), Algorithms 1 and 2. A gradient matrix M (n x m; a conv or
+embedding weight is viewed as (shape[0], rest)) is replaced by P Q^T with P (n x r), Q (m x r),
+found by one step of power iteration warm-started from the previous step's Q:
+
+    M_i = G_i + e_i                  rank i's gradient plus its error-feedback memory   (n, m)
+    P   = mean_i (M_i Q)             all-reduce #1: n r numbers                         (n, r)
+    P^  = orthonormalize(P)          the same on every rank (QR here; the paper: Gram-Schmidt)
+    Q_i = M_i^T P^                   this rank's part                                   (m, r)
+    Q   = mean_i Q_i                 all-reduce #2: m r numbers                         (m, r)
+    G   = P^ Q^T  = P^ P^T^ mean_i M_i      the update every rank applies (identical everywhere)
+    e_i = M_i - P^ Q_i^T             what the projection lost of *this* rank's M (error feedback)
+
+So a matrix costs (n + m) r numbers on the wire instead of n m; vectors (biases, norms) are
+all-reduced whole, as in the paper. Because P^ is shared, the mean over ranks of e_i is exactly
+mean M - G: nothing is thrown away, only postponed, and that is why convergence survives rank 1.
+When r = min(n, m) the projection is the identity (P^ spans the columns of mean M), G = mean M and
+e = 0: plain DDP, up to rounding.
+
+    rank 0   G_0 + e_0 -> M_0 --.        .-- P^ --.               .-- G = P^ Q^T
+    rank 1   G_1 + e_1 -> M_1 ---> mean(M Q) -> QR ---> mean(M^T P^) ---> (every rank)
+                                 [n r]                    [m r]
+
+Gradient accumulation: like `DDP`, ``no_sync()`` keeps gradients local; the first backward outside
+compresses and averages the sum. Not yet in a checkpoint: the error memories and warm-start Q's, so a
+resumed run restarts them (zero error, the seeded Q), as torch's ``PowerSGDState`` does unless pickled.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+
+from ..collectives import Collectives
+from .buckets import trainable
+from .ddp import accumulate_locally, broadcast_from_rank0
+
+
+def matrix_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the matrix PowerSGD compresses: (shape[0], numel / shape[0])."""
+    return t.view(t.shape[0], -1)
+
+
+class PowerSGD:
+    """The compressor's state for a list of gradient matrices: warm-start Q and error memory per matrix.
+
+    ``rank``: r, capped per matrix at min(n, m); ``error_feedback``: keep e_i (Algorithm 2) or drop
+    what the projection loses (Algorithm 1 alone); ``seed``: the initial Q, identical on every rank.
+    """
+
+    def __init__(self, shapes: list[tuple[int, int]], rank: int, error_feedback: bool = True, seed: int = 0):
+        if not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"PowerSGD rank must be a positive integer (try 1, 2 or 4), got {rank!r}")
+        self.shapes = shapes
+        self.ranks = [min(rank, n, m) for n, m in shapes]
+        self.error_feedback = error_feedback
+        gen = torch.Generator().manual_seed(seed)
+        self.qs = [torch.randn(m, r, generator=gen) for (n, m), r in zip(shapes, self.ranks)]   # (m, r)
+        self.errors: list[torch.Tensor | None] = [None] * len(shapes)
+
+    @torch.no_grad()
+    def reduce(self, grads: list[torch.Tensor], comm: Collectives) -> None:
+        """Replace every matrix in ``grads`` (n, m) by the rank-r average P^ Q^T, in place."""
+        if not grads:
+            return
+        ms = [g.float() + e if e is not None else g.float().clone()          # M_i (n, m), fp32
+              for g, e in zip(grads, self.errors)]
+        qs = [q.to(g.device) for q, g in zip(self.qs, grads)]
+        ps = [m @ q for m, q in zip(ms, qs)]                                   # (n, r) each
+        ps = _all_reduce_mean(ps, comm)                                        # all-reduce #1
+        ps = [torch.linalg.qr(p).Q for p in ps]                                # P^: orthonormal columns
+        q_local = [m.T @ p for m, p in zip(ms, ps)]                            # (m, r) each
+        qs = _all_reduce_mean(q_local, comm)                                   # all-reduce #2
+        for i, (g, m, p, q, ql) in enumerate(zip(grads, ms, ps, qs, q_local)):
+            self.errors[i] = m - p @ ql.T if self.error_feedback else None     # e_i = M_i - P^ Q_i^T
+            g.copy_(p @ q.T)                                                   # G = P^ Q^T (n, m)
+            self.qs[i] = q                                                     # warm start next step
+
+    def elements(self) -> int:
+        """Numbers all-reduced per step for the matrices: sum (n + m) r."""
+        return sum((n + m) * r for (n, m), r in zip(self.shapes, self.ranks))
+
+
+def _all_reduce_mean(parts: list[torch.Tensor], comm: Collectives) -> list[torch.Tensor]:
+    """Average ``parts`` over the group in one all-reduce of their concatenation; returns new tensors."""
+    flat = torch.cat([p.flatten() for p in parts])                            # (sum numel,)
+    comm.all_reduce(flat, op="avg")
+    return [piece.view_as(p) for piece, p in zip(flat.split([p.numel() for p in parts]), parts)]
+
+
+class PowerSGDDDP(nn.Module):
+    """Data parallelism with PowerSGD-compressed gradients (``rank``: r), over ``group``.
+
+    After backward: one all-reduce of every vector gradient (biases, norms) whole, then PowerSGD's
+    two all-reduces for all matrices together (their P's concatenated, then their Q's). Like
+    `NaiveDDP` it communicates after backward, not overlapped. ``comm``: "torch" or "ring".
+    """
+
+    def __init__(self, module: nn.Module, rank: int = 4, error_feedback: bool = True, comm: str = "torch",
+                 group=None, seed: int = 0):
+        super().__init__()
+        self.module = module
+        self.comm = Collectives(comm, group)
+        broadcast_from_rank0(module, self.comm)
+        self.params = trainable(module.parameters())
+        self.matrices = [p for p in self.params if p.dim() >= 2]
+        self.vectors = [p for p in self.params if p.dim() < 2]
+        self.compressor = PowerSGD([tuple(matrix_view(p).shape) for p in self.matrices], rank,
+                                   error_feedback, seed)
+        self._sync, self._queued = True, False
+        for p in self.params:                         # the first gradient of a backward queues the sync
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def no_sync(self):
+        """Backward passes inside accumulate gradients locally; the first one outside compresses the sum."""
+        return accumulate_locally(self)
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if self._sync and not self._queued:
+            self._queued = True                       # reduce once autograd has finished
+            Variable._execution_engine.queue_callback(self.reduce_grads)
+
+    def reduce_grads(self) -> None:
+        """Vectors averaged whole; matrices replaced by PowerSGD's rank-r average."""
+        self._queued = False
+        for p in self.params:                          # unused this step: contributes zeros
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.vectors:
+            flat = _all_reduce_mean([p.grad for p in self.vectors], self.comm)
+            for p, g in zip(self.vectors, flat):
+                p.grad.copy_(g)
+        self.compressor.reduce([matrix_view(p.grad) for p in self.matrices], self.comm)
+
+    def elements_per_step(self) -> int:
+        """Numbers all-reduced per optimizer step: sum (n + m) r over matrices + every vector's numel."""
+        return self.compressor.elements() + sum(p.numel() for p in self.vectors)
