@@ -143,3 +143,15 @@ def test_fixed_costs_land_in_overhead():
     assert r.breakdown["overhead"] == pytest.approx(0.5 + 2 * m * 0.01)
     # per-action time also widens the bubble
     assert r.step_time > base.step_time + 0.5 + 2 * m * 0.01 - 1e-9
+
+
+def test_context_parallel_ranks_reduce_their_gradients_too():
+    """cp ranks hold the same weights as their dp replicas: the gradient reduction spans dp x cp (with
+    dp=1 and cp=2 there is still one, and with cp it costs more than over dp alone)."""
+    alone = sim.step("llama2-70b", "h100-80gb", 16, tp=8, cp=2, global_batch=8, seq_len=8192,
+                     overlap_dp=False)
+    assert alone.breakdown["dp"] > 0
+    wider = sim.step("llama2-70b", "h100-80gb", 64, tp=8, cp=2, global_batch=8, seq_len=8192,
+                     overlap_dp=False)
+    narrower = sim.step("llama2-70b", "h100-80gb", 32, tp=8, global_batch=8, seq_len=8192, overlap_dp=False)
+    assert wider.breakdown["dp"] > narrower.breakdown["dp"]

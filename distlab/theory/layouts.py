@@ -4,14 +4,14 @@ step time `theory.sim` predicts.
     ranked = rank_layouts("llama3-70b", "h100-80gb", gpus=2048, global_batch=512, seq_len=8192)
     ranked[0].layout, ranked[0].step_time, ranked[0].breakdown, ranked[0].days(15e12)
 
-For each (dp, tp, pp) (TP inside a node, as `planner._layouts` enumerates them) it tries ZeRO-1
+For each (dp, tp, pp) (TP inside a node, as `planner.layouts` enumerates them) it tries ZeRO-1
 (same traffic as DDP, the optimizer state sharded), interleaving when the stage count allows it, and
 selective recomputation, falling back to full recomputation and then ZeRO-3 only when memory
 demands it: the cheaper option first, as the playbook's decision guide orders them.
 """
 from __future__ import annotations
 
-from distlab.theory.planner import _layouts
+from distlab.theory.planner import layouts
 from distlab.theory.presets import ModelPreset, model as model_preset
 from distlab.theory.sim import Efficiency, StepResult, step
 
@@ -42,7 +42,7 @@ def rank_layouts(model: str | ModelPreset, gpu: str = "h100-80gb", gpus: int = 6
     """Every layout of ``gpus`` GPUs that fits, fastest first (the first fitting option per (dp, tp, pp))."""
     shape = model_preset(model) if isinstance(model, str) else model
     found = []
-    for dp, tp, pp in _layouts(gpus, gpus_per_node):
+    for dp, tp, pp in layouts(gpus, gpus_per_node):
         if pp > max_pp or pp > shape.layers or global_batch % (dp * micro_batch):
             continue
         m = global_batch // (dp * micro_batch)

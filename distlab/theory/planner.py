@@ -62,7 +62,7 @@ def _plan(model: ModelPreset, card: GPUPreset, dp: int, tp: int, pp: int, zero: 
     return Plan(card.name, dp, tp, pp, zero, recompute, mem)
 
 
-def _layouts(gpus: int, gpus_per_node: int):
+def layouts(gpus: int, gpus_per_node: int):
     """(dp, tp, pp) from the simplest up: DP only, then TP inside a node, then PP."""
     for pp in (1, 2, 4, 8, 16, 32):
         for tp in (1, 2, 4, 8):
@@ -82,7 +82,7 @@ def cheapest_plan(model: str | ModelPreset, seq_len: int = 0, micro_batch: int =
     count = 1
     while count <= max_gpus:
         for card in cards:
-            for dp, tp, pp in _layouts(count, gpus_per_node):
+            for dp, tp, pp in layouts(count, gpus_per_node):
                 for recompute in ("none", "selective", "full"):
                     for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
                         plan = _plan(shape, card, dp, tp, pp, zero, recompute, seq_len, micro_batch, **kw)

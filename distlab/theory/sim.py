@@ -217,14 +217,20 @@ def _p2p_time(shape, cluster, eff, layout) -> float:
 
 
 def _dp_time(shape, cluster, eff, layout, m: int) -> tuple[float, float]:
-    """(DP / ZeRO communication per step, of which per microbatch for ZeRO-3), seconds."""
-    dp, zero = layout["dp"], layout["zero"]
+    """(DP / ZeRO communication per step, of which per microbatch for ZeRO-3), seconds.
+
+    Context-parallel ranks hold the same weights as their data-parallel replicas, so gradients are
+    reduced over dp x cp ranks (Megatron-LM's data-parallel-with-context-parallel group; distlab's
+    ``cp-ring`` averages over the same ranks)."""
+    dp, cp, zero = layout["dp"], layout["cp"], layout["zero"]
+    n = dp * cp
     local = shape.params / (layout["tp"] * layout["pp"]) * layout["element"]   # bytes of this GPU's model
-    bw, lat = group_link(cluster, dp, layout["tp"] * layout["cp"] * layout["pp"], eff)
-    if dp == 1:
+    stride = layout["tp"] if dp == 1 else layout["tp"] * layout["cp"] * layout["pp"]   # the widest hop
+    bw, lat = group_link(cluster, n, stride, eff)
+    if n == 1:
         return 0.0, 0.0
-    grads = comm_time("reduce_scatter", local, dp, bw, lat)
-    gather = comm_time("all_gather", local, dp, bw, lat)
+    grads = comm_time("reduce_scatter", local, n, bw, lat)
+    gather = comm_time("all_gather", local, n, bw, lat)
     if zero == 3:                      # parameters gathered for every forward and backward
         return grads + 2 * m * gather, 2 * gather
     return grads + gather, 0.0         # ZeRO 0-2: reduce-scatter + all-gather = one all-reduce
@@ -283,7 +289,9 @@ def step(model: str | ModelPreset, gpu: str | GPUPreset | Cluster = "a100-80gb",
     cluster) or a `Cluster`. ``global_batch`` and ``micro_batch`` count sequences; the pipeline runs
     ``global_batch / (dp x micro_batch)`` microbatches under ``schedule`` (default 1F1B, interleaved
     when ``virtual > 1``). ``overlap_dp``: the DP/ZeRO collectives hide under the last backward.
-    ``precision``: "bf16-mixed" (2-byte activations and gradients on the wire) or "fp32" (4 bytes).
+    ``precision``: "bf16-mixed" (2-byte activations and gradients on the wire) or "fp32" (4 bytes);
+    it changes the bytes only: compute is priced at the GPU's bf16 peak either way (the presets carry
+    no fp32/tf32 peak), so an fp32 step comes out too fast.
     ``flash_attention``: the scores are never stored (memory as with selective recomputation, and
     no memory-bound softmax traffic).
     """
