@@ -205,10 +205,13 @@ assert [round(t, 6) for t in processor_sharing([6, 12, 18, 24], 2)] == [12, 21, 
 assert [round(t, 6) for t in processor_sharing([6, 12, 18, 24], 4)] == [6, 12, 18, 24]  # a core each: wall time is work
 
 # %% [markdown]
-# So we check what does not depend on the machine's load: **CPU time** (the seconds each process actually ran,
-# `time.process_time`) follows the work, 4x within 30%; and the **order of waiting**: rank 0, with the least
-# work, waits longest in the all-reduce. Ranks 2 and 3 finish close together in wall time on 2 cores (the last
-# phase runs them side by side), so the order between those two is not asserted.
+# So we check what depends much less on the machine's load: **CPU time** (the seconds each process actually ran,
+# `time.process_time`) follows the work: rank 3's is several times rank 0's. Not exactly 4x: virtual CPUs are often
+# hyperthreads sharing one physical core and one memory bus, so a rank computing beside another runs slower per
+# matmul even while it holds a CPU (runs here gave 3.4x under load and 5.8x on an idle machine); we assert a
+# factor between 2 and 8. And the **order of waiting**: rank 0, with the least work, waits longest in the
+# all-reduce. Ranks 2 and 3 finish close together in wall time on 2 cores (the last phase runs them side by
+# side), so the order between those two is not asserted.
 
 # %% tags=["nbval-ignore-output"]
 cpu = run.results                                      # CPU seconds of compute per rank
@@ -216,7 +219,7 @@ wait = [sum(e.duration for e in run.trace.comms(rank=r)) for r in range(WORLD)]
 busy = [run.trace.busy_time(r, cat="compute") for r in range(WORLD)]
 print(f"CPU time rank 3 / rank 0: {cpu[3] / cpu[0]:.1f}x (work ratio 4x)")
 print("rank 0 waits longer than rank 3:", wait[0] > wait[3])
-assert abs(cpu[3] / cpu[0] - 4) < 0.3 * 4, cpu
+assert 2 < cpu[3] / cpu[0] < 8, cpu                    # 4x the work; hyperthreads blur CPU time too
 assert busy[3] > busy[0] and wait[0] > wait[3]
 
 # %% [markdown]

@@ -14,10 +14,10 @@ DELAY = 0.4      # seconds added to every step's forward on the slow rank
 def test_a_planted_slow_rank_is_the_straggler(monkeypatch):
     original = loop._micro_steps
 
-    def slowed(spec, plan, step, ledger):
+    def slowed(*args):
         if dl.rank() == 1:
             time.sleep(DELAY)                    # the straggler: slow data loading, a throttled GPU...
-        return original(spec, plan, step, ledger)
+        return original(*args)
     monkeypatch.setattr(loop, "_micro_steps", slowed)       # forked ranks inherit it
     report = dl.train("ddp", world_size=3, model="mlp", steps=3, global_batch=12, timeout=120)
     s = report.stragglers()
