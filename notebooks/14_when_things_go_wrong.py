@@ -1,0 +1,323 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 14 · When things go wrong
+#
+# At scale, failure is the normal case: Meta's Llama 3 run logged 419 unexpected interruptions in 54 days
+# (Dubey et al. 2024, Sec. 3.3.4), about one every three hours. This lesson causes each classic failure **on
+# purpose**, on a laptop, looks at what distlab shows about it, and fixes it:
+#
+# | # | failure | seen with | fixed by |
+# |---|---------|-----------|----------|
+# | 1 | a rank never enters a collective (the "NCCL timeout") | the flight recorder | finding the rank and the call |
+# | 2 | a straggler | the per-rank step timeline | knowing which rank to look at |
+# | 3 | NaN / overflow in fp16 | skipped steps, the loss scale | dynamic loss scaling, bf16, skipping on every rank |
+# | 4 | out of memory in backward | the memory ledger | ZeRO-3 (shard the gradients and the weights) |
+# | 5 | a rank killed | the restart report | automatic restart from the newest checkpoint |
+# | 6 | a corrupt checkpoint | sha256 of every shard | falling back to the newest one that verifies |
+# | 7 | checkpoints that stall training | the stall per save | async saves, and Young/Daly's cadence |
+#
+# The code this lesson explains:
+# [distlab/flight.py](../distlab/flight.py) (each rank's last collectives, and the diagnosis of a hang),
+# [distlab/stragglers.py](../distlab/stragglers.py) (per-step skew between ranks),
+# [distlab/strategies/numerics.py](../distlab/strategies/numerics.py) (loss scaling, non-finite steps agreed across
+# ranks), [distlab/memory_budget.py](../distlab/memory_budget.py) and [distlab/memory.py](../distlab/memory.py)
+# (a memory limit on a CPU), [distlab/restart.py](../distlab/restart.py) (automatic restart),
+# [distlab/checkpoint/store.py](../distlab/checkpoint/store.py) (verified shards),
+# [distlab/checkpoint/background.py](../distlab/checkpoint/background.py) (async saves) and
+# [distlab/theory/checkpoint.py](../distlab/theory/checkpoint.py) (how often to save).
+
+# %%
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import distlab as dl
+from distlab.strategies import loop
+
+TMP = Path(tempfile.mkdtemp(prefix="distlab_14_"))
+
+
+def same(a: dict, b: dict) -> bool:
+    """Two state dicts equal bit for bit."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+print("ready")
+
+# %% [markdown]
+# ## 1. A rank that never enters a collective
+#
+# The most common "hang" at scale: every rank but one calls `all_reduce`, and the one that does not is busy
+# elsewhere (a data loader stuck on a file system, a branch taken on one rank only, an exception swallowed). The
+# others wait until a timeout, and NCCL's message names only the collective that timed out, on every rank. What
+# you need is *which rank did not come*, and what it did last. Each distlab rank keeps a **flight recorder** (like
+# PyTorch's NCCL flight recorder): its last collectives in a ring buffer in a memory-mapped file, which outlives
+# the rank when the launcher kills it at the deadline.
+#
+# Below, rank 2 skips the second collective; the launch has a 5 s deadline.
+
+# %%
+def skips_an_all_reduce():
+    t = torch.ones(4)
+    dist.broadcast(t, src=0)                 # collective #1: everyone
+    if dl.rank() == 2:
+        time.sleep(60)                       # rank 2 never reaches collective #2
+    dist.all_reduce(t)
+
+
+try:
+    dl.launch(skips_an_all_reduce, world_size=3, timeout=5, output="quiet")
+    raise AssertionError("the launch should have hit its deadline")
+except dl.LaunchError as e:
+    err = e
+print("LaunchError; ranks that never finished:", sorted(err.unfinished))
+
+# %% tags=["nbval-ignore-output"]
+print(str(err)[-600:])      # the diagnosis, at the end of the message
+
+# %%
+message = str(err)
+assert "ranks 0, 1 wait in all_reduce #2 of group world" in message
+assert "rank 2 never entered it" in message and "last finished broadcast #1" in message
+last = {r: (rec[-1]["op"], rec[-1]["seq"], rec[-1]["finished"] is not None) for r, rec in err.flight.items()}
+print("last record of each rank (op, seq, finished):", last)
+assert last == {0: ("all_reduce", 2, False), 1: ("all_reduce", 2, False), 2: ("broadcast", 1, True)}
+
+# %% [markdown]
+# The fix is in the program, not the launcher: rank 2 must reach the same collectives in the same order. The
+# flight recorder tells you where to look: rank 2, between broadcast #1 and all_reduce #2.
+#
+# ## 2. A straggler
+#
+# One slow rank (a throttled GPU, a slow disk, a noisy neighbour) slows *everyone*: the others wait for it in the
+# gradient all-reduce. Here rank 1 sleeps 0.3 s in each step (we patch the step loop's micro-step before the launch;
+# forked ranks inherit the patch). `report.stragglers()` splits each rank's step into busy time and time waiting.
+
+# %%
+DELAY = 0.3
+original = loop._micro_steps
+
+
+def slowed(*args):
+    if dl.rank() == 1:
+        time.sleep(DELAY)
+    return original(*args)
+
+
+loop._micro_steps = slowed
+try:
+    slow = dl.train("ddp", world_size=3, model="mlp", steps=3, global_batch=12, timeout=120)
+finally:
+    loop._micro_steps = original
+s = slow.stragglers()
+print("slowest rank at each step:", s.slowest, "; straggler:", s.straggler)
+assert s.straggler == 1 and s.slowest == [1, 1, 1]
+
+# %% tags=["nbval-ignore-output"]
+print(s)
+
+# %%
+assert all(skew >= DELAY / 2 for skew in s.skew)
+assert all(w >= DELAY * 0.9 for w in s.waited[0][1:])       # rank 0 waited for rank 1 in every step after the first
+print("every step skewed by at least", DELAY / 2, "s; the fast ranks waited for rank 1")
+
+# %% [markdown]
+# ## 3. NaN and overflow: fp16 vs bf16
+#
+# fp16 has 5 exponent bits: its largest value is 65504, and small gradients underflow to zero. Mixed precision in
+# fp16 therefore multiplies the loss by a **loss scale** S before backward and divides the gradients by S after.
+# With S too large the scaled gradients overflow to inf: the step is **skipped** (on every rank, agreed by an
+# all-reduce of one flag) and S halves; after `growth_interval` good steps S doubles again. bf16 has fp32's 8
+# exponent bits: no overflow, no scaler needed (at the price of 3 fewer mantissa bits).
+#
+# Start fp16 with a scale far too large (2^20):
+
+# %% tags=["nbval-ignore-output"]
+NUM = dict(steps=6, global_batch=10, clip=1.0)
+fp16 = dl.train("ddp", world_size=2, **NUM, precision="fp16-mixed", loss_scale=2.0 ** 20, growth_interval=2)
+bf16 = dl.train("ddp", world_size=2, **NUM, precision="bf16-mixed")
+n16, nbf = fp16.numerics, bf16.numerics
+print("fp16: skipped steps", n16["skipped"], "; loss scale per step, log2:",
+      [int(math.log2(x)) for x in n16["loss_scales"]])
+
+# %%
+print("fp16: steps 0 and 1 skipped:", n16["skipped"][:2] == [0, 1], "; bf16: skipped steps", nbf["skipped"])
+assert n16["skipped"][:2] == [0, 1] and nbf["skipped"] == []
+assert all(math.isfinite(v) for v in fp16.losses + bf16.losses)
+every = [r.info["numerics"] for r in fp16.results]
+assert all(e["skipped"] == n16["skipped"] for e in every)   # the same steps skipped on every rank
+# the rule: S halves after an overflow, doubles after growth_interval=2 good steps in a row
+S, good = 2.0 ** 20, 0
+for step, scale in enumerate(n16["loss_scales"]):
+    assert scale == S, (step, scale, S)
+    if step in n16["skipped"]:
+        S, good = S / 2, 0
+    else:
+        good += 1
+        if good == 2:
+            S, good = S * 2, 0
+print("the loss scale followed the rule at every step")
+
+# %% [markdown]
+# A NaN on **one** rank is the dangerous case: if only that rank skipped its step, the replicas would drift apart
+# for ever. Plant a NaN in rank 1's gradient at step 1 (`nan_at_step`, `nan_rank`): every rank skips step 1.
+
+# %%
+nan = dl.train("ddp", world_size=3, **NUM, nan_at_step=1, nan_rank=1)
+seen = [r.info["numerics"]["nonfinite_here"] for r in nan.results]
+skipped = [r.info["numerics"]["skipped"] for r in nan.results]
+print("non-finite gradient seen on rank:", seen, "; skipped on rank:", skipped)
+assert seen == [[], [1], []] and skipped == [[1], [1], [1]]
+assert all(math.isfinite(v) for v in nan.losses)
+
+# %% [markdown]
+# ## 4. Out of memory in backward, cured by ZeRO
+#
+# A large model with a small batch: weights plus gradients (at the peak of backward) outweigh weights plus
+# activations (forward). `memory_limit=` gives a CPU run a memory budget: the ledger raises
+# `MemoryLimitExceeded` (a `torch.OutOfMemoryError`) the moment the budget is crossed, inside `loss.backward()`,
+# as a GPU would.
+
+# %%
+MEM = dict(model="mlp", global_batch=4, steps=2, optimizer="sgd")
+free = dl.train("single", **MEM).memory[0]["timeline"]
+total = {label: sum(row[c] for c in dl.memory.CATEGORIES) for label, row in free[3:5]}    # step 1
+limit = (total["forward"] + total["backward"]) // 2
+print("backward needs more than forward:", total["backward"] > total["forward"])
+try:
+    dl.train("single", **MEM, memory_limit=limit)
+    raise AssertionError("should not fit")
+except dl.memory.MemoryLimitExceeded as e:
+    oom = e
+print("out of memory in", oom.phase, "; category:", oom.category)
+assert oom.phase == "backward" and oom.category == "grads" and "zero3" in str(oom)
+
+# %% tags=["nbval-ignore-output"]
+print(str(oom))
+
+# %% [markdown]
+# ZeRO-3 on 4 ranks keeps a quarter of the weights and of the gradients on each rank: the same model fits under
+# the same limit.
+
+# %%
+fits = dl.train("zero3", world_size=4, **MEM, memory_limit=limit)
+print("zero3 on 4 ranks fits under the limit:", max(m["peak_total"] for m in fits.memory) <= limit)
+assert max(m["peak_total"] for m in fits.memory) <= limit
+
+# %% [markdown]
+# ## 5. A rank killed, restarted automatically
+#
+# `fail_at_step=5` kills rank 2 (SIGKILL) as it reaches step 5, in the first attempt only. With `max_restarts=1`
+# distlab sees the failure, relaunches from the newest complete checkpoint (step 4), and reports the restart. The
+# result is bit for bit the uninterrupted run's.
+
+# %%
+RUN = dict(model="gpt-tiny", steps=6, global_batch=10, seed=0)
+plain = dl.train("zero2", world_size=3, **RUN)
+
+# %% tags=["nbval-ignore-output"]
+restarted = dl.train("zero2", world_size=3, **RUN, checkpoint_dir=str(TMP / "restart"), checkpoint_every=2,
+                     fail_at_step=5, max_restarts=1)
+
+# %%
+[r] = restarted.restarts
+print(f"restart {r.attempt}: rank {r.failed_rank} failed at step {r.reached_step}; resumed from step "
+      f"{r.resumed_from} on {r.next_world_size} ranks; {r.lost_steps} step(s) lost")
+print("equal to the uninterrupted run:", restarted.losses == plain.losses and same(restarted.params, plain.params))
+assert (r.failed_rank, r.reached_step, r.resumed_from, r.lost_steps) == (2, 5, 4, 1)
+assert restarted.losses == plain.losses and same(restarted.params, plain.params)
+
+# %% [markdown]
+# ## 6. A corrupt checkpoint
+#
+# A bit flipped on disk, a truncated copy: the manifest holds every shard's sha256, and a resume checks every
+# file. When the newest checkpoint does not verify, the resume falls back to the newest one that does, and says so.
+
+# %%
+CK = dict(steps=4, global_batch=8, checkpoint_every=2)
+whole = dl.train("single", steps=6, global_batch=8)
+dl.train("single", **CK, checkpoint_dir=str(TMP / "corrupt"))
+shard = TMP / "corrupt" / "step_4" / "rank_0.pt"
+data = bytearray(shard.read_bytes())
+data[len(data) // 2] ^= 0xFF                          # one flipped byte
+n = shard.write_bytes(bytes(data))
+
+# %% tags=["nbval-ignore-output"]
+resumed = dl.train("single", **{**CK, "steps": 6}, checkpoint_dir=str(TMP / "corrupt"), resume=True)
+
+# %%
+info = resumed.results[0].info["checkpoint"]
+print("resumed from step", info["resumed_from"], "; saved", info["saved"])
+print("equal to the uninterrupted run:", resumed.losses == whole.losses)
+assert info["resumed_from"] == 2 and resumed.losses == whole.losses
+
+# %% [markdown]
+# ## 7. Checkpoints that stall training: sync vs async, and how often to save
+#
+# A synchronous save stops training until every byte is on disk. An **async** save copies the state to CPU memory
+# at the step boundary (the stall) and writes it in a background thread while training goes on, with the same
+# atomic commit (`step_N.tmp`, then one rename).
+
+# %%
+IO = dict(model="gpt-tiny", steps=6, global_batch=8, checkpoint_every=2)
+sync = dl.train("ddp", world_size=2, **IO, checkpoint_dir=str(TMP / "sync"))
+asyn = dl.train("ddp", world_size=2, **IO, checkpoint_dir=str(TMP / "async"), async_save=True)
+io_s, io_a = sync.results[0].info["checkpoint_io"], asyn.results[0].info["checkpoint_io"]
+print("modes:", io_s["mode"], io_a["mode"], "; saves:", len(io_s["stall_s"]), len(io_a["stall_s"]))
+print("same result:", same(sync.params, asyn.params))
+assert io_a["mode"] == "async" and same(sync.params, asyn.params)
+less = sum(io_a["stall_s"]) < sum(io_s["stall_s"])    # a snapshot to CPU memory is cheaper than a write + fsync
+print("async stalls training less than sync:", less)
+assert less
+
+# %% tags=["nbval-ignore-output"]
+print(f"sync stall per save:  {[round(x * 1e3, 1) for x in io_s['stall_s']]} ms")
+print(f"async stall per save: {[round(x * 1e3, 1) for x in io_a['stall_s']]} ms "
+      f"(background write {[round(x * 1e3, 1) for x in io_a['write_s']]} ms)")
+
+# %% [markdown]
+# How often to save? Saving costs `save_s` each time; a failure loses, on average, half the work since the last
+# save. Young (1974) balanced the two: save every `sqrt(2 * save_s * MTBF)` seconds of work; Daly (2006) refined
+# it. For a 30 s save and a failure every 3 hours:
+
+# %%
+save_s, mtbf_s = 30.0, 3 * 3600.0
+young, daly = dl.theory.young_interval(save_s, mtbf_s), dl.theory.daly_interval(save_s, mtbf_s)
+print(f"Young: save every {young / 60:.1f} min; Daly: every {daly / 60:.1f} min")
+assert abs(young - math.sqrt(2 * save_s * mtbf_s)) < 1e-9 and daly < young
+print(f"an async save stalling 3 s instead of 30 s: every {dl.theory.young_interval(3.0, mtbf_s) / 60:.1f} min")
+
+# %% [markdown]
+# ## What to remember
+#
+# - A hang is a rank that did not come: find it with each rank's last collectives (op, group, sequence number),
+#   not with the timeout message every waiting rank prints.
+# - One slow rank makes every step slow: look at per-rank busy time, not the step time (equal on every rank).
+# - fp16 needs dynamic loss scaling; a non-finite gradient must skip the step on **every** rank; bf16 avoids
+#   overflow altogether.
+# - OOM in backward is weights + gradients: sharding them (ZeRO-3, FSDP) or recomputation cures it.
+# - Automatic restart from the newest complete checkpoint is the minimum viable fault tolerance; with exact
+#   resume, a crash costs time, never results.
+# - Verify every shard (sha256) before trusting a checkpoint; keep more than one.
+# - Async saves turn the save time into a short stall; save about every `sqrt(2 * save_s * MTBF)`.
+#
+# **Try it**: in section 5, pass `shrink=True` and `fail_in="save"` with `fail_at_step=4`: the restart runs on
+# fewer ranks, resharding the checkpoint. In section 3, start fp16 at `loss_scale=2.0 ** 15`: which steps are
+# skipped now?
