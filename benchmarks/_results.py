@@ -35,3 +35,42 @@ def write(out: str, document: dict, plot) -> None:
         json.dump(document, f, indent=1)
     plot(out + ".png")
     print(f"wrote {out}.json and {out}.png")
+
+
+def parser(name: str, doc: str, *, model: bool = True, steps: int | None = None, warmup: int | None = None,
+           training: bool = True):
+    """The arguments every benchmark takes: ``--ranks`` (comma-separated world sizes), ``--backend``,
+    ``--out`` (default ``results/<name>``), and, for the training benchmarks, ``--model``, ``--seed``,
+    ``--lr``, and ``--steps`` / ``--warmup`` with the script's defaults. The script adds its own."""
+    import argparse
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    if model:
+        from distlab.models import PRESETS
+        p.add_argument("--model", default="gpt-small", choices=sorted(PRESETS))
+    p.add_argument("--ranks", default="2,4")
+    if steps is not None:
+        p.add_argument("--steps", type=int, default=steps, help="timed steps per implementation")
+    if warmup is not None:
+        p.add_argument("--warmup", type=int, default=warmup)
+    if training:
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--out", default=default_out(name))
+    return p
+
+
+def slowest_rank_rows(per_rank: list[dict], n: int, traffic: float) -> list[dict]:
+    """Per message size and implementation, the median over repeats of the slowest rank's time, and the
+    nccl-tests bandwidths: algbw = S / t, busbw = algbw x ``traffic`` (2(n-1)/n for all-reduce,
+    (n-1)/n for all-to-all). ``per_rank[r][nbytes][impl]`` is rank r's list of seconds per repeat."""
+    import statistics
+    rows = []
+    for nbytes, by_impl in per_rank[0].items():
+        for impl in by_impl:
+            slowest = [max(r[nbytes][impl][i] for r in per_rank) for i in range(len(by_impl[impl]))]
+            t = statistics.median(slowest)
+            rows.append({"world_size": n, "bytes": nbytes, "impl": impl, "median_s": t,
+                         "algbw_GBps": nbytes / t / 1e9, "busbw_GBps": nbytes / t / 1e9 * traffic,
+                         "repeats": len(slowest)})
+    return rows

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import distlab as dl  # noqa: E402
-from _results import default_out, machine_facts, write  # noqa: E402
+from _results import default_out, machine_facts, slowest_rank_rows, write  # noqa: E402
 from allreduce import _sync, human, parse_size  # noqa: E402
 
 DEFAULT_SIZES = [2**k for k in range(10, 25)]           # 1 KiB .. 16 MiB
@@ -97,18 +97,6 @@ def measure(sizes, budget_s, min_reps, max_reps):
                   + "  ".join(f"{k} {statistics.median(v) * 1e3:8.3f} ms" for k, v in times.items()),
                   flush=True)
     return out
-
-
-def summarise(per_rank, n):
-    rows = []
-    for nbytes, by_impl in per_rank[0].items():
-        for impl in by_impl:
-            slowest = [max(r[nbytes][impl][i] for r in per_rank) for i in range(len(by_impl[impl]))]
-            t = statistics.median(slowest)
-            rows.append({"world_size": n, "bytes": nbytes, "impl": impl, "median_s": t,
-                         "algbw_GBps": nbytes / t / 1e9, "busbw_GBps": nbytes / t / 1e9 * (n - 1) / n,
-                         "repeats": len(slowest)})
-    return rows
 
 
 def ratios(rows, impl="dl"):
@@ -183,7 +171,7 @@ def main(argv=None):
         run = dl.launch(measure, world_size=n, args=(sizes, a.budget, a.min_reps, a.max_reps),
                         backend=a.backend, output="live", timeout=1800)
         backend = run.backend
-        rows += summarise(run.results, n)
+        rows += slowest_rank_rows(run.results, n, traffic=(n - 1) / n)
     meta = {**machine_facts(started, backend), "dtype": "float32",
             "dl": "dl.comm.all_to_all (pairwise exchange)", "torch": "torch.distributed.all_to_all_single",
             "p2p": "bare isend/irecv loop (gloo's order, no checks or tracing): the send/recv ceiling",

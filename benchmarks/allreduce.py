@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import distlab as dl  # noqa: E402
-from _results import default_out, machine_facts, write  # noqa: E402
+from _results import default_out, machine_facts, slowest_rank_rows, write  # noqa: E402
 
 UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "M": 2**20, "MB": 2**20, "G": 2**30, "GB": 2**30}
 DEFAULT_SIZES = [2**k for k in range(10, 27)]           # 1 KiB .. 64 MiB
@@ -111,18 +111,6 @@ def measure(sizes, impls, budget_s, min_reps, max_reps):
     return out
 
 
-def summarise(per_rank, n):
-    rows = []
-    for nbytes, by_impl in per_rank[0].items():
-        for impl in by_impl:
-            slowest = [max(r[nbytes][impl][i] for r in per_rank) for i in range(len(by_impl[impl]))]
-            t = statistics.median(slowest)
-            rows.append({"world_size": n, "bytes": nbytes, "impl": impl, "median_s": t,
-                         "algbw_GBps": nbytes / t / 1e9, "busbw_GBps": nbytes / t / 1e9 * 2 * (n - 1) / n,
-                         "repeats": len(slowest)})
-    return rows
-
-
 NAMES = {"ring": "dl pipelined ring", "textbook": "dl textbook ring", "naive": "dl naive"}
 
 
@@ -179,7 +167,7 @@ def main(argv=None):
         run = dl.launch(measure, world_size=n, args=(sizes, impls, a.budget, a.min_reps, a.max_reps),
                         backend=a.backend, output="live", timeout=1800)
         backend = run.backend
-        rows += summarise(run.results, n)
+        rows += slowest_rank_rows(run.results, n, traffic=2 * (n - 1) / n)
     ratios = {impl: ratios_from_4mb(rows, impl, backend) for impl in ("ring", "textbook")}
     meta = {**machine_facts(started, backend), "dtype": "float32", "ring": "dl.comm.pipelined_all_reduce",
             "textbook": "dl.comm.ring_all_reduce",

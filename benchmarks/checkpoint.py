@@ -26,7 +26,6 @@ sync save time (gpt-small). Both runs must end with equal parameters. Writes <ou
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import shutil
@@ -42,9 +41,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import distlab as dl  # noqa: E402
-from _results import default_out, machine_facts, write  # noqa: E402
+from _results import machine_facts, parser, write  # noqa: E402
 from distlab.checkpoint import state, store  # noqa: E402
-from distlab.models import PRESETS, build, dataset_for  # noqa: E402
+from distlab.models import build, dataset_for  # noqa: E402
 
 SIDES = ("distlab", "torch DCP")
 
@@ -208,17 +207,11 @@ def plot(rows: list[dict], path: str, model: str, stall: dict | None = None) -> 
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="gpt-small", choices=sorted(PRESETS))
-    p.add_argument("--ranks", default="2,4")
+    p = parser("checkpoint", __doc__)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--rows", type=int, default=4, help="sequences per rank in the one training step")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     p.add_argument("--stall-steps", type=int, default=16, help="steps of each dl.train run for the stall")
     p.add_argument("--stall-every", type=int, default=4, help="checkpoint_every for the stall")
-    p.add_argument("--out", default=default_out("checkpoint"))
     a = p.parse_args(argv)
     rows, backend, started = [], None, time.time()
     with tempfile.TemporaryDirectory(prefix="distlab_ckpt_bench_") as root:

@@ -26,7 +26,6 @@ Writes <out>.json and <out>.png.
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import statistics
@@ -39,8 +38,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import distlab as dl  # noqa: E402
-from _results import default_out, machine_facts, write  # noqa: E402
-from distlab.models import PRESETS, build, dataset_for  # noqa: E402
+from _results import machine_facts, parser, write  # noqa: E402
+from distlab.models import build, dataset_for  # noqa: E402
 from distlab.memory import optimizer_bytes, replica_memory, storage_bytes, zero_memory  # noqa: E402
 
 PAIRS = {"ddp": ("dl.DDP", "torch DDP"), "zero1": ("dl.ShardedOptimizer", "torch ZeroRedundancyOptimizer"),
@@ -227,18 +226,10 @@ def plot(rows: list[dict], path: str, model: str, pairs: list[str]) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="gpt-small", choices=sorted(PRESETS))
-    p.add_argument("--ranks", default="2,4")
+    p = parser("data_parallel", __doc__, steps=40, warmup=5)
     p.add_argument("--pairs", default="ddp,zero1,zero3")
-    p.add_argument("--steps", type=int, default=40, help="timed steps per implementation")
-    p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rows", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--zero3-prefetch", action="store_true", help="dl.ZeRO stage 3 with prefetch=True")
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    p.add_argument("--out", default=default_out("data_parallel"))
     a = p.parse_args(argv)
     pairs = a.pairs.split(",")
     unknown = set(pairs) - set(PAIRS)

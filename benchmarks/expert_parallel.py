@@ -23,7 +23,6 @@ bytes. Writes <out>.json and <out>.png.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -34,7 +33,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import distlab as dl  # noqa: E402
-from _results import default_out, machine_facts, write  # noqa: E402
+from _results import machine_facts, parser, write  # noqa: E402
 from distlab.memory import optimizer_bytes, storage_bytes  # noqa: E402
 from distlab.models import GPT, GPTConfig, MarkovTokens, shard  # noqa: E402
 from distlab.strategies.expert import grad_sync  # noqa: E402
@@ -168,19 +167,12 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ranks", default="2,4")
-    p.add_argument("--steps", type=int, default=30, help="timed steps per side")
-    p.add_argument("--warmup", type=int, default=3)
+    p = parser("expert_parallel", __doc__, model=False, steps=30, warmup=3)
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    p.add_argument("--out", default=default_out("expert_parallel"))
     a = p.parse_args(argv)
     cfg = GPTConfig(vocab=256, seq_len=a.seq_len, d_model=a.d_model, heads=4, layers=a.layers, mlp_ratio=4,
                     experts=a.experts, top_k=2, capacity_factor=1.25, aux_coef=0.01)

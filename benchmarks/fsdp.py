@@ -22,7 +22,6 @@ Writes <out>.json and <out>.png.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -34,9 +33,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import distlab as dl  # noqa: E402
-from _results import default_out, machine_facts, write  # noqa: E402
+from _results import machine_facts, parser, write  # noqa: E402
 from distlab.memory import fsdp_memory, storage_bytes  # noqa: E402
-from distlab.models import PRESETS, build, dataset_for  # noqa: E402
+from distlab.models import build, dataset_for  # noqa: E402
 
 SIDES = ("dl.fully_shard", "torch fully_shard")
 CONFIGS = {"fp32": dict(param_dtype=None, reduce_dtype=None),
@@ -204,17 +203,9 @@ def plot(rows: list[dict], path: str, model: str, configs: list[str]) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="gpt-small", choices=sorted(PRESETS))
-    p.add_argument("--ranks", default="2,4")
+    p = parser("fsdp", __doc__, steps=30, warmup=5)
     p.add_argument("--configs", default="fp32,bf16")
-    p.add_argument("--steps", type=int, default=30, help="timed steps per side")
-    p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rows", type=int, default=8, help="sequences per rank per step")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    p.add_argument("--out", default=default_out("fsdp"))
     a = p.parse_args(argv)
     configs = a.configs.split(",")
     unknown = set(configs) - set(CONFIGS)

@@ -18,7 +18,6 @@ same background load. Writes <out>.json and <out>.png.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import distlab as dl  # noqa: E402
-from _results import default_out, machine_facts, write  # noqa: E402
+from _results import machine_facts, parser, write  # noqa: E402
 from distlab.models import GPT, PRESETS, dataset_for  # noqa: E402
 
 
@@ -130,16 +129,8 @@ def plot(rows, path, model):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="gpt-small", choices=sorted(PRESETS))
-    p.add_argument("--ranks", default="2,4")
-    p.add_argument("--steps", type=int, default=40, help="timed steps per implementation")
-    p.add_argument("--warmup", type=int, default=5)
+    p = parser("tensor_parallel", __doc__, steps=40, warmup=5)
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    p.add_argument("--out", default=default_out("tensor_parallel"))
     a = p.parse_args(argv)
     rows, backend, started = [], None, time.time()
     for n in [int(x) for x in a.ranks.split(",")]:
