@@ -178,23 +178,11 @@ fig = dl.viz.timeline(run.trace, title="rank 3 is the straggler: the others wait
 # the longest in the all-reduce. But look at the bars: rank 3's compute is only about 2-3x as long as rank 0's in
 # wall-clock time. The CPU is **oversubscribed**: 4 ranks share this machine's cores. While all four compute, each
 # gets a share of a core; once rank 0 finishes and waits, the others speed up, and rank 3 runs alone on a core at
-# the end. Wall time is not work. With c cores shared fairly, the finishing times follow (processor sharing):
+# the end. Wall time is not work. With c cores shared fairly, the finishing times follow (processor sharing,
+# [theory/calibrate.py](../distlab/theory/calibrate.py)):
 
 # %% tags=["nbval-ignore-output"]
-def processor_sharing(work, cores):
-    """Wall-clock finish time of each job when ``cores`` cores are shared equally by the unfinished jobs."""
-    left, now, finish = dict(enumerate(work)), 0.0, [0.0] * len(work)
-    while left:
-        speed = min(1.0, cores / len(left))            # each running job's share of a core
-        first = min(left, key=left.get)
-        dt = left[first] / speed
-        now += dt
-        for job in left:
-            left[job] -= dt * speed
-        for job in [j for j, w in left.items() if w <= 1e-12]:
-            finish[job] = now
-            del left[job]
-    return finish
+from distlab.theory.calibrate import processor_sharing   # each unfinished job runs at min(1, cores / jobs)
 
 work = [6 * (r + 1) for r in range(WORLD)]
 cores = min(os.cpu_count(), WORLD)

@@ -245,36 +245,35 @@ def _commit(directory: Path, step: int, tmp: Path, entries: list[dict], n: int, 
         _fsync_dir(directory)
 
 
+def _map_tensors(obj, copy, memo: dict):
+    """``obj`` with every tensor replaced by ``copy(tensor)`` (containers rebuilt; a tensor met twice is
+    copied once, so shared tensors stay shared)."""
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in memo:
+            memo[id(obj)] = copy(obj.detach())
+        return memo[id(obj)]
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, copy, memo) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, copy, memo) for v in obj)
+    return obj
+
+
+def _compact_copy(t: torch.Tensor) -> torch.Tensor:
+    whole = t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t.cpu() if whole else t.cpu().clone()
+
+
 def _compact(obj, memo: dict | None = None):
     """Detached CPU copies of the tensors in ``obj``; views are cloned, so a 1/N shard that is a view
     of a full flat buffer saves 1/N of the bytes, not the whole buffer (torch.save writes storages)."""
-    memo = {} if memo is None else memo
-    if isinstance(obj, torch.Tensor):
-        if id(obj) not in memo:
-            t = obj.detach()
-            whole = t.untyped_storage().nbytes() == t.numel() * t.element_size()
-            memo[id(obj)] = t.cpu() if whole else t.cpu().clone()
-        return memo[id(obj)]
-    if isinstance(obj, dict):
-        return {k: _compact(v, memo) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_compact(v, memo) for v in obj)
-    return obj
+    return _map_tensors(obj, _compact_copy, {} if memo is None else memo)
 
 
 def snapshot(obj, memo: dict | None = None):
     """A CPU copy of every tensor in ``obj`` (containers rebuilt), owned by nobody else: what an
     asynchronous save writes while training goes on changing the originals in place."""
-    memo = {} if memo is None else memo
-    if isinstance(obj, torch.Tensor):
-        if id(obj) not in memo:
-            memo[id(obj)] = obj.detach().to("cpu", copy=True)
-        return memo[id(obj)]
-    if isinstance(obj, dict):
-        return {k: snapshot(v, memo) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(snapshot(v, memo) for v in obj)
-    return obj
+    return _map_tensors(obj, lambda t: t.to("cpu", copy=True), {} if memo is None else memo)
 
 
 def _write_synced(path: Path, data) -> None:

@@ -159,18 +159,19 @@ def check(name: str, fn: Callable, world_sizes: tuple[int, ...] | None = None, t
         raise KeyError(f"no exercise named {name!r}; dl.exercises.names() lists them")
     result = Result(name, passed=True, hint=exercise.hint)
     for n in (exercise.world_sizes if world_sizes is None else world_sizes) or (0,):
-        problem = _check_world(exercise, fn, n, timeout)
+        cases = exercise.cases(max(n, 1))
+        problem = _check_world(exercise, fn, n, timeout, cases)
         where = f"on {n} rank{'s' * (n != 1)}" if n else "in this process"
         if problem:
             result.passed, result.problem = False, f"{where}, {problem}"
             break
-        result.checked.append(f"{len(exercise.cases(max(n, 1)))} cases {where}")
+        result.checked.append(f"{len(cases)} cases {where}")
     if not quiet:
         print(result)
     return result
 
 
-def _check_world(exercise: Exercise, fn: Callable, n: int, timeout: float) -> str | None:
+def _check_world(exercise: Exercise, fn: Callable, n: int, timeout: float, cases: list[dict]) -> str | None:
     if n == 0:
         per_rank = [run_cases(exercise, fn, 1)]
     else:
@@ -178,7 +179,7 @@ def _check_world(exercise: Exercise, fn: Callable, n: int, timeout: float) -> st
         if isinstance(per_rank, str):
             return per_rank
     for rank, outputs in enumerate(per_rank):
-        for case, got in zip(exercise.cases(max(n, 1)), outputs):
+        for case, got in zip(cases, outputs):
             problem = differs(exercise, got, exercise.expect(case, rank, max(n, 1)))
             if problem:
                 who = f"rank {rank}, " if n else ""

@@ -83,14 +83,19 @@ class ContextParallelGPT(GPT):
         if attention == "ulysses" and gpt.cfg.heads % n:
             raise ValueError(f"cp-ulysses splits the {gpt.cfg.heads} heads over {n} ranks: use a cp degree "
                              f"that divides {gpt.cfg.heads}, or attention='ring'")
-        for block in gpt.blocks:
-            block.attn = ContextParallelAttention.from_module(block.attn, attention=attention, group=group,
-                                                              zigzag=zigzag)
-        self.tok, self.pos, self.blocks = gpt.tok, gpt.pos, gpt.blocks
-        self.ln_f, self.head = gpt.ln_f, gpt.head
+        _take_over(self, gpt, attention, group, zigzag)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.tok(ids) + self.pos(positions(ids, self.group, self.zigzag))
+
+
+def _take_over(new: nn.Module, gpt: nn.Module, attention: str, group, zigzag: bool) -> None:
+    """``new`` takes ``gpt``'s modules, each block's attention made context-parallel over ``group``."""
+    for block in gpt.blocks:
+        block.attn = ContextParallelAttention.from_module(block.attn, attention=attention, group=group,
+                                                          zigzag=zigzag)
+    new.tok, new.pos, new.blocks = gpt.tok, gpt.pos, gpt.blocks
+    new.ln_f, new.head = gpt.ln_f, gpt.head
 
 
 def positions(ids: torch.Tensor, group, zigzag: bool) -> torch.Tensor:
@@ -115,11 +120,7 @@ class ContextTensorParallelGPT(TensorParallelGPT):
                              f"cp degree dividing {local_heads} (heads / tp), or attention='ring'")
         self.cfg, self.group, self.sequence_parallel = gpt.cfg, gpt.group, False
         self.cp_group, self.zigzag = group, zigzag
-        for block in gpt.blocks:
-            block.attn = ContextParallelAttention.from_module(block.attn, attention=attention, group=group,
-                                                              zigzag=zigzag)
-        self.tok, self.pos, self.blocks = gpt.tok, gpt.pos, gpt.blocks
-        self.ln_f, self.head = gpt.ln_f, gpt.head
+        _take_over(self, gpt, attention, group, zigzag)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.tok(ids) + self.pos(positions(ids, self.cp_group, self.zigzag))

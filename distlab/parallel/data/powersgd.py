@@ -31,11 +31,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from torch.autograd import Variable
 
 from ..collectives import Collectives
-from .buckets import trainable
-from .ddp import accumulate_locally, broadcast_from_rank0
+from .ddp import NaiveDDP
 
 
 def matrix_view(t: torch.Tensor) -> torch.Tensor:
@@ -90,7 +88,7 @@ def _all_reduce_mean(parts: list[torch.Tensor], comm: Collectives) -> list[torch
     return [piece.view_as(p) for piece, p in zip(flat.split([p.numel() for p in parts]), parts)]
 
 
-class PowerSGDDDP(nn.Module):
+class PowerSGDDDP(NaiveDDP):
     """Data parallelism with PowerSGD-compressed gradients (``rank``: r), over ``group``.
 
     After backward: one all-reduce of every vector gradient (biases, norms) whole, then PowerSGD's
@@ -100,32 +98,13 @@ class PowerSGDDDP(nn.Module):
 
     def __init__(self, module: nn.Module, rank: int = 4, error_feedback: bool = True, comm: str = "torch",
                  group=None, seed: int = 0):
-        super().__init__()
-        self.module = module
-        self.comm = Collectives(comm, group)
-        broadcast_from_rank0(module, self.comm)
-        self.params = trainable(module.parameters())
+        super().__init__(module, comm, group)          # NaiveDDP: broadcast, hooks, no_sync
         self.matrices = [p for p in self.params if p.dim() >= 2]
         self.vectors = [p for p in self.params if p.dim() < 2]
         self.compressor = PowerSGD([tuple(matrix_view(p).shape) for p in self.matrices], rank,
                                    error_feedback, seed)
-        self._sync, self._queued = True, False
-        for p in self.params:                         # the first gradient of a backward queues the sync
-            p.register_post_accumulate_grad_hook(self._on_grad)
 
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def no_sync(self):
-        """Backward passes inside accumulate gradients locally; the first one outside compresses the sum."""
-        return accumulate_locally(self)
-
-    def _on_grad(self, p: torch.Tensor) -> None:
-        if self._sync and not self._queued:
-            self._queued = True                       # reduce once autograd has finished
-            Variable._execution_engine.queue_callback(self.reduce_grads)
-
-    def reduce_grads(self) -> None:
+    def all_reduce_grads(self) -> None:
         """Vectors averaged whole; matrices replaced by PowerSGD's rank-r average."""
         self._queued = False
         for p in self.params:                          # unused this step: contributes zeros
