@@ -9,9 +9,11 @@ bus bandwidth, the nccl-tests definition for all-to-all (github.com/NVIDIA/nccl-
     algbw = S / t            busbw = algbw * (N-1) / N
 
 (N-1)/N of the tensor leaves each rank (its own block stays), so busbw is what each rank's link carries
-per second, comparable across N. t is, for each repeat, the slowest rank's time from a common barrier to
-the end of the call; the median over repeats is reported. The two implementations alternate repeat by
-repeat so that both see the same background load, and their results are checked equal first.
+per second, comparable across N. t is, for each repeat, the slowest rank's time per call over --calls calls
+back to back from a common barrier (nccl-tests' method); the median over the repeats of --launches
+separate launches is reported (launches differ more than repeats within one). The
+implementations take turns repeat by repeat so that all see the same background load, and their results
+are checked equal first. dl's tracer and the launcher's flight recorder are paused for all of them.
 A third line, "p2p", is the least a send/recv all-to-all can do from Python (`bare_sendrecv`): its ratio to
 torch is the ceiling of any implementation built from isend/irecv here, recorded as ceiling_p2p_over_torch.
 Target: dl.comm.all_to_all's busbw at least 0.8x torch's from 1 MB up. Writes <out>.json and <out>.png.
@@ -29,6 +31,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import distlab as dl  # noqa: E402
+from distlab import flight  # noqa: E402
 from _results import default_out, machine_facts, slowest_rank_rows, write  # noqa: E402
 from allreduce import _sync, human, parse_size  # noqa: E402
 
@@ -39,15 +42,15 @@ TARGET, FROM = 0.8, 1 << 20
 
 def bare_sendrecv(x: torch.Tensor) -> torch.Tensor:
     """The least a send/recv all-to-all can do from Python: gloo's own order (per step an isend, then an
-    irecv; all posted, then waited), no checks, no tracing. Its busbw over torch's is the ceiling of any
-    implementation built from torch.distributed's isend/irecv on this machine."""
+    irecv; all posted, my own block copied meanwhile, then waited), no checks, no tracing. Its busbw over
+    torch's is the ceiling of any implementation built from torch.distributed's isend/irecv here."""
     n, r = dist.get_world_size(), dist.get_rank()
     out = torch.empty_like(x)
     send, recv = x.view(n, -1), out.view(n, -1)                 # (N, rows/N * 16): block i is row i
-    recv[r].copy_(send[r])
     works = []
     for s in range(1, n):
         works += [dist.isend(send[(r + s) % n], (r + s) % n), dist.irecv(recv[(r - s) % n], (r - s) % n)]
+    recv[r].copy_(send[r])
     for w in works:
         w.wait()
     return out
@@ -63,40 +66,48 @@ def _call(impl: str, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def measure(sizes, budget_s, min_reps, max_reps):
-    """Inside each rank: per size, per repeat, the time of each implementation (alternating)."""
+def measure(sizes, budget_s, min_reps, max_reps, calls):
+    """Inside each rank: per size and repeat, each implementation's time per call, timed over ``calls``
+    calls back to back (nccl-tests' method, src/common.cu: start the iterations, wait, divide), the
+    implementations taking turns. A single call timed alone is not enough here: whatever gloo's threads
+    still do after one call returns (torch's worker finishing its request) lands on the next call's
+    clock, so the implementation timed after torch's would pay for it."""
     device, n = dl.device(), dl.world_size()
-    dl.tracer().enabled = False                 # measure the collective, not the bookkeeping
-    out = {}
-    for nbytes in sizes:
-        rows = max(n, nbytes // 4 // 16 // n * n)                                   # (rows, 16) fp32
-        x = torch.randn(rows, 16, generator=torch.Generator().manual_seed(dl.rank())).to(device)
-        want = _call("torch", x)                                                    # also warms up
-        for impl in ("dl", "p2p"):
-            if not torch.equal(_call(impl, x), want):
-                raise AssertionError(f"{impl} all-to-all differs from all_to_all_single at {nbytes} bytes")
-        dist.barrier()
-        t0 = time.perf_counter()
-        _call("dl", x)
-        _sync(device)
-        estimate = torch.tensor([(time.perf_counter() - t0) * 2], dtype=torch.float64)
-        dist.broadcast(estimate, 0)             # every rank must run the same number of repeats
-        reps = int(min(max_reps, max(min_reps, budget_s / max(float(estimate), 1e-6))))
-        times = {impl: [] for impl in IMPLS}
-        for rep in range(reps):
-            for impl in IMPLS[rep % 3:] + IMPLS[:rep % 3]:               # each goes first in turn
-                dist.barrier()
-                _sync(device)
-                t0 = time.perf_counter()
-                _call(impl, x)
-                _sync(device)
-                times[impl].append(time.perf_counter() - t0)
-        out[x.numel() * 4] = times
-        if dl.rank() == 0:
-            print(f"n={n} {human(x.numel() * 4):>7}: "
-                  + "  ".join(f"{k} {statistics.median(v) * 1e3:8.3f} ms" for k, v in times.items()),
-                  flush=True)
-    return out
+    dl.tracer().enabled = False                 # measure the collective, not the bookkeeping:
+    with flight.paused():                       # neither the trace nor the launcher's flight recorder
+        return {nbytes: _measure_size(nbytes, n, device, budget_s, min_reps, max_reps, calls)
+                for nbytes in sizes}
+
+
+def _measure_size(nbytes, n, device, budget_s, min_reps, max_reps, calls):
+    rows = max(n, nbytes // 4 // 16 // n * n)                                       # (rows, 16) fp32
+    x = torch.randn(rows, 16, generator=torch.Generator().manual_seed(dl.rank())).to(device)
+    want = _call("torch", x)                                                        # also warms up
+    for impl in ("dl", "p2p"):
+        if not torch.equal(_call(impl, x), want):
+            raise AssertionError(f"{impl} all-to-all differs from all_to_all_single at {nbytes} bytes")
+    estimate = torch.tensor([_timed("dl", x, device, calls)], dtype=torch.float64)
+    dist.broadcast(estimate, 0)                 # every rank must run the same number of repeats
+    reps = int(min(max_reps, max(min_reps, budget_s / len(IMPLS) / max(float(estimate) * calls, 1e-6))))
+    times = {impl: [] for impl in IMPLS}
+    for rep in range(reps):
+        for impl in IMPLS[rep % len(IMPLS):] + IMPLS[:rep % len(IMPLS)]:     # each first in turn
+            times[impl].append(_timed(impl, x, device, calls))
+    if dl.rank() == 0:
+        print(f"n={n} {human(x.numel() * 4):>7}: "
+              + "  ".join(f"{k} {statistics.median(v) * 1e3:8.3f} ms" for k, v in times.items()), flush=True)
+    return times
+
+
+def _timed(impl: str, x: torch.Tensor, device, calls: int) -> float:
+    """Seconds per call of ``impl``, over ``calls`` calls back to back, from a common barrier."""
+    dist.barrier()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        _call(impl, x)
+    _sync(device)
+    return (time.perf_counter() - t0) / calls
 
 
 def ratios(rows, impl="dl"):
@@ -147,6 +158,13 @@ def plot(rows, path, backend):
     fig.savefig(path, dpi=110)
 
 
+def _pooled(launches: list[list[dict]]) -> list[dict]:
+    """Every launch's repeats as one list per rank, size and implementation. Separate launches, because
+    the spread between them (which ranks share a core, for one) is larger than within one."""
+    return [{nbytes: {impl: [t for launch in launches for t in launch[r][nbytes][impl]] for impl in by_impl}
+             for nbytes, by_impl in rank.items()} for r, rank in enumerate(launches[0])]
+
+
 def _over(rows, a, b):
     """Per world size, median over sizes from 1 MB up of busbw(a) / busbw(b)."""
     bw = {(r["world_size"], r["impl"], r["bytes"]): r["busbw_GBps"] for r in rows}
@@ -160,25 +178,32 @@ def main(argv=None):
     p.add_argument("--sizes", default=None, help="comma list like 1K,1M,4M (default: powers of 2, 1K..16M)")
     p.add_argument("--ranks", default="2,4", help="world sizes, comma list (default 2,4)")
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
-    p.add_argument("--budget", type=float, default=1.0, help="seconds of repeats per size (default 1.0)")
+    p.add_argument("--budget", type=float, default=2.0, help="seconds of repeats per size (default 2.0)")
     p.add_argument("--min-reps", type=int, default=7)
     p.add_argument("--max-reps", type=int, default=60)
+    p.add_argument("--calls", type=int, default=5, help="calls back to back per timing (default 5)")
+    p.add_argument("--launches", type=int, default=3,
+                   help="separate launches per world size, their repeats pooled (default 3)")
     p.add_argument("--out", default=default_out("all_to_all"))
     a = p.parse_args(argv)
     sizes = [parse_size(s) for s in a.sizes.split(",")] if a.sizes else DEFAULT_SIZES
     rows, backend, started = [], None, time.time()
     for n in [int(x) for x in a.ranks.split(",")]:
-        run = dl.launch(measure, world_size=n, args=(sizes, a.budget, a.min_reps, a.max_reps),
-                        backend=a.backend, output="live", timeout=1800)
-        backend = run.backend
-        rows += slowest_rank_rows(run.results, n, traffic=(n - 1) / n)
+        runs = [dl.launch(measure, world_size=n, args=(sizes, a.budget, a.min_reps, a.max_reps, a.calls),
+                          backend=a.backend, output="live", timeout=1800) for _ in range(a.launches)]
+        backend = runs[0].backend
+        rows += slowest_rank_rows(_pooled([run.results for run in runs]), n, traffic=(n - 1) / n)
     meta = {**machine_facts(started, backend), "dtype": "float32",
             "dl": "dl.comm.all_to_all (pairwise exchange)", "torch": "torch.distributed.all_to_all_single",
             "p2p": "bare isend/irecv loop (gloo's order, no checks or tracing): the send/recv ceiling",
             "why": "torch runs the whole exchange as one C++ call in gloo's worker thread; any send/recv "
                    "implementation drives 2(N-1) gloo operations from the Python thread, which is then on "
                    "the critical path (posting and every wait), exposed to preemption on a loaded machine",
-            "statistic": "median over repeats of the slowest rank's time",
+            "statistic": f"median over repeats of the slowest rank's time per call, each repeat timing "
+                         f"{a.calls} calls back to back (nccl-tests' method), the repeats of {a.launches} "
+                         "separate launches pooled",
+            "recording": "dl's tracer and the launcher's flight recorder paused for all implementations "
+                         "(the recorder costs each send, receive or collective about ten microseconds)",
             "busbw": "algbw * (N-1)/N (nccl-tests, all-to-all)",
             "target": f"dl busbw >= {TARGET}x torch from 1 MB up"}
     found, ceiling = ratios(rows), ratios(rows, "p2p")

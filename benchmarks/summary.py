@@ -201,6 +201,7 @@ def all_to_all() -> list[str]:
     met = "met" if d["target"]["met"] else "**not met**"
     return [f"**All-to-all** (`dl.comm.all_to_all`, pairwise exchange from send/recv, vs torch's "
             f"{d['meta']['backend']} `all_to_all_single`; busbw = S/t (N-1)/N; `benchmarks/all_to_all.py`). "
+            f"Time: the {d['meta']['statistic']}. "
             f"Target: >= 0.8x from 1 MB up, {met} ({ratios}).{ceiling}{_load_note(d['meta'])}", "",
             "| ranks | bytes per rank | distlab busbw (GB/s) | torch busbw (GB/s) | ratio "
             "| bare isend/irecv ratio |",

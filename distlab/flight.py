@@ -140,6 +140,18 @@ def listening(listener):
         _listeners.remove(listener)
 
 
+@contextlib.contextmanager
+def paused():
+    """Record nothing inside the block, in this process: for a benchmark that times a collective and not
+    the tap (the recorder costs each operation about ten microseconds: once per send or receive)."""
+    saved = _listeners[:]
+    _listeners.clear()
+    try:
+        yield
+    finally:
+        _listeners[:] = saved
+
+
 def start(path: str | Path) -> Recorder:
     """Inside a rank: record every operation from now on into ``path`` (until `stop`)."""
     recorder = Recorder(path)
@@ -184,7 +196,7 @@ def _tap(op: str, original):
         finally:
             _inside.op = None
         if op in ("isend", "irecv") or bound.get("async_op"):
-            return _when_done(out, tokens)
+            return _when_done(out, tokens, (op, id(bound.get("group"))))
         _finish(tokens)
         return out
     call.__wrapped__, call.__name__, call.__doc__ = original, original.__name__, original.__doc__
@@ -205,17 +217,23 @@ def _finish(tokens: list) -> None:
         listener.finished(token)
 
 
-def _when_done(work, tokens: list):
+def _when_done(work, tokens: list, kind: tuple):
     """An asynchronous operation finishes when the backend says so (collectives' futures) or, where
-    it cannot (gloo's send and receive), when it is waited for."""
+    it cannot (gloo's send and receive), when it is waited for. ``kind`` (op, group) remembers which
+    cannot: torch's refusal is an exception that costs tens of microseconds, asked once per kind."""
     if work is None:                                       # inside NCCL's coalescing manager
         _finish(tokens)
         return work
-    try:
-        work.get_future().add_done_callback(lambda _: _finish(tokens))
-        return work
-    except (AttributeError, RuntimeError):
-        return _WaitedWork(work, lambda: _finish(tokens))
+    if kind not in _NO_FUTURE:
+        try:
+            work.get_future().add_done_callback(lambda _: _finish(tokens))
+            return work
+        except (AttributeError, RuntimeError):
+            _NO_FUTURE.add(kind)
+    return _WaitedWork(work, lambda: _finish(tokens))
+
+
+_NO_FUTURE: set = set()              # (op, id(group)) whose requests have no future (gloo's isend/irecv)
 
 
 class _WaitedWork:

@@ -27,7 +27,7 @@ TINY = {  # script -> arguments that make it take seconds
     "expert_parallel": ["--ranks", "2", "--steps", "2", "--warmup", "1", "--d-model", "32", "--experts", "4"],
     "fsdp": ["--ranks", "2", "--steps", "2", "--warmup", "1", "--rows", "2", "--model", "gpt-tiny"],
     "all_to_all": ["--ranks", "2", "--sizes", "4K,1M", "--budget", "0.05", "--min-reps", "2",
-                   "--max-reps", "3"],
+                   "--max-reps", "3", "--calls", "2", "--launches", "1"],
     "context_parallel": ["--ranks", "2", "--seq", "64", "--repeats", "2"],
 }
 

@@ -127,6 +127,26 @@ def test_records_are_bounded_and_nothing_is_left_behind(monkeypatch):
     assert made and not os.path.exists(made[0])                       # the launch's folder is gone
 
 
+def sends_then_collectives():
+    """Three exchanges with the other rank (gloo's requests have no future: asked once, then remembered),
+    an asynchronous all-reduce on the same group (finished by its future), one all-reduce while paused."""
+    peer, t = 1 - dl.rank(), torch.ones(4)
+    for _ in range(3):
+        for w in (dist.isend(t, peer), dist.irecv(torch.empty(4), peer)):
+            w.wait()
+    dist.all_reduce(t, async_op=True).wait()
+    with flight.paused():
+        dist.all_reduce(t)                        # not recorded
+    recorder = next(x for x in flight._listeners if isinstance(x, flight.Recorder))
+    return [(r["op"], r["finished"] is not None) for r in flight.read(recorder.path)]
+
+
+def test_every_request_is_finished_and_a_paused_block_is_not_recorded():
+    run = dl.launch(sends_then_collectives, world_size=2, timeout=60, output="quiet")
+    for records in run.results:
+        assert records == [("isend", True), ("irecv", True)] * 3 + [("all_reduce", True)]
+
+
 def test_diagnose_names_a_rank_waiting_in_a_different_collective():
     def rec(n, op, seq, finished=1.0, group="tp", ranks=(0, 1)):
         return dict(n=n, op=op, group=group, ranks=list(ranks), seq=seq, peer=None, bytes=4, entered=0.0,

@@ -40,10 +40,11 @@ same bytes, and the trace still shows one event per step (from the posting to th
 ``posted=False`` runs the textbook loop above, one blocking exchange per step, tested equal.
 
 What remains between this and ``all_to_all_single`` on gloo is not bytes but a fixed cost per call:
-2(N-1) posts and waits driven from the Python thread, which is then on the critical path (torch runs
-the same loop as one C++ call in gloo's worker thread). ``benchmarks/all_to_all.py`` measures a bare
-isend/irecv loop beside both, the ceiling of any send/recv implementation: this function sits at it,
-and both close on torch as blocks grow (the fixed cost amortised).
+2(N-1) posts and waits driven from the Python thread (torch runs the same loop as one C++ call in
+gloo's worker thread). It shows in small messages and where ranks outnumber cores (every rank's
+waiting and waking is then CPU time the others need); from about a megabyte the bytes dominate.
+``benchmarks/all_to_all.py`` measures a bare isend/irecv loop beside both, the ceiling of any
+send/recv implementation: this function sits at it.
 
 Blocks may differ in size (``splits``, row counts; empty blocks too). A receiver cannot know them
 in advance, so an uneven call first exchanges the row counts the same way (one int64 per block,
