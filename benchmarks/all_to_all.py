@@ -165,6 +165,17 @@ def _pooled(launches: list[list[dict]]) -> list[dict]:
              for nbytes, by_impl in rank.items()} for r, rank in enumerate(launches[0])]
 
 
+def _ratio_by_launch(launches: list[list[dict]]) -> dict:
+    """Per size, dl's busbw over torch's in each launch on its own: the spread the pooled figure hides."""
+    out = {}
+    for rows in launches:
+        t = {(r["impl"], r["bytes"]): r["median_s"] for r in rows}
+        for (impl, nbytes), seconds in sorted(t.items()):
+            if impl == "dl":
+                out.setdefault(nbytes, []).append(round(t["torch", nbytes] / seconds, 3))
+    return out
+
+
 def _over(rows, a, b):
     """Per world size, median over sizes from 1 MB up of busbw(a) / busbw(b)."""
     bw = {(r["world_size"], r["impl"], r["bytes"]): r["busbw_GBps"] for r in rows}
@@ -187,12 +198,13 @@ def main(argv=None):
     p.add_argument("--out", default=default_out("all_to_all"))
     a = p.parse_args(argv)
     sizes = [parse_size(s) for s in a.sizes.split(",")] if a.sizes else DEFAULT_SIZES
-    rows, backend, started = [], None, time.time()
+    rows, by_launch, backend, started = [], {}, None, time.time()
     for n in [int(x) for x in a.ranks.split(",")]:
         runs = [dl.launch(measure, world_size=n, args=(sizes, a.budget, a.min_reps, a.max_reps, a.calls),
                           backend=a.backend, output="live", timeout=1800) for _ in range(a.launches)]
         backend = runs[0].backend
         rows += slowest_rank_rows(_pooled([run.results for run in runs]), n, traffic=(n - 1) / n)
+        by_launch[n] = _ratio_by_launch([slowest_rank_rows(run.results, n, traffic=1.0) for run in runs])
     meta = {**machine_facts(started, backend), "dtype": "float32",
             "dl": "dl.comm.all_to_all (pairwise exchange)", "torch": "torch.distributed.all_to_all_single",
             "p2p": "bare isend/irecv loop (gloo's order, no checks or tracing): the send/recv ceiling",
@@ -210,7 +222,8 @@ def main(argv=None):
     write(a.out, {"meta": meta, "target": {"ratio": TARGET, "from_bytes": FROM,
                                            "met": bool(found) and all(r["met"] for r in found.values())},
                   "ratio_dl_over_torch": found, "ceiling_p2p_over_torch": ceiling,
-                  "ratio_dl_over_p2p": _over(rows, "dl", "p2p"), "results": rows},
+                  "ratio_dl_over_p2p": _over(rows, "dl", "p2p"),
+                  "ratio_dl_over_torch_by_launch": by_launch, "results": rows},
           lambda png: plot(rows, png, backend))
 
 

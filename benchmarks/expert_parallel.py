@@ -36,7 +36,7 @@ import distlab as dl  # noqa: E402
 from _results import machine_facts, parser, write  # noqa: E402
 from distlab.memory import optimizer_bytes, storage_bytes  # noqa: E402
 from distlab.models import GPT, GPTConfig, MarkovTokens, shard  # noqa: E402
-from distlab.strategies.expert import grad_sync  # noqa: E402
+from distlab.parallel.data.buckets import grad_summer  # noqa: E402
 
 SIDES = ("ep", "replicated")
 
@@ -47,7 +47,7 @@ def build(cfg: GPTConfig, seed: int, replicate: bool, lr: float):
     model = dl.ep.parallelize(GPT(cfg).to(dl.device()), replicate=replicate)
     split = {id(p) for p in dl.ep.expert_params(model)} if not replicate else set()
     dense = [p for p in model.parameters() if id(p) not in split]
-    return model, torch.optim.AdamW(model.parameters(), lr=lr), grad_sync(dense)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr), grad_summer(dense)
 
 
 def one_step(model, opt, sync, ids, targets, batch: int) -> float:

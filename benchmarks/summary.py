@@ -198,6 +198,11 @@ def all_to_all() -> list[str]:
     if ceiling:
         ceiling = (f" The same messages from a bare isend/irecv loop (no checks, no tracing: the most a "
                    f"send/recv implementation can reach here): {ceiling}.")
+    spread = ", ".join(f"{n} ranks: {min(v)}-{max(v)}x" for n, v in (
+        (n, [x for size, xs in sizes.items() if int(size) >= 1 << 20 for x in xs])
+        for n, sizes in d.get("ratio_dl_over_torch_by_launch", {}).items()) if v)
+    if spread:
+        ceiling += f" Single launches alone, from 1 MB up, ranged {spread}: the pooled median is the figure."
     met = "met" if d["target"]["met"] else "**not met**"
     return [f"**All-to-all** (`dl.comm.all_to_all`, pairwise exchange from send/recv, vs torch's "
             f"{d['meta']['backend']} `all_to_all_single`; busbw = S/t (N-1)/N; `benchmarks/all_to_all.py`). "

@@ -126,6 +126,7 @@ def read(path: str | Path) -> list[dict]:
 _listeners: list = []
 _installed: dict = {}
 _inside = threading.local()            # the operation this thread is inside, if any
+_NO_FUTURE: set = set()                # (op, id(group)) whose requests have no future (gloo's isend/irecv)
 
 
 @contextlib.contextmanager
@@ -218,12 +219,10 @@ def _finish(tokens: list) -> None:
 
 
 def _when_done(work, tokens: list, kind: tuple):
-    """An asynchronous operation finishes when the backend says so (collectives' futures) or, where
-    it cannot (gloo's send and receive), when it is waited for. ``kind`` (op, group) remembers which
-    cannot: torch's refusal is an exception that costs tens of microseconds, asked once per kind."""
+    """An asynchronous operation finishes when the backend says so (collectives' futures) or, where it
+    cannot (gloo's send and receive: asked once per ``kind``, a refusal costs ~30 us), when waited for."""
     if work is None:                                       # inside NCCL's coalescing manager
-        _finish(tokens)
-        return work
+        return _finish(tokens)
     if kind not in _NO_FUTURE:
         try:
             work.get_future().add_done_callback(lambda _: _finish(tokens))
@@ -231,9 +230,6 @@ def _when_done(work, tokens: list, kind: tuple):
         except (AttributeError, RuntimeError):
             _NO_FUTURE.add(kind)
     return _WaitedWork(work, lambda: _finish(tokens))
-
-
-_NO_FUTURE: set = set()              # (op, id(group)) whose requests have no future (gloo's isend/irecv)
 
 
 class _WaitedWork:

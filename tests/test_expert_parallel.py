@@ -244,6 +244,22 @@ def test_bad_input_says_what_to_change(monkeypatch):
     assert math.isfinite(dl.ep.capacity(10, 4, 2, 1.25))
 
 
+def _ep_group_not_a_run() -> str:
+    """world 4: experts over ranks {0, 2} (not consecutive) with the batch over the world: refused."""
+    import torch.distributed as dist
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    try:
+        dl.ep.MoE(8, 16, 4, group=groups[dl.rank() % 2], batch_group=dist.group.WORLD)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_an_ep_group_that_is_not_a_run_of_the_batch_group_is_refused():
+    for said in dl.launch(_ep_group_not_a_run, world_size=4, timeout=60, output="quiet").results:
+        assert "must be consecutive ranks of batch_group" in said and "arange(world).view(dp, ep)" in said
+
+
 @pytest.mark.parametrize("strategy, world", [("tp", 2), ("tp-sp", 2), ("cp-ring", 2), ("cp-ulysses", 2),
                                              ("3d:dp=1,tp=2,pp=1", 2), ("3d:dp=1,tp=1,pp=2", 2),
                                              ("3d:dp=2,tp=1,pp=1", 2)])

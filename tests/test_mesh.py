@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import distlab as dl
-from distlab.parallel.mesh import AXES, Coord, Mesh
+from distlab.parallel.mesh import AXES, Coord, Mesh, grid_rows
 from distlab.strategies.mesh import axis_of, parse
 
 
@@ -36,6 +36,17 @@ def test_layout_is_one_arange_view():
                     assert getattr(cq, axis) == i
                     assert all(getattr(cq, a) == getattr(c, a) for a in AXES if a != axis)
     assert "tp=0" in Mesh(2, 2, 2, world_size=8).table()
+
+
+def test_grid_rows_name_any_axes_and_spans_of_several():
+    """The groups of ranks differing only along some axes, read off arange(world).view(...) by hand."""
+    assert grid_rows({"dp": 2, "ep": 2}, ("ep",)) == [[0, 1], [2, 3]]
+    assert grid_rows({"dp": 2, "ep": 2}, ("dp",)) == [[0, 2], [1, 3]]
+    assert grid_rows({"dp": 2, "cp": 2, "tp": 2}, ("dp", "cp")) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert grid_rows({"dp": 3, "cp": 2, "tp": 1}, ("cp",)) == [[0, 1], [2, 3], [4, 5]]
+    assert grid_rows({"dp": 2, "pp": 3, "tp": 2}, ("pp",)) == Mesh(2, 2, 3, world_size=12).all_groups("pp")
+    with pytest.raises(ValueError, match="unknown axes"):
+        grid_rows({"dp": 2}, ("tp",))
 
 
 def test_bad_meshes_say_what_to_do():

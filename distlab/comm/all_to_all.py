@@ -116,7 +116,7 @@ def posted_steps(ring: Ring, name: str, send_blocks, recv_blocks, *, call: int, 
     recv_blocks[r].copy_(send_blocks[r])                               # overlaps the transfers
     for s, (dst, src) in enumerate(peers):
         send, recv = works[2 * s], works[2 * s + 1]
-        for w in (recv, send):
+        for w in (send, recv):                 # in the order posted
             if w is not None:
                 w.wait()
         if tr.enabled:                         # (the arguments alone cost a few microseconds a step)

@@ -30,6 +30,7 @@ traced collective on it says which link it used (``event.args["group"]``); outsi
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -97,13 +98,9 @@ class Mesh:
         return int(self.grid[dp, pp, tp])
 
     def all_groups(self, axis: str) -> list[list[int]]:
-        """Every group along ``axis``, each a list of global ranks in group-rank order.
-
-        Move ``axis`` last and read the grid row by row: each row varies only along ``axis``.
-        """
-        k = self._axis(axis)
-        order = [i for i in range(3) if i != k] + [k]
-        return self.grid.permute(*order).reshape(-1, self.grid.shape[k]).tolist()
+        """Every group along ``axis``, each a list of global ranks in group-rank order (`grid_rows`)."""
+        self._axis(axis)
+        return grid_rows(self.sizes, (axis,))
 
     def ranks(self, axis: str, rank: int | None = None) -> list[int]:
         """The members of ``rank``'s group along ``axis`` (``rank`` included), in group-rank order."""
@@ -152,13 +149,8 @@ class Mesh:
 
     def _create_groups(self) -> None:
         """Every rank creates every group, axis by axis in `AXES` order, and keeps the ones it is in,
-        named by its axis (`collectives.name_group`): every comm event on it is tagged ``group="tp"``..."""
-        for axis in AXES:
-            for members in self.all_groups(axis):
-                group = dist.new_group(members)
-                if self.rank in members:
-                    self._groups[axis] = group
-                    collectives.name_group(group, axis)
+        named by its axis (`grid_groups`): every comm event on it is tagged ``group="tp"``..."""
+        self._groups = grid_groups(self.sizes, {axis: (axis,) for axis in AXES})
 
     # -- helpers -------------------------------------------------------------------------------
     def _me(self, rank: int | None) -> int:
@@ -185,6 +177,44 @@ class Mesh:
     def __repr__(self) -> str:
         where = "" if self.rank is None else f", rank {self.rank} at {self.coords()}"
         return f"Mesh(dp={self.dp}, tp={self.tp}, pp={self.pp}{where})"
+
+
+def grid_rows(sizes: dict[str, int], along: tuple[str, ...]) -> list[list[int]]:
+    """Every group of ranks that differ only along the axes ``along`` of
+    ``grid = torch.arange(world).view(*sizes.values())`` (axes named by ``sizes``' keys, slowest first),
+    each in group-rank order: move ``along`` last and read the grid row by row.
+
+        sizes = {"dp": 2, "cp": 2}:   along ("cp",) -> [[0, 1], [2, 3]]     along ("dp",) -> [[0, 2], [1, 3]]
+                                      along ("dp", "cp") -> [[0, 1, 2, 3]]
+    """
+    names = list(sizes)
+    unknown = [a for a in along if a not in names]
+    if unknown:
+        raise ValueError(f"unknown axes {unknown}: the grid's axes are {names}")
+    grid = torch.arange(math.prod(sizes.values())).view(*sizes.values())
+    kept = [names.index(a) for a in names if a not in along]
+    moved = [names.index(a) for a in along]
+    width = math.prod(sizes[a] for a in along)
+    return grid.permute(*kept, *moved).reshape(-1, width).tolist()
+
+
+def grid_groups(sizes: dict[str, int], spans: dict[str, tuple[str, ...]]) -> dict[str, object]:
+    """This rank's process group for each name in ``spans``: the ranks that differ from it only along
+    ``spans[name]`` (`grid_rows`). Every rank creates every group, name by name and row by row in the
+    same order (``new_group`` is collective over the world), and keeps its own, named by ``name``
+    (`collectives.name_group`), so each traced collective on it says which link it used.
+
+        grid_groups({"dp": D, "ep": E}, {"ep": ("ep",), "dp": ("dp",)})     expert x data parallelism
+        grid_groups({"dp": D, "cp": C, "tp": T}, {"tp": ("tp",), "cp": ("cp",), "dp": ("dp", "cp")})
+    """
+    me, mine = dist.get_rank(), {}
+    for name, along in spans.items():
+        for members in grid_rows(sizes, along):
+            group = dist.new_group(members)
+            if me in members:
+                mine[name] = group
+                collectives.name_group(group, name)
+    return mine
 
 
 def _suggest(world: int) -> str:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 
 import torch
-import torch.distributed as dist
 
 from ..checkpoint.state import model_parallel_state, replicated_state
 from ..memory import replica_memory
@@ -39,6 +38,7 @@ from ..parallel import tensor as tp_lib
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.context.layout import check_length
 from ..parallel.data import DDP
+from ..parallel.mesh import grid_groups
 from ..runtime import rank, world_size
 from .base import (RankResult, TrainSpec, autocast, build_model, global_batch, loss_fn, rank0_copy,
                    require_rows)
@@ -83,31 +83,17 @@ def check(spec: TrainSpec, world: int) -> tuple[int, int, bool]:
 
 
 def cp_group(dp: int, cp: int):
-    """(this rank's replica index, its context-parallel group): row d of arange(world).view(dp, cp).
-    Every rank creates every group, in the same order (``new_group`` is collective over the world)."""
+    """(this rank's replica index, its context-parallel group): row d of arange(world).view(dp, cp)."""
     if dp == 1:
         return 0, None
-    rows = torch.arange(dp * cp).view(dp, cp).tolist()
-    groups = [dist.new_group(row) for row in rows]
-    d = rank() // cp
-    C.name_group(groups[d], "cp")
-    return d, groups[d]
+    return rank() // cp, grid_groups({"dp": dp, "cp": cp}, {"cp": ("cp",)})["cp"]
 
 
 def mesh_groups(dp: int, cp: int, tp: int) -> tuple[int, dict]:
     """cp x tp: (replica index d, this rank's groups) on ``grid = arange(world).view(dp, cp, tp)``:
     "tp" ``grid[d, c, :]``, "cp" ``grid[d, :, t]``, "dp" ``grid[:, :, t]`` (the replicas of its shards)."""
-    grid = torch.arange(dp * cp * tp).view(dp, cp, tp)
-    rows = {"tp": grid.reshape(-1, tp), "cp": grid.permute(0, 2, 1).reshape(-1, cp),
-            "dp": grid.permute(2, 0, 1).reshape(tp, -1)}
-    mine = {}
-    for axis, members in rows.items():
-        for row in members.tolist():
-            group = dist.new_group(row)
-            if rank() in row:
-                mine[axis] = group
-                C.name_group(group, axis)
-    return rank() // (cp * tp), mine
+    groups = grid_groups({"dp": dp, "cp": cp, "tp": tp}, {"tp": ("tp",), "cp": ("cp",), "dp": ("dp", "cp")})
+    return rank() // (cp * tp), groups
 
 
 def train_rank(spec: TrainSpec) -> RankResult:

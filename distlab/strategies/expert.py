@@ -7,7 +7,7 @@ parameter, and sees its own rows of the global batch (uneven splits allowed)::
     rank r: rows r of the batch -> attention (local) -> MoE: all-to-all to the experts' ranks,
             experts, all-to-all back -> ... -> loss share
     after backward: dense gradients summed over the group (one flat all-reduce per ~25 MB bucket,
-            `data.buckets.bucketize`); expert gradients already whole
+            `data.buckets.grad_summer`); expert gradients already whole
 
 Losses: each rank backpropagates its *share* of the global batch's loss, (n_r / B) * CE_r plus its
 share of the load-balancing term (`router.load_balancing_loss`), over ``grad_accum``. Summed over the
@@ -40,10 +40,10 @@ import torch.distributed as dist
 from .. import models
 from ..checkpoint.state import model_parallel_state
 from ..memory import replica_memory
-from ..parallel import collectives as C
 from ..parallel import expert as ep
 from ..parallel.clip import clip_grad_norm_
-from ..parallel.data.buckets import bucketize
+from ..parallel.data.buckets import grad_summer
+from ..parallel.mesh import grid_groups
 from ..runtime import rank, world_size
 from .base import (RankResult, TrainSpec, autocast, build_model, global_batch, loss_fn, make_optimizer,
                    require_rows)
@@ -78,13 +78,7 @@ def groups(dp: int, n: int):
     (dp == 1: the world, None)."""
     if dp == 1:
         return None, None
-    grid, mine = torch.arange(n).view(dp, n // dp), {}
-    for axis, rows in (("ep", grid), ("dp", grid.t())):
-        for row in rows.tolist():
-            group = dist.new_group(row)
-            if rank() in row:
-                mine[axis] = group
-                C.name_group(group, axis)
+    mine = grid_groups({"dp": dp, "ep": n // dp}, {"ep": ("ep",), "dp": ("dp",)})
     return mine["ep"], mine["dp"]
 
 
@@ -95,20 +89,6 @@ def replicated(spec: TrainSpec) -> bool:
     if how not in ("split", "replicated"):
         raise ValueError(f"options['experts']={how!r}: choose 'split' (expert parallelism) or 'replicated'")
     return how == "replicated"
-
-
-def grad_sync(params: list[torch.Tensor], bucket_mb: float = 25.0):
-    """A function summing the gradients of ``params`` (the replicated ones) over the world: one flat
-    all-reduce per bucket of ~``bucket_mb`` MB (`data.buckets.bucketize`: reverse order, one dtype)."""
-    buckets = bucketize(params, bucket_mb)
-
-    def sync() -> None:
-        for bucket in buckets:
-            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in bucket]
-            flat = C.all_reduce(torch.cat([g.flatten() for g in grads]))          # (sum of numel,)
-            for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
-                p.grad = g.view_as(p)
-    return sync
 
 
 def train_rank(spec: TrainSpec) -> RankResult:
@@ -123,7 +103,9 @@ def train_rank(spec: TrainSpec) -> RankResult:
     params = optimizer.param_groups[0]["params"]
     experts = [] if copies else ep.expert_params(model)
     dense = [p for p in params if all(p is not e for e in experts)]
-    sync_dense = grad_sync(dense, float(spec.options.get("bucket_mb", 25.0)))
+    bucket_mb = float(spec.options.get("bucket_mb", 25.0))
+    sync_dense = grad_summer(dense, bucket_mb)                 # dense: summed over the world
+    sync_experts = grad_summer(experts if dp > 1 else [], bucket_mb, dp_group)   # over their replicas
     criterion = loss_fn(spec)
 
     def forward(step: int, micro: int) -> torch.Tensor:
@@ -134,11 +116,8 @@ def train_rank(spec: TrainSpec) -> RankResult:
         return (ce * xs.shape[0] / x.shape[0] + model.aux_loss()) / spec.grad_accum
 
     def sync_grads() -> None:
-        sync_dense()                                           # dense: summed over the world
-        for p in experts if dp > 1 else ():                   # the same experts' replicas
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            C.all_reduce(p.grad, dp_group)
+        sync_dense()
+        sync_experts()
 
     layout = {"ep": 1 if copies else n // dp} | ({"dp": dp} if dp > 1 else {})
     state = model_parallel_state(model, params, model, optimizer, loss_weight=True, keeps_history=r == 0,

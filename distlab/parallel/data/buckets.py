@@ -53,6 +53,22 @@ def bucketize(params: list[torch.Tensor], bucket_mb: float) -> list[list[torch.T
     return buckets
 
 
+def grad_summer(params: list[torch.Tensor], bucket_mb: float = 25.0, group=None):
+    """A function that sums the gradients of ``params`` over ``group``: one flat all-reduce per bucket of
+    about ``bucket_mb`` MB (`bucketize`: reverse order, one dtype), a missing gradient counted as zeros.
+    A sum, not DDP's average: for losses already scaled by each rank's share of the batch (``ep``)."""
+    from ..collectives import all_reduce
+    buckets = bucketize(params, bucket_mb)
+
+    def sum_grads() -> None:
+        for bucket in buckets:
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in bucket]
+            flat = all_reduce(torch.cat([g.flatten() for g in grads]), group)      # (sum of numel,)
+            for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
+                p.grad = g.view_as(p)
+    return sum_grads
+
+
 class FlatBucket:
     """Parameters laid out back to back in one flat buffer padded to a multiple of ``world``.
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ...runtime import group_members
 from .. import collectives as C
 from . import dispatch as D
 from .router import Router, load_balancing_loss
@@ -79,6 +80,8 @@ class MoE(nn.Module):
             raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
         self.experts, self.top_k, self.capacity_factor, self.group = experts, top_k, capacity_factor, group
         self.replicate = replicate
+        if batch_group is not None and group is not D.LOCAL:
+            _check_run(group, batch_group)
         self.batch_group = batch_group           # the ranks the batch is split over (None: ``group``)
         self.router = Router(hidden, experts, top_k)
         per_rank = experts // n
@@ -115,6 +118,17 @@ class MoE(nn.Module):
             for name, param in new.local.named_parameters():
                 param.copy_(getattr(self.local, name)[first:first + count])
         return new.to(self.router.gate.weight.device, self.router.gate.weight.dtype)
+
+
+def _check_run(group, batch_group) -> None:
+    """`dispatch.plan` finds the parts of ``group``'s ranks in ``batch_group`` by one offset: ``group``
+    must be a run of consecutive ranks of ``batch_group`` (a row of ``arange(world).view(dp, ep)``)."""
+    inner, outer = group_members(group), group_members(batch_group)
+    at = outer.index(inner[0]) if inner[0] in outer else -1
+    if at < 0 or outer[at:at + len(inner)] != inner:
+        raise ValueError(f"the expert-parallel group (ranks {list(inner)}) must be consecutive ranks of "
+                         f"batch_group (ranks {list(outer)}): make the ep groups the rows of "
+                         "arange(world).view(dp, ep), as dl.parallel.mesh.grid_groups does")
 
 
 def parallelize(model: nn.Module, group=None, replicate: bool = False, batch_group=None) -> nn.Module:
