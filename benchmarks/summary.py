@@ -191,7 +191,10 @@ def all_to_all() -> list[str]:
     rows = [f"| {n} | {nbytes / 2**20:g} MiB | {v['dl']:.3f} | {v['torch']:.3f} | "
             f"{v['dl'] / v['torch']:.2f}x | " + (f"{v['p2p'] / v['torch']:.2f}x |" if "p2p" in v else "- |")
             for (n, nbytes), v in sorted(by.items()) if nbytes >= 1 << 20 and "dl" in v and "torch" in v]
+    cores = d["meta"].get("cpus")
     ratios = ", ".join(f"{n} ranks: min {r['min_ratio_from_1MB']:.2f}x"
+                       + (f" (oversubscribed: {n} ranks on {cores} cores, shown, not judged)"
+                          if r.get("oversubscribed") else "")
                        for n, r in d["ratio_dl_over_torch"].items())
     ceiling = ", ".join(f"{n} ranks: median {r['median_ratio_from_1MB']:.2f}x"
                         for n, r in d.get("ceiling_p2p_over_torch", {}).items())

@@ -111,6 +111,7 @@ def run(spec, sizes: list[int], launch_once):
         except LaunchError as err:
             if attempt == len(sizes):
                 err.restarts = restarts
+                checkpointing.clear_heartbeat(spec.options["checkpoint_dir"])
                 raise
             record, resume = _after_failure(err, spec, attempt, n, sizes[attempt], started, first_start)
             restarts.append(record)
@@ -119,6 +120,7 @@ def run(spec, sizes: list[int], launch_once):
             current = replace(current, options={**options, "resume": resume})
             continue
         report.restarts = restarts
+        checkpointing.clear_heartbeat(spec.options["checkpoint_dir"])
         return report
     raise AssertionError("unreachable: the last attempt returns or raises")
 

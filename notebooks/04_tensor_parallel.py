@@ -36,7 +36,7 @@
 # [gpt.py](../distlab/parallel/tensor/gpt.py) (`parallelize`), then [plan.py](../distlab/parallel/tensor/plan.py)
 # (`parallelize(model, plan=...)` for any model). The layers carry no trace labels: every
 # collective is recorded by [distlab/parallel/collectives.py](../distlab/parallel/collectives.py), and we
-# name the modules from outside with its `label_modules`.
+# name the modules from outside with `label_modules` ([labels.py](../distlab/parallel/labels.py)).
 
 # %%
 import torch
@@ -45,7 +45,7 @@ import matplotlib.pyplot as plt
 import distlab as dl
 from distlab.models import GPT, GPTConfig, MarkovTokens
 from distlab.memory import measure_layer
-from distlab.parallel import collectives
+from distlab.parallel import labels
 from distlab.theory.activations import predicted_layer_bytes, unmodelled_bytes
 
 CFG = GPTConfig(vocab=64, seq_len=32, d_model=64, heads=4, layers=2)   # the "gpt-tiny" preset
@@ -161,7 +161,7 @@ for sp in (False, True):
 #
 # Every collective records its op, message size and bytes in the trace, and two tags the wrapper finds out by
 # itself: `operator`, the function that called it (`ReduceFromRegion.forward` is *g*, `CopyToRegion.backward` is
-# *f*), and `phase="backward"` when autograd's engine is running. Which layer? `collectives.label_modules(gpt)`
+# *f*), and `phase="backward"` when autograd's engine is running. Which layer? `labels.label_modules(gpt)`
 # puts hooks on every submodule (from outside the model): forward hooks open a `scope(where=<module name>)`, and
 # write the name into the autograd nodes the module creates, which the backward collectives read. Let's compare.
 
@@ -169,7 +169,7 @@ for sp in (False, True):
 def one_step(sequence_parallel):
     torch.manual_seed(0)
     gpt = dl.tp.parallelize(GPT(CFG), sequence_parallel=sequence_parallel)
-    collectives.label_modules(gpt)         # where=<module name> on each collective, by hooks
+    labels.label_modules(gpt)              # where=<module name> on each collective, by hooks
     ids, targets = MarkovTokens(CFG.vocab, CFG.seq_len).batch(0, B)
     dl.tracer().clear()
     gpt.loss(ids, targets).backward()
@@ -385,7 +385,7 @@ def my_model_step():
     ids, targets = MarkovTokens(CFG.vocab, CFG.seq_len).batch(0, B)
     torch.manual_seed(0); full = MyLM()
     torch.manual_seed(0); tp = dl.tp.parallelize(MyLM(), plan=PLAN)
-    collectives.label_modules(tp)
+    labels.label_modules(tp)
     dl.tracer().clear()
     losses = [F.cross_entropy(m(ids).flatten(0, 1), targets.flatten()) for m in (full, tp)]
     for loss in losses:

@@ -177,3 +177,21 @@ def test_ddp_grad_accum_equals_big_batch():
     assert same_losses(acc.losses, big.losses)
     for k, v in big.params.items():
         assert torch.allclose(acc.params[k], v, rtol=1e-5, atol=1e-7), k
+
+
+def _fp16_averages(comm: str) -> list[float]:
+    """Every rank holds 30000 in fp16 (max 65504): the sum of four overflows, the mean does not."""
+    from distlab.parallel.collectives import Collectives
+    c = Collectives(comm)
+    t = torch.full((8,), 30000.0, dtype=torch.float16)
+    c.all_reduce(t, op="avg").wait()
+    flat, out = torch.full((8,), 30000.0, dtype=torch.float16), torch.empty(2, dtype=torch.float16)
+    c.reduce_scatter(flat, out, op="avg").wait()
+    c.close()
+    return [float(t.max()), float(out.max())]
+
+
+@pytest.mark.parametrize("comm", ["torch", "ring"])
+def test_an_fp16_average_divides_before_it_sums(comm):
+    for averages in dl.launch(_fp16_averages, world_size=4, args=(comm,), timeout=60).results:
+        assert averages == [30000.0, 30000.0]

@@ -244,6 +244,17 @@ def test_bad_input_says_what_to_change(monkeypatch):
     assert math.isfinite(dl.ep.capacity(10, 4, 2, 1.25))
 
 
+def test_balance_loss_riders_come_off():
+    """ride_balance_losses: one term per MoE forward while riding, none after remove()."""
+    model = torch.nn.Sequential(*[dl.ep.MoE(8, 16, 4, group=dl.ep.LOCAL) for _ in range(2)])
+    riders = dl.ep.ride_balance_losses(model, 0.01, lambda out: 1.0)
+    model(torch.randn(6, 8))
+    assert len(riders) == 2 and len(riders.handles) == 2
+    riders.remove()
+    model(torch.randn(6, 8))
+    assert len(riders) == 2 and not riders.handles
+
+
 def _ep_group_not_a_run() -> str:
     """world 4: experts over ranks {0, 2} (not consecutive) with the batch over the world: refused."""
     import torch.distributed as dist

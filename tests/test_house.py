@@ -18,7 +18,7 @@ SOURCES = sorted(PACKAGE.rglob("*.py"))
 MAX_FUNCTION_LINES = 60          # statements of a function, its docstring not counted
 MAX_FILE_LINES = 400
 # where tracing and measuring attach (everything else in parallel/ is algorithm)
-INSTRUMENTATION_FILES = {"collectives.py", "measure.py"}
+INSTRUMENTATION_FILES = {"collectives.py", "labels.py", "measure.py"}   # the tracing itself
 
 
 def _functions(tree: ast.AST):

@@ -142,12 +142,12 @@ def _labelled_backward(sp: bool, schedule: str | None):
     """Backward TP collectives of one step, as (where, op, operator) per pass, of a TP GPT labelled by
     `label_modules`: plain ``loss.backward()`` (schedule None) or a one-stage pipeline (I and W)."""
     import torch.distributed as dist
-    from distlab.parallel import collectives as C
+    from distlab.parallel import labels
     alone = [dist.new_group([r]) for r in range(dl.world_size())][dl.rank()]   # a pipeline of one stage
     torch.manual_seed(0)
     gpt = dl.tp.parallelize(models.GPT(models.GPTConfig(vocab=32, seq_len=8, d_model=16, heads=2, layers=2)),
                             sequence_parallel=sp)
-    C.label_modules(gpt)
+    labels.label_modules(gpt)
     ids, targets = models.MarkovTokens(32, 8, seed=0).batch(0, 4)
 
     def loss_fn(logits, y):

@@ -28,6 +28,7 @@ def test_restart_on_the_same_world_size_is_bit_for_bit(tmp_path, no_leaks, capfd
     assert (r.reached_step, r.resumed_from, r.lost_steps) == (5, 4, 1)      # steps 0..4 done, step_4 saved
     assert 0 < r.lost_seconds < 60 and "SIGKILL" in r.reason
     assert report.results[0].info["checkpoint"]["resumed_from"] == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_4", "step_6"]   # no heartbeat
     err = capfd.readouterr().err
     assert "distlab: restart 1: attempt 1 on 3 ranks failed after step 5 (rank 2 was killed by SIGKILL" in err
     assert "relaunching on 3 ranks from checkpoint step 4: 1 step(s)" in err

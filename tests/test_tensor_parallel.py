@@ -9,7 +9,7 @@ import torch.nn as nn
 import distlab as dl
 from distlab.memory import measure_layer
 from distlab.models import GPT, GPTConfig, MarkovTokens
-from distlab.parallel import collectives as C
+from distlab.parallel import labels
 from distlab.theory.activations import predicted_layer_bytes, unmodelled_bytes
 
 TINY = dict(vocab=64, seq_len=32, d_model=64, heads=4, layers=2)
@@ -206,7 +206,7 @@ def inside(event, module: str) -> bool:
 def _one_step(sp, batch, recompute=False):
     torch.manual_seed(0)
     gpt = dl.tp.parallelize(GPT(GPTConfig(**TINY)), sequence_parallel=sp)
-    C.label_modules(gpt)
+    labels.label_modules(gpt)
     ids, targets = MarkovTokens(64, 32).batch(0, batch)
     dl.tracer().clear()
     if recompute:                       # each block's whole forward again in the backward

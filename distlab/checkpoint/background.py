@@ -66,3 +66,10 @@ class BackgroundWriter:
                 raise err
             raise store.CheckpointError(f"a background checkpoint save failed: {type(err).__name__}: {err}") \
                 from err
+
+    def close(self) -> None:
+        """Wait for the save in flight, then give the writer's process group back (the end of training)."""
+        self.wait()
+        if self.pg is not None:
+            dist.destroy_process_group(self.pg)
+            self.pg = None

@@ -216,7 +216,7 @@ class Checkpointer:
         {"mode", "stall_s", "write_s"}}`` (seconds per save: training stalled, writing took) (the end of
         training: the directory is free for the next run). Waits for a background save still in flight."""
         if self.writer is not None:
-            self.writer.wait()
+            self.writer.close()
         if self._lock is not None:
             _HELD.pop(str(Path(self.directory).resolve()), None)
             os.close(self._lock)
@@ -261,6 +261,11 @@ def _beat(directory, done: int) -> None:
     part = path.with_name(HEARTBEAT + ".part")
     part.write_text(json.dumps({"step": done, "time": time.time()}))
     os.replace(part, path)
+
+
+def clear_heartbeat(directory) -> None:
+    """Remove the heartbeat once the restarts are over (it is their bookkeeping, not a checkpoint)."""
+    (Path(directory) / HEARTBEAT).unlink(missing_ok=True)
 
 
 def heartbeat(directory) -> dict | None:

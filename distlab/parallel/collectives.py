@@ -27,8 +27,8 @@ Tensor-parallel collectives (called by `tensor/regions.py`) run the ``torch.dist
 and record the bytes a ring moves for it, as `dl.comm.ring_bytes` counts them: for a message of S
 bytes over t ranks, all_reduce 2 (t-1)/t S, all_gather (S: the output) and reduce_scatter (S: the
 input) (t-1)/t S each. The operators pass no labels: an event gets the open scopes' tags plus what
-the call reveals (`derived_tags`), and `label_modules(model)` names the modules from outside. With
-a group of one rank (or no process group) every collective is the identity and records nothing.
+the call reveals (`derived_tags`), and `labels.label_modules(model)` names the modules from outside.
+With a group of one rank (or no process group) every collective is the identity and records nothing.
 """
 from __future__ import annotations
 
@@ -39,7 +39,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from ..comm import ring_bytes
 from ..runtime import group_rank, group_size, tracer
@@ -141,7 +140,8 @@ class Collectives:
     # -- the three collectives ---------------------------------------------------------------
     @torch.no_grad()
     def all_reduce(self, t: torch.Tensor, op: str = "avg", async_op: bool = False) -> Handle:
-        """Reduce ``t`` in place over the group (op "sum" or "avg")."""
+        """Reduce ``t`` in place over the group (op "sum" or "avg"; an fp16 average divides first)."""
+        op = self._divide_first(t, op)
         if self.comm == "ring":
             from .. import comm as ring
             return self._ring(partial(ring.pipelined_all_reduce, t, op=op, group=self.group), async_op)
@@ -157,6 +157,7 @@ class Collectives:
         if flat.numel() != self.size * out.numel():
             raise ValueError(f"reduce_scatter needs a flat buffer padded to {self.size} x {out.numel()} "
                              f"elements, got {flat.numel()}")
+        op = self._divide_first(flat, op)
         if self.comm == "ring":
             from .. import comm as ring
             scatter = partial(ring.pipelined_reduce_scatter, flat, op=op, group=self.group, out=out)
@@ -164,6 +165,15 @@ class Collectives:
         work = dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         post = (lambda: out.div_(self.size)) if op == "avg" else None
         return self._torch(work, "reduce_scatter", flat.numel(), flat.element_size(), async_op, post)
+
+    def _divide_first(self, t: torch.Tensor, op: str) -> str:
+        """An fp16 average divides by N before summing, as torch's DDP ``allreduce_hook`` does for every
+        dtype: the sum of N gradients can overflow fp16's 65504 where their mean would not (log2 N bits
+        of headroom). fp32 and bf16 sum first and divide once (one rounding less)."""
+        if op != "avg" or t.dtype != torch.float16 or self.size == 1:
+            return op
+        t.div_(self.size)
+        return "sum"
 
     @torch.no_grad()
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Handle:
@@ -327,11 +337,12 @@ def split(t: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     return t.chunk(n, dim)[group_rank(group)].contiguous()
 
 
-# -- tags the wrapper derives, and module names attached from outside -------------------------
+# -- tags the wrapper derives (module names are attached from outside: `labels.label_modules`) ------
 def derived_tags() -> dict:
     """The open scopes' tags, plus what a collective sees for itself: ``operator``, the function that
     called it (``CopyToRegion.backward``); inside autograd's backward ``phase="backward"`` and ``where``,
-    the module whose forward made the node being run (`label_modules` wrote it; a scope's ``where`` wins)."""
+    the module whose forward made the node being run (`labels.label_modules` wrote it; a scope's
+    ``where`` wins)."""
     tags = {"operator": _caller(), **current_tags()}
     if torch._C._current_graph_task_id() != -1:
         tags["phase"] = "backward"
@@ -347,52 +358,3 @@ def _caller() -> str:
     while frame.f_globals.get("__name__") == __name__:          # the caller is never this file
         frame = frame.f_back
     return frame.f_code.co_qualname.replace("<locals>.", "")
-
-
-def label_modules(model: nn.Module) -> list:
-    """Tag every collective issued inside a submodule of ``model`` with ``where=<its name>``, from outside
-    (a strategy, lesson or test calls it, never the layers); returns the hook handles.
-    forward   a pre-hook opens ``scope(where=name, phase="forward")``, the forward hook closes it
-              (nested modules: the innermost name wins);
-    backward  the forward hook writes ``name`` into the metadata of each autograd node the module created
-              and of the gradient accumulators of its parameters: `derived_tags` reads it from the node
-              the engine runs (backward collectives, parameter gradient hooks, recomputation alike).
-    """
-    handles = []
-    for name, module in model.named_modules():
-        if name:
-            handles += [module.register_forward_pre_hook(partial(_enter, name)),
-                        module.register_forward_hook(partial(_leave, name), always_call=True)]
-    return handles
-
-
-_open: list = []          # (scope, first autograd node number) of each module whose forward runs
-
-
-def _enter(name: str, module, args) -> None:
-    tags = scope(where=name, phase="forward")
-    tags.__enter__()
-    _open.append((tags, torch._C._autograd._get_sequence_nr()))       # the next node's number
-
-
-def _leave(name: str, module, args, output) -> None:
-    tags, first = _open.pop()
-    tags.__exit__(None, None, None)
-    outputs = output if isinstance(output, (tuple, list)) else (output,)
-    _label_nodes([t.grad_fn for t in outputs if isinstance(t, torch.Tensor)], name, first)
-
-
-def _label_nodes(stack: list, name: str, first: int) -> None:
-    """``metadata["where"] = name`` on the nodes reachable from ``stack`` numbered ``first`` or later
-    (created in this forward; inner modules labelled theirs first) and on the accumulators they feed."""
-    seen = set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if hasattr(node, "variable"):                   # AccumulateGrad: a leaf's gradient lands here
-            node.metadata.setdefault("where", name)
-        elif node._sequence_nr() >= first:
-            node.metadata.setdefault("where", name)
-            stack += [child for child, _ in node.next_functions]

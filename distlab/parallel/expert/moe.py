@@ -177,18 +177,29 @@ class AuxLoss(torch.autograd.Function):
         return grad, torch.ones(shape, dtype=dtype, device=dev)
 
 
-def ride_balance_losses(model: nn.Module, coef: float, share) -> list[torch.Tensor]:
+class Riders(list):
+    """The (detached) balance-loss term of each forward, for reporting; ``remove()`` takes the hooks off."""
+
+    def __init__(self):
+        super().__init__()
+        self.handles: list = []
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def ride_balance_losses(model: nn.Module, coef: float, share) -> Riders:
     """Make every `MoE` of ``model`` carry ``coef * share(output) * balance_loss`` into backward on its
     output (`AuxLoss`), a forward hook each; ``share(output)``: that forward's part of the loss (rows of
-    the batch it saw). Returns the list each forward appends its (detached) term to, for reporting."""
-    values: list[torch.Tensor] = []
+    the batch it saw). Returns the list each forward appends its term to (`Riders`: ``.remove()``)."""
+    values = Riders()
 
     def hook(module: MoE, args, out: torch.Tensor) -> torch.Tensor:
         aux = module.balance_loss * (coef * share(out))
         values.append(aux.detach())
         return AuxLoss.apply(out, aux)
 
-    for m in model.modules():
-        if isinstance(m, MoE):
-            m.register_forward_hook(hook)
+    values.handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, MoE)]
     return values

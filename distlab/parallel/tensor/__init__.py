@@ -11,7 +11,7 @@ Reading order:
     plan.py      parallelize(model, plan={...}): any model, module by module (torch's parallelize_module)
 
 The layers carry no trace labels: `distlab.parallel.collectives` records every collective, and
-``collectives.label_modules(model)`` names the modules from outside.
+``labels.label_modules(model)`` names the modules from outside.
 """
 from .gpt import TensorParallelGPT, full_grads, full_state_dict, gather_logits, parallelize
 from .layers import ParallelAttention, ParallelMLP
