@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ...models import GPT
-from ..tensor import TensorParallelGPT, copy_to_region
+from ..tensor import ParallelAttention, TensorParallelGPT
+from ..tensor.layers import shared_input
 from ...runtime import group_size
 from .layout import split
 from .ring_attention import ring_attention
@@ -48,26 +48,27 @@ class ContextParallelAttention(nn.Module):
     """The GPT's causal self-attention on a sequence part: local projections, distributed core."""
 
     def __init__(self, q: nn.Linear, k: nn.Linear, v: nn.Linear, proj: nn.Linear, head_dim: int,
-                 attention: str = "ring", group=None, zigzag: bool = True, tp_group=None):
+                 attention: str = "ring", group=None, zigzag: bool = True, tensor_parallel: bool = False,
+                 tp_group=None):
         super().__init__()
         if attention not in ATTENTIONS:
             raise ValueError(f"attention={attention!r}: choose one of {sorted(ATTENTIONS)}")
         self.q, self.k, self.v, self.proj, self.head_dim = q, k, v, proj, head_dim
         self.core, self.group, self.zigzag = ATTENTIONS[attention], group, zigzag
-        self.tp_group, self.tensor_parallel = tp_group, hasattr(proj, "shard_dims")   # cp x tp: my heads
+        self.tensor_parallel, self.tp_group = tensor_parallel, tp_group          # cp x tp: my heads
 
     @classmethod
     def from_module(cls, attn: nn.Module, **kw) -> "ContextParallelAttention":
         """From the GPT's attention, or from `dl.tp`'s `ParallelAttention` (its heads, its tp group)."""
-        return cls(attn.q, attn.k, attn.v, attn.proj, attn.head_dim, tp_group=getattr(attn, "group", None),
-                   **kw)
+        tp = isinstance(attn, ParallelAttention)
+        return cls(attn.q, attn.k, attn.v, attn.proj, attn.head_dim, tensor_parallel=tp,
+                   tp_group=attn.group if tp else None, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape                                                  # (b, s/n, h)
-        if self.tensor_parallel:                                           # Megatron's f, once for q, k, v
-            x = copy_to_region(x, self.tp_group)
-        q, k, v = (F.linear(x, lin.weight, lin.bias).view(b, s, -1, self.head_dim).transpose(1, 2)
-                   for lin in (self.q, self.k, self.v))                   # (b, heads[/t], s/n, d_head)
+        linears = [self.q, self.k, self.v]
+        qkv = shared_input(x, linears, self.tp_group) if self.tensor_parallel else [lin(x) for lin in linears]
+        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in qkv)   # (b, heads[/t], s/n, d)
         out = self.core(q, k, v, causal=True, group=self.group, zigzag=self.zigzag)
         return self.proj(out.transpose(1, 2).reshape(b, s, -1))            # (b, s/n, h)
 

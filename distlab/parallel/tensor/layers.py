@@ -46,12 +46,18 @@ class ParallelAttention(nn.Module):
                    RowParallelLinear.from_linear(attn.proj, **kw), attn.head_dim, group, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            q, k, v = gathered_linears(x, [self.q, self.k, self.v], self.group)   # (b, s/t, h) in
-        else:
-            x = ops.copy_to_region(x, self.group)
-            q, k, v = (F.linear(x, lin.weight, lin.bias) for lin in (self.q, self.k, self.v))
+        q, k, v = shared_input(x, [self.q, self.k, self.v], self.group, self.sequence_parallel)
         return self.proj(causal_attention(q, k, v, self.head_dim))     # (b, s, h/t): my heads only
+
+
+def shared_input(x: torch.Tensor, linears: list, group=None, sequence_parallel: bool = False) -> tuple:
+    """Column-parallel ``linears`` (q, k, v) on one input: Megatron's f once for all of them, not once
+    each (its backward all-reduces the sum of their input gradients in one call); with sequence
+    parallelism one all-gather of the (b, s/t, h) shard instead. One (b, s, out/t) output per linear."""
+    if sequence_parallel:
+        return gathered_linears(x, linears, group)
+    x = ops.copy_to_region(x, group)
+    return tuple(F.linear(x, lin.weight, lin.bias) for lin in linears)
 
 
 class ParallelMLP(nn.Module):
