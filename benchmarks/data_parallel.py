@@ -33,35 +33,19 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import distlab as dl  # noqa: E402
 from _results import machine_facts, parser, write  # noqa: E402
+from _sides import STATES, Side, global_mean, sampled_states, sync, take_turns, torch_states  # noqa: E402
 from distlab.models import build, dataset_for  # noqa: E402
 from distlab.memory import optimizer_bytes, replica_memory, storage_bytes, zero_memory  # noqa: E402
 
 PAIRS = {"ddp": ("dl.DDP", "torch DDP"), "zero1": ("dl.ShardedOptimizer", "torch ZeroRedundancyOptimizer"),
          "zero3": ("dl.ZeRO stage 3", "torch FSDP2 fully_shard")}
-STATES = ("params", "grads", "optimizer")
 
 
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _torch_states(model, optimizer) -> dict[str, int]:
-    """Model-state bytes of a torch-side implementation, by distinct storage (DTensors: the local shard)."""
-    inner = getattr(optimizer, "optim", optimizer)            # ZeroRedundancyOptimizer wraps the local one
-    state = [_local(t) for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    params = list(model.parameters())
-    return {"params": storage_bytes(_local(p) for p in params),
-            "grads": storage_bytes(_local(p.grad) for p in params if p.grad is not None),
-            "optimizer": storage_bytes(state)}
-
-
-class Impl:
+class Impl(Side):
     """One implementation: ``step(x, y) -> loss`` and ``states()`` (model-state bytes on this rank)."""
 
     def __init__(self, name: str, model_name: str, seed: int, lr: float, zero3_prefetch: bool):
@@ -76,7 +60,7 @@ class Impl:
             from torch.nn.parallel import DistributedDataParallel
             self.model = DistributedDataParallel(gpt, gradient_as_bucket_view=True)
             self.opt = torch.optim.AdamW(gpt.parameters(), **adamw)
-            self.states = lambda: _torch_states(gpt, self.opt)
+            self.states = lambda: torch_states(gpt, self.opt)
         elif name == "dl.ShardedOptimizer":
             self.model = gpt
             self.opt = dl.ShardedOptimizer(gpt.parameters(), torch.optim.AdamW, **adamw)
@@ -88,7 +72,7 @@ class Impl:
             from torch.nn.parallel import DistributedDataParallel
             self.model = DistributedDataParallel(gpt, gradient_as_bucket_view=True)
             self.opt = ZeroRedundancyOptimizer(gpt.parameters(), optimizer_class=torch.optim.AdamW, **adamw)
-            self.states = lambda: _torch_states(gpt, self.opt)
+            self.states = lambda: torch_states(gpt, self.opt)
         elif name == "dl.ZeRO stage 3":
             self.model = dl.ZeRO(gpt, stage=3, optim=torch.optim.AdamW, prefetch=zero3_prefetch, **adamw)
             self.opt = self.model.optimizer
@@ -100,28 +84,9 @@ class Impl:
                 fully_shard(block)
             self.model = fully_shard(gpt)
             self.opt = torch.optim.AdamW(gpt.parameters(), **adamw)
-            self.states = lambda: _torch_states(gpt, self.opt)
+            self.states = lambda: torch_states(gpt, self.opt)
         else:
             raise ValueError(f"unknown implementation {name!r}")
-
-    def step(self, x, y, sample: bool = False):
-        """One training step; with ``sample``, ``self.peak`` gets each model-state category's larger value
-        of two samples, after backward (gradients present) and after the step (optimizer state present)."""
-        self.opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        before = self.states() if sample else None
-        self.opt.step()
-        if sample:
-            after = self.states()
-            self.peak = {c: max(before[c], after[c]) for c in STATES}
-        return loss.detach()
-
-
-def _sync():
-    if dl.device().type == "cuda":
-        torch.cuda.synchronize(dl.device())
-
 
 def measure(model: str, steps: int, warmup: int, rows: int, seed: int, lr: float, pairs: list[str],
             zero3_prefetch: bool):
@@ -140,35 +105,13 @@ def measure(model: str, steps: int, warmup: int, rows: int, seed: int, lr: float
             impl = Impl(name, model, seed, lr, zero3_prefetch)
             for x, y in batches[:2]:
                 impl.step(mine(x), mine(y))
-            _sync()
+            sync()
             cuda_peak[name] = torch.cuda.max_memory_allocated(device) - base
             del impl
     impls = {name: Impl(name, model, seed, lr, zero3_prefetch) for name in names}
-    times = {name: [] for name in names}
-    losses = {name: [] for name in names}
-    states = {}
-    for step, (x, y) in enumerate(batches):
-        for pair in pairs:
-            order = PAIRS[pair] if step % 2 == 0 else PAIRS[pair][::-1]
-            for name in order:
-                dl.tracer().clear()
-                dist.barrier()
-                _sync()
-                t0 = time.perf_counter()
-                loss = impls[name].step(mine(x), mine(y))
-                _sync()
-                elapsed = time.perf_counter() - t0
-                if step >= warmup:
-                    times[name].append(elapsed)
-                losses[name].append(loss)
-    for name in names:                           # one more, untimed step that samples the model states
-        x, y = batches[-1]
-        impls[name].step(mine(x), mine(y), sample=True)
-        states[name] = impls[name].peak
-    for name in names:                           # the global mean loss, for comparing the two sides
-        t = torch.stack(losses[name]).float()
-        dist.all_reduce(t)
-        losses[name] = (t / n).tolist()
+    times, losses = take_turns(impls, [PAIRS[pair] for pair in pairs], batches, warmup, mine)
+    states = sampled_states(impls, batches[-1], mine)
+    losses = global_mean(losses)                 # the global mean loss, for comparing the two sides
     return {"times": times, "losses": losses, "states": states, "cuda_peak": cuda_peak}
 
 

@@ -29,36 +29,22 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import distlab as dl  # noqa: E402
 from _results import machine_facts, parser, write  # noqa: E402
-from distlab.memory import fsdp_memory, storage_bytes  # noqa: E402
+from _sides import STATES, Side, global_mean, sampled_states, take_turns, torch_states  # noqa: E402
+from distlab.memory import fsdp_memory  # noqa: E402
 from distlab.models import build, dataset_for  # noqa: E402
 
 SIDES = ("dl.fully_shard", "torch fully_shard")
 CONFIGS = {"fp32": dict(param_dtype=None, reduce_dtype=None),
            "bf16": dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
 LOSS_TOL = {"fp32": 1e-4, "bf16": 2e-2}
-STATES = ("params", "grads", "optimizer")
 TARGETS = {"time": 1.1, "memory": 1.0}
 
 
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _torch_states(model, optimizer) -> dict[str, int]:
-    """Model-state bytes of torch's FSDP2 by distinct storage (a DTensor counts its local shard)."""
-    state = [_local(t) for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    params = list(model.parameters())
-    return {"params": storage_bytes(_local(p) for p in params),
-            "grads": storage_bytes(_local(p.grad) for p in params if p.grad is not None),
-            "optimizer": storage_bytes(state)}
-
-
-class Side:
+class Impl(Side):
     """One implementation on one configuration: ``step(x, y) -> loss``, ``states()`` in bytes."""
 
     def __init__(self, side: str, config: str, model_name: str, seed: int, lr: float):
@@ -78,24 +64,13 @@ class Side:
                 fully_shard(block, mp_policy=policy)
             self.model = fully_shard(gpt, mp_policy=policy)
             self.opt = torch.optim.AdamW(gpt.parameters(), lr=lr)
-            self.states = lambda: _torch_states(gpt, self.opt)
-
-    def step(self, x, y, sample: bool = False):
-        self.opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(self.model(x).float().flatten(0, 1), y.flatten())
-        loss.backward()
-        before = self.states() if sample else None
-        self.opt.step()
-        if sample:
-            after = self.states()
-            self.peak = {c: max(before[c], after[c]) for c in STATES}
-        return loss.detach()
+            self.states = lambda: torch_states(gpt, self.opt)
 
 
 def _try_side(side: str, config: str, model: str, seed: int, lr: float, x, y):
     """(the side, the loss of its first step), or (None, the error) on every rank if it cannot run here."""
     try:
-        impl = Side(side, config, model, seed, lr)
+        impl = Impl(side, config, model, seed, lr)
         loss, error = impl.step(x, y), ""
     except Exception as e:                       # noqa: BLE001 -- reported in the JSON, not hidden
         impl, loss, error = None, None, f"{type(e).__name__}: {e}".splitlines()[0][:300]
@@ -119,22 +94,11 @@ def measure(model: str, steps: int, warmup: int, rows: int, seed: int, lr: float
             out[config] = {"errors": errors}
             continue
         impls = {side: i for side, (i, _) in built.items()}
-        times, losses = {s: [] for s in SIDES}, {s: [built[s][1]] for s in SIDES}
-        for step, (x, y) in enumerate(batches[1:], start=1):
-            for side in (SIDES if step % 2 == 0 else SIDES[::-1]):
-                dist.barrier()
-                t0 = time.perf_counter()
-                loss = impls[side].step(mine(x), mine(y))
-                if step >= warmup:
-                    times[side].append(time.perf_counter() - t0)
-                losses[side].append(loss)
-        states = {}
-        for side in SIDES:                        # one more, untimed step that samples the model states
-            impls[side].step(*map(mine, batches[-1]), sample=True)
-            states[side] = impls[side].peak
-            t = torch.stack(losses[side]).float()
-            dist.all_reduce(t)
-            losses[side] = (t / n).tolist()
+        times, losses = take_turns(impls, [SIDES], batches[1:], warmup, mine, first_step=1)
+        for side in SIDES:
+            losses[side].insert(0, built[side][1])                # step 0's loss, from the trial above
+        states = sampled_states(impls, batches[-1], mine)
+        losses = global_mean(losses)
         out[config] = {"times": times, "losses": losses, "states": states}
         dl.tracer().clear()
     return out

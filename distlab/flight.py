@@ -221,7 +221,7 @@ def _finish(tokens: list) -> None:
 def _when_done(work, tokens: list, kind: tuple):
     """An asynchronous operation finishes when the backend says so (collectives' futures) or, where it
     cannot (gloo's send and receive: asked once per ``kind``, a refusal costs ~30 us), when waited for."""
-    if work is None:                                       # inside NCCL's coalescing manager
+    if work is None:                          # inside NCCL's coalescing manager: finished, return None
         return _finish(tokens)
     if kind not in _NO_FUTURE:
         try:

@@ -21,6 +21,8 @@ import math
 import torch
 import torch.nn as nn
 
+from ..collectives import all_reduce
+
 
 def trainable(params) -> list[nn.Parameter]:
     """Parameters that need gradients, each once (tied parameters appear once), in registration order."""
@@ -57,7 +59,6 @@ def grad_summer(params: list[torch.Tensor], bucket_mb: float = 25.0, group=None)
     """A function that sums the gradients of ``params`` over ``group``: one flat all-reduce per bucket of
     about ``bucket_mb`` MB (`bucketize`: reverse order, one dtype), a missing gradient counted as zeros.
     A sum, not DDP's average: for losses already scaled by each rank's share of the batch (``ep``)."""
-    from ..collectives import all_reduce
     buckets = bucketize(params, bucket_mb)
 
     def sum_grads() -> None:

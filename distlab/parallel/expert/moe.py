@@ -128,7 +128,7 @@ def _check_run(group, batch_group) -> None:
     if at < 0 or outer[at:at + len(inner)] != inner:
         raise ValueError(f"the expert-parallel group (ranks {list(inner)}) must be consecutive ranks of "
                          f"batch_group (ranks {list(outer)}): make the ep groups the rows of "
-                         "arange(world).view(dp, ep), as dl.parallel.mesh.grid_groups does")
+                         "arange(world).view(dp, ep), as distlab.parallel.mesh.grid_groups does")
 
 
 def parallelize(model: nn.Module, group=None, replicate: bool = False, batch_group=None) -> nn.Module:
