@@ -142,15 +142,24 @@ def _restart_args(args) -> dict:
     return out
 
 
+class RunFailed(Exception):
+    """A ValueError or TypeError raised while training in this process (``single``), after every check
+    of the input passed: a failure of the run (exit 1), not bad input (exit 2)."""
+
+
 def _run_train(args) -> int:
     from .train import train
     world = args.world_size if args.world_size is not None else (
         1 if args.strategy == "single" else int(os.environ.get("WORLD_SIZE", 1)))
-    report = train(args.strategy, world_size=world, model=args.model, steps=args.steps,
-                   seed=args.seed, global_batch=args.global_batch, lr=args.lr, optimizer=args.optimizer,
-                   weight_decay=args.weight_decay, grad_accum=args.grad_accum, precision=args.precision,
-                   clip=args.clip, options=_options(args), progress=args.progress,
-                   **_restart_args(args))
+    kwargs = dict(world_size=world, model=args.model, steps=args.steps, seed=args.seed,
+                  global_batch=args.global_batch, lr=args.lr, optimizer=args.optimizer,
+                  weight_decay=args.weight_decay, grad_accum=args.grad_accum, precision=args.precision,
+                  clip=args.clip, options=_options(args), progress=args.progress, **_restart_args(args))
+    train(args.strategy, check_only=True, **kwargs)      # bad input: one line, exit 2
+    try:
+        report = train(args.strategy, **kwargs)
+    except (ValueError, TypeError) as err:                # every check passed: the run itself failed
+        raise RunFailed(f"{type(err).__name__}: {err}") from err
     if os.environ.get("RANK", "0") != "0":       # under torchrun every rank has the report: one prints it
         return 0
     out = sys.stderr if args.json == "-" else sys.stdout     # stdout is the JSON's, then
@@ -226,13 +235,17 @@ def _lessons(args) -> int:
 
 
 def _error(err: Exception) -> int:
-    """One line on stderr for what went wrong and what to do: 2 for bad input, 1 for a failed rank."""
+    """One line on stderr for what went wrong and what to do: 2 for bad input, 1 for a failed rank or run."""
     from .launch import LaunchError
     if isinstance(err, LaunchError):
         lines = [line for line in (err.failures.get(err.rank) or str(err)).splitlines() if line.strip()]
         where = f"rank {err.rank} failed" if err.rank is not None else str(err).splitlines()[0]
         print(f"distlab: error: {where}: {lines[-1].strip() if lines else ''}\n"
               "(run again with --traceback for the full traceback)", file=sys.stderr)
+        return 1
+    if isinstance(err, RunFailed):
+        print(f"distlab: error: the run failed: {err}\n(run again with --traceback for the full traceback)",
+              file=sys.stderr)
         return 1
     print(f"distlab: error: {err}", file=sys.stderr)
     return 2
@@ -258,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
             return _strategies()
         if args.command == "lessons":
             return _lessons(args)
-    except (ValueError, TypeError, OSError, CheckpointError, LaunchError, MemoryLimitExceeded) as err:
+    except (ValueError, TypeError, OSError, CheckpointError, LaunchError, MemoryLimitExceeded,
+            RunFailed) as err:
         if getattr(args, "traceback", False):
             raise
         return _error(err)

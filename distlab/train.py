@@ -86,41 +86,50 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
           weight_decay: float = 0.0, grad_accum: int = 1, precision: str = "fp32",
           clip: float | None = None, options: dict | None = None, output: str = "quiet",
           timeout: float = 300.0, progress: bool | None = None, max_restarts: int = 0, shrink=False,
-          **more_options) -> Report:
+          check_only: bool = False, **more_options) -> Report | None:
     """Train ``model`` with ``strategy`` on ``world_size`` ranks; extra keywords go to ``options``
     (e.g. ``bucket_mb=1, overlap=False, comm="ring"`` for DDP; ``prefetch=True`` for ZeRO-3). An option
     the strategy does not read is a TypeError naming those it does (`distlab.strategies.options`).
-    ``progress``: a bar with step, loss and it/s (None: when a person watches, see `distlab.progress`)."""
+    ``progress``: a bar with step, loss and it/s (None: when a person watches, see `distlab.progress`).
+    ``check_only``: make every check that comes before any rank starts (a ValueError or TypeError that
+    says what to change), then return None without training."""
     spec = TrainSpec(strategy=strategy, model=model, steps=steps, seed=seed, global_batch=global_batch,
                      lr=lr, optimizer=optimizer, weight_decay=weight_decay, grad_accum=grad_accum,
                      precision=precision, clip=clip, options={**(options or {}), **more_options})
     train_rank = load(strategy)
     check_strategy(spec, world_size)          # options (TypeError, did-you-mean), then the layout: per family
     checkpointing.check_options(spec.options)           # resume=..., a writable checkpoint_dir
+    sizes = None
     if max_restarts or shrink:                          # refused before any rank starts
         from . import restart
         sizes = restart.plan(spec, world_size, max_restarts, shrink)
-    start = time.perf_counter()
-    if strategy == "single":
-        if world_size != 1:
-            raise ValueError("strategy 'single' is one process: pass world_size=1 (or pick ddp, zero1, ...)")
-        from .runtime import tracer
-        from .trace import Trace
-        tr = tracer()
-        mark, t0 = len(tr.export()), tr.now()
-        with bar_here(shown_by_default() if progress is None else progress):
-            result = train_rank(spec)
-        _print_notes([result])
-        trace = Trace.merge({0: tr.export()[mark:]}).shifted(-t0)   # 0: the run starts, as in a launch
-        return Report(spec, 1, result.losses, result.params, None, [result.info.get("memory", {})],
-                      [result.info.get("comm", {})], [result], time.perf_counter() - start, trace)
+        for n in sorted(set(sizes[1:])):                # every restart's layout
+            check_strategy(spec, n)
+    if strategy == "single" and world_size != 1:
+        raise ValueError("strategy 'single' is one process: pass world_size=1 (or pick ddp, zero1, ...)")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if max_restarts or shrink:
-        for n in sorted(set(sizes[1:])):                 # every restart's layout, before any rank starts
-            check_strategy(spec, n)
+    if check_only:
+        return None
+    if strategy == "single":
+        return _single(train_rank, spec, progress)
+    if sizes:
         return restart.run(spec, sizes, lambda s, n: _launched(train_rank, s, n, output, timeout, progress))
     return _launched(train_rank, spec, world_size, output, timeout, progress)
+
+
+def _single(train_rank, spec: TrainSpec, progress: bool | None) -> Report:
+    """``single``: the reference, right here in this process, with the events it records as its trace."""
+    from .runtime import tracer
+    from .trace import Trace
+    start, tr = time.perf_counter(), tracer()
+    mark, t0 = len(tr.export()), tr.now()
+    with bar_here(shown_by_default() if progress is None else progress):
+        result = train_rank(spec)
+    _print_notes([result])
+    trace = Trace.merge({0: tr.export()[mark:]}).shifted(-t0)       # 0: the run starts, as in a launch
+    return Report(spec, 1, result.losses, result.params, None, [result.info.get("memory", {})],
+                  [result.info.get("comm", {})], [result], time.perf_counter() - start, trace)
 
 
 def _launched(train_rank, spec: TrainSpec, world_size: int, output: str, timeout: float,

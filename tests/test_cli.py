@@ -111,6 +111,21 @@ def test_cli_errors_are_one_line_with_exit_status_2(argv, says, capsys, no_launc
     assert len(err.strip().splitlines()) == 1
 
 
+def test_an_error_inside_a_single_run_is_a_failed_run_not_bad_input(monkeypatch, capsys):
+    """``single`` trains in this process: a ValueError raised by the run itself, after every check of
+    the input passed, is exit 1 with the --traceback hint (and the original error behind it)."""
+    def broken(spec):
+        raise ValueError("an internal bug")
+    monkeypatch.setattr(sys.modules["distlab.train"], "load", lambda strategy: broken)   # the module
+    assert main(["train", "--strategy", "single", "--steps", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("distlab: error: the run failed: ValueError: an internal bug")
+    assert "--traceback" in err and "Traceback" not in err
+    with pytest.raises(Exception, match="an internal bug") as caught:
+        main(["train", "--strategy", "single", "--steps", "1", "--traceback"])
+    assert isinstance(caught.value.__cause__, ValueError)
+
+
 def test_cli_as_a_process_bad_input_is_one_line():
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
@@ -190,7 +205,7 @@ def test_the_cli_reports_real_bytes_and_memory(strategy, world, capsys, monkeypa
             "--global-batch", "8", "--model", model, "--seed", "3", "--json", "-"]
     assert main(argv) == 0
     out, err = capsys.readouterr()
-    data, report = json.loads(out), reports[0]
+    data, [report] = json.loads(out), [r for r in reports if r is not None]   # (the check_only call: None)
     check_report(report)
     assert (data["strategy"], data["model"], data["steps"], data["seed"]) == (strategy, model, 2, 3)
     assert len(data["step_seconds"]) == 2 and all(t > 0 for t in data["step_seconds"])
