@@ -74,6 +74,28 @@ def replicated_state(model, opt, keeps_history: bool) -> RankState:
     return RankState(capture, restore, "replicated", reshard_into, keeps_history=keeps_history)
 
 
+def with_part(state: RankState, name: str, capture: Callable[[], tuple], load: Callable) -> RankState:
+    """``state`` carrying one more part, e.g. a gradient compressor's: ``capture() -> (replicated, own)``
+    (what the replicas share, written once; what this rank alone holds), ``load(replicated, own)`` on a
+    resume by the same layout. Saved under ``name`` (replicated) and ``name + "_own"``; a checkpoint
+    without them (saved by another strategy or before the part existed) leaves the part as it is, and
+    a resharded resume, which has no per-rank parts to cut, does too."""
+    base_capture, base_restore = state.capture, state.restore
+
+    def capture_with():
+        own, replicated = base_capture()
+        shared, mine = capture()
+        return {**own, name + "_own": mine}, {**(replicated or {}), name: shared}
+
+    def restore_with(saved):
+        base_restore(saved)
+        if name in saved and name + "_own" in saved:
+            load(saved[name], saved[name + "_own"])
+
+    return RankState(capture_with, restore_with, state.format, state.reshard, state.replica_group,
+                     state.layout, state.loss_weight, state.keeps_history)
+
+
 # -- "flat-shards": ZeRO's flat buckets, each rank one shard ----------------------------------------
 def flat_shard_state(model, opt, keeps_history: bool) -> RankState:
     """``opt``: a `ShardedOptimizer` (``.buckets``, ``.shards``, ``.masters``, ``.sharded_params``: True

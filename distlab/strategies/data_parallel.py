@@ -30,7 +30,7 @@ from functools import partial
 
 import torch
 
-from ..checkpoint.state import flat_shard_state, replicated_state
+from ..checkpoint.state import flat_shard_state, replicated_state, with_part
 from ..memory import replica_memory, zero_memory
 from ..models import shard
 from ..runtime import rank, world_size
@@ -137,7 +137,10 @@ def train_rank(spec: TrainSpec) -> RankResult:
     no_sync = getattr(wrapped, "no_sync", None)
     if not spec.options.get("no_sync", spec.strategy != "zero3"):
         no_sync = None                                    # communicate on every micro-step
-    plan = Plan(_forward(spec, wrapped, model, n, r), opt, rank_state(model, opt, keeps_history=r == 0),
+    saved = rank_state(model, opt, keeps_history=r == 0)
+    if hasattr(wrapped, "compressor"):                    # PowerSGD: its Q's and this rank's errors
+        saved = with_part(saved, "powersgd", wrapped.compressor.state, wrapped.compressor.load_state)
+    plan = Plan(_forward(spec, wrapped, model, n, r), opt, saved,
                 loss_share=1 / n, no_sync=no_sync, clip=opt.clip_grad_norm_, memory=memory_bytes,
                 grads=opt.grads if isinstance(opt, LocalOptimizer) else partial(shard_grads, opt))
     trained = run(spec, plan)

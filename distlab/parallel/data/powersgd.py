@@ -24,8 +24,9 @@ e = 0: plain DDP, up to rounding.
                                  [n r]                    [m r]
 
 Gradient accumulation: like `DDP`, ``no_sync()`` keeps gradients local; the first backward outside
-compresses and averages the sum. Not yet in a checkpoint: the error memories and warm-start Q's, so a
-resumed run restarts them (zero error, the seeded Q), as torch's ``PowerSGDState`` does unless pickled.
+compresses and averages the sum. Checkpoints keep the warm-start Q's (once) and every rank's error
+memory (`PowerSGD.state`), so a resume on the same ranks is exact; a resharded resume (other world size)
+restarts them (zero error, the seeded Q), as torch's ``PowerSGDState`` does unless pickled.
 """
 from __future__ import annotations
 
@@ -75,6 +76,17 @@ class PowerSGD:
             self.errors[i] = m - p @ ql.T if self.error_feedback else None     # e_i = M_i - P^ Q_i^T
             g.copy_(p @ q.T)                                                   # G = P^ Q^T (n, m)
             self.qs[i] = q                                                     # warm start next step
+
+    def state(self) -> tuple[list, list]:
+        """(the warm-start Q's, the same on every rank; this rank's error memories, None before the first
+        step or without error feedback): what a checkpoint keeps so that a resume is exact."""
+        return list(self.qs), list(self.errors)
+
+    def load_state(self, qs: list, errors: list) -> None:
+        if len(qs) != len(self.qs) or any(q.shape != mine.shape for q, mine in zip(qs, self.qs)):
+            raise ValueError("the checkpoint's PowerSGD state has other matrices or another rank: resume "
+                             "with the model and powersgd_rank it was saved with")
+        self.qs, self.errors = list(qs), list(errors)
 
     def elements(self) -> int:
         """Numbers all-reduced per step for the matrices: sum (n + m) r."""
