@@ -155,11 +155,14 @@ def _run_train(args) -> int:
                   global_batch=args.global_batch, lr=args.lr, optimizer=args.optimizer,
                   weight_decay=args.weight_decay, grad_accum=args.grad_accum, precision=args.precision,
                   clip=args.clip, options=_options(args), progress=args.progress, **_restart_args(args))
-    train(args.strategy, check_only=True, **kwargs)      # bad input: one line, exit 2
-    try:
+    if args.strategy != "single":                         # its errors come back as a LaunchError
         report = train(args.strategy, **kwargs)
-    except (ValueError, TypeError) as err:                # every check passed: the run itself failed
-        raise RunFailed(f"{type(err).__name__}: {err}") from err
+    else:
+        train(args.strategy, check_only=True, **kwargs)   # bad input: one line, exit 2
+        try:
+            report = train(args.strategy, **kwargs)
+        except (ValueError, TypeError) as err:            # every check passed: the run itself failed
+            raise RunFailed(f"{type(err).__name__}: {err}") from err
     if os.environ.get("RANK", "0") != "0":       # under torchrun every rank has the report: one prints it
         return 0
     out = sys.stderr if args.json == "-" else sys.stdout     # stdout is the JSON's, then

@@ -123,10 +123,9 @@ def read(path: str | Path) -> list[dict]:
 
 
 # -- the tap: torch.distributed's functions, wrapped once per process ----------------------------
-_listeners: list = []
-_installed: dict = {}
+_listeners, _installed = [], {}
 _inside = threading.local()            # the operation this thread is inside, if any
-_NO_FUTURE: set = set()                # (op, id(group)) whose requests have no future (gloo's isend/irecv)
+_NO_FUTURE: set = set()                # (op, backend) whose requests have no future (gloo's isend/irecv)
 
 
 @contextlib.contextmanager
@@ -143,8 +142,7 @@ def listening(listener):
 
 @contextlib.contextmanager
 def paused():
-    """Record nothing inside the block, in this process: for a benchmark that times a collective and not
-    the tap (the recorder costs each operation about ten microseconds: once per send or receive)."""
+    """Record nothing inside the block, in this process: a benchmark timing a collective, not the tap."""
     saved = _listeners[:]
     _listeners.clear()
     try:
@@ -197,7 +195,7 @@ def _tap(op: str, original):
         finally:
             _inside.op = None
         if op in ("isend", "irecv") or bound.get("async_op"):
-            return _when_done(out, tokens, (op, id(bound.get("group"))))
+            return _when_done(out, tokens, op, bound.get("group"))
         _finish(tokens)
         return out
     call.__wrapped__, call.__name__, call.__doc__ = original, original.__name__, original.__doc__
@@ -218,11 +216,13 @@ def _finish(tokens: list) -> None:
         listener.finished(token)
 
 
-def _when_done(work, tokens: list, kind: tuple):
+def _when_done(work, tokens: list, op: str, group):
     """An asynchronous operation finishes when the backend says so (collectives' futures) or, where it
-    cannot (gloo's send and receive: asked once per ``kind``, a refusal costs ~30 us), when waited for."""
+    cannot (gloo's send and receive: asked once per op and backend, refusing costs ~30 us), when waited."""
+    import torch.distributed as dist
     if work is None:                          # inside NCCL's coalescing manager: finished, return None
         return _finish(tokens)
+    kind = (op, str(dist.get_backend(group)))
     if kind not in _NO_FUTURE:
         try:
             work.get_future().add_done_callback(lambda _: _finish(tokens))

@@ -100,7 +100,15 @@ def plan(spec, world_size: int, max_restarts, shrink) -> list[int]:
 
 def run(spec, sizes: list[int], launch_once):
     """``launch_once(spec, world_size) -> Report`` for each attempt until one succeeds; the report gets
-    ``.restarts``. After the last attempt fails, its `LaunchError` is raised with ``.restarts``."""
+    ``.restarts``. After the last attempt fails, its `LaunchError` is raised with ``.restarts``. However
+    it ends, the heartbeat (the attempts' bookkeeping, not a checkpoint) is removed."""
+    try:
+        return _attempts(spec, sizes, launch_once)
+    finally:
+        checkpointing.clear_heartbeat(spec.options["checkpoint_dir"])
+
+
+def _attempts(spec, sizes: list[int], launch_once):
     restarts: list[Restart] = []
     first_start = time.time()
     current = replace(spec, options={**spec.options, "heartbeat": True})
@@ -111,7 +119,6 @@ def run(spec, sizes: list[int], launch_once):
         except LaunchError as err:
             if attempt == len(sizes):
                 err.restarts = restarts
-                checkpointing.clear_heartbeat(spec.options["checkpoint_dir"])
                 raise
             record, resume = _after_failure(err, spec, attempt, n, sizes[attempt], started, first_start)
             restarts.append(record)
@@ -120,7 +127,6 @@ def run(spec, sizes: list[int], launch_once):
             current = replace(current, options={**options, "resume": resume})
             continue
         report.restarts = restarts
-        checkpointing.clear_heartbeat(spec.options["checkpoint_dir"])
         return report
     raise AssertionError("unreachable: the last attempt returns or raises")
 

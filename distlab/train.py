@@ -91,14 +91,16 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
     (e.g. ``bucket_mb=1, overlap=False, comm="ring"`` for DDP; ``prefetch=True`` for ZeRO-3). An option
     the strategy does not read is a TypeError naming those it does (`distlab.strategies.options`).
     ``progress``: a bar with step, loss and it/s (None: when a person watches, see `distlab.progress`).
-    ``check_only``: make every check that comes before any rank starts (a ValueError or TypeError that
-    says what to change), then return None without training."""
+    ``check_only``: check the training input (strategy, options and layout, checkpoint options, restart
+    plan; a ValueError or TypeError that says what to change), then return None without training. The
+    launcher's own checks (``output``, ``timeout``, torchrun's world) come when it starts."""
     spec = TrainSpec(strategy=strategy, model=model, steps=steps, seed=seed, global_batch=global_batch,
                      lr=lr, optimizer=optimizer, weight_decay=weight_decay, grad_accum=grad_accum,
                      precision=precision, clip=clip, options={**(options or {}), **more_options})
     train_rank = load(strategy)
     check_strategy(spec, world_size)          # options (TypeError, did-you-mean), then the layout: per family
-    checkpointing.check_options(spec.options)           # resume=..., a writable checkpoint_dir
+    in_process = strategy if strategy == "single" else None
+    checkpointing.check_options(spec.options, in_process)     # a writable checkpoint_dir, resume=...
     sizes = None
     if max_restarts or shrink:                          # refused before any rank starts
         from . import restart

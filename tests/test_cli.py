@@ -103,9 +103,11 @@ def test_layouts_that_cannot_run_fail_before_any_rank_starts(no_launch):
     (["--strategy", "ddp", "--option", "nonsense"], "--option expects KEY=VALUE"),
     (["--strategy", "ddp", "--model", "gpt-huge"], "unknown model 'gpt-huge'"),
     (["--strategy", "zero9"], "did you mean 'zero3'"),
+    (["--strategy", "single", "--checkpoint-dir", "{tmp}", "--checkpoint-every", "0"], "positive integer"),
+    (["--strategy", "single", "--checkpoint-dir", "{tmp}", "--option", "fail_at_step=1"], "runs in this"),
 ])
-def test_cli_errors_are_one_line_with_exit_status_2(argv, says, capsys, no_launch):
-    assert main(["train", *argv]) == 2
+def test_cli_errors_are_one_line_with_exit_status_2(argv, says, capsys, no_launch, tmp_path):
+    assert main(["train", *[a.format(tmp=tmp_path) for a in argv]]) == 2
     err = capsys.readouterr().err
     assert err.startswith("distlab: error: ") and says in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1

@@ -195,3 +195,19 @@ def _fp16_averages(comm: str) -> list[float]:
 def test_an_fp16_average_divides_before_it_sums(comm):
     for averages in dl.launch(_fp16_averages, world_size=4, args=(comm,), timeout=60).results:
         assert averages == [30000.0, 30000.0]
+
+
+def _summed_grads() -> list[list[float]]:
+    """grad_summer over 3 ranks: rank r's gradients are r + 1 (one parameter has none on rank 0)."""
+    from distlab.parallel.data.buckets import grad_summer
+    r = dl.rank()
+    a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2, 2))
+    a.grad = torch.full((3,), r + 1.0)
+    b.grad = None if r == 0 else torch.full((2, 2), r + 1.0)
+    grad_summer([a, b], bucket_mb=0)()                          # every parameter its own bucket
+    return [a.grad.tolist(), b.grad.flatten().tolist()]
+
+
+def test_grad_summer_sums_over_the_group_counting_a_missing_gradient_as_zero():
+    for a, b in dl.launch(_summed_grads, world_size=3, timeout=60).results:
+        assert a == [6.0] * 3 and b == [5.0] * 4              # 1 + 2 + 3; 0 + 2 + 3

@@ -180,3 +180,12 @@ def test_a_resharded_resume_restarts_the_compressor(tmp_path):
                        resume=True)
     assert resumed.results[0].info["checkpoint"]["resumed_from"] == 2 and len(resumed.losses) == 6
     assert resumed.losses[-1] < resumed.losses[2]
+
+
+def test_a_resume_with_another_powersgd_rank_restarts_the_compressor(tmp_path):
+    """powersgd_rank is a layout fact: another rank on resume reshards (fresh Q's and errors), not a
+    crash on Q's of the wrong shape."""
+    dl.train("ddp", world_size=2, **{**RESUME, "steps": 2}, checkpoint_dir=str(tmp_path), checkpoint_every=2)
+    resumed = dl.train("ddp", world_size=2, **{**RESUME, "powersgd_rank": 2}, checkpoint_dir=str(tmp_path),
+                       checkpoint_every=2, resume=True)
+    assert resumed.results[0].info["checkpoint"]["resumed_from"] == 2 and len(resumed.losses) == 6

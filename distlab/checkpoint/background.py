@@ -68,8 +68,11 @@ class BackgroundWriter:
                 from err
 
     def close(self) -> None:
-        """Wait for the save in flight, then give the writer's process group back (the end of training)."""
+        """Wait for the save in flight, then give the writer's process group back (the end of training,
+        on every rank): a barrier first, so that no peer is still inside the last save's collectives.
+        If the save failed, `wait` raises and the group is left to the process's end."""
         self.wait()
         if self.pg is not None:
+            dist.barrier(group=self.pg)
             dist.destroy_process_group(self.pg)
             self.pg = None

@@ -14,7 +14,7 @@ checkpoint layer never asks which strategy it serves, only which of three format
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -74,12 +74,14 @@ def replicated_state(model, opt, keeps_history: bool) -> RankState:
     return RankState(capture, restore, "replicated", reshard_into, keeps_history=keeps_history)
 
 
-def with_part(state: RankState, name: str, capture: Callable[[], tuple], load: Callable) -> RankState:
+def with_part(state: RankState, name: str, capture: Callable[[], tuple], load: Callable,
+              layout: dict | None = None) -> RankState:
     """``state`` carrying one more part, e.g. a gradient compressor's: ``capture() -> (replicated, own)``
     (what the replicas share, written once; what this rank alone holds), ``load(replicated, own)`` on a
-    resume by the same layout. Saved under ``name`` (replicated) and ``name + "_own"``; a checkpoint
-    without them (saved by another strategy or before the part existed) leaves the part as it is, and
-    a resharded resume, which has no per-rank parts to cut, does too."""
+    resume by the same layout (``layout``: the facts the part's shape depends on, added to the state's,
+    so that other facts reshard instead). Saved under ``name`` (replicated) and ``name + "_own"``; a
+    checkpoint without them (saved by another strategy or before the part existed) leaves the part as
+    it is, and a resharded resume, which has no per-rank parts to cut, does too."""
     base_capture, base_restore = state.capture, state.restore
 
     def capture_with():
@@ -92,8 +94,8 @@ def with_part(state: RankState, name: str, capture: Callable[[], tuple], load: C
         if name in saved and name + "_own" in saved:
             load(saved[name], saved[name + "_own"])
 
-    return RankState(capture_with, restore_with, state.format, state.reshard, state.replica_group,
-                     state.layout, state.loss_weight, state.keeps_history)
+    facts = {**state.layout, **(layout or {})}
+    return replace(state, capture=capture_with, restore=restore_with, layout=facts)
 
 
 # -- "flat-shards": ZeRO's flat buckets, each rank one shard ----------------------------------------

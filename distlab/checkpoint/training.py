@@ -104,8 +104,6 @@ class Checkpointer:
         self.fail_rank = o.get("fail_rank", world_size() - 1)
         self.saved: list[int] = []
         self.stall_s: list[float] = []
-        if self.every is not None and (int(self.every) != self.every or self.every < 1):
-            raise ValueError(f"checkpoint_every must be a positive integer, got {self.every!r}")
         if self.fail_at is not None:
             self._check_fault_injection()
         check_options(o)
@@ -117,7 +115,7 @@ class Checkpointer:
 
     def _check_fault_injection(self) -> None:
         if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError(f"fail_at_step kills a rank process: use a launched strategy (ddp, zero1, ...), "
+            raise ValueError("fail_at_step kills a rank process: use a launched strategy (ddp, zero1, ...), "
                              f"not {self.spec.strategy!r}, which runs in this process")
         if self.fail_in not in ("step", "save"):
             raise ValueError(f"fail_in must be 'step' or 'save', got {self.fail_in!r}")
@@ -313,8 +311,15 @@ def newest_verified(directory) -> tuple[int | None, str | None, str | None]:
                   f"resume=False to overwrite"), None
 
 
-def check_options(options: dict) -> None:
-    """What can be checked about the checkpoint options before any rank starts."""
+def check_options(options: dict, in_process: str | None = None) -> None:
+    """What can be checked about the checkpoint options before any rank starts (``in_process``: the name
+    of a strategy that trains in this process, where a fault injection cannot kill a rank)."""
+    every = options.get("checkpoint_every")
+    if every is not None and (isinstance(every, bool) or int(every) != every or every < 1):
+        raise ValueError(f"checkpoint_every must be a positive integer, got {every!r}")
+    if in_process and options.get("fail_at_step") is not None:
+        raise ValueError(f"fail_at_step kills a rank process: use a launched strategy (ddp, zero1, ...), "
+                         f"not {in_process!r}, which runs in this process")
     if options.get("checkpoint_dir") is None and any(
             options.get(k) for k in ("checkpoint_every", "keep_last", "resume", "async_save", "heartbeat")):
         raise ValueError("checkpoint_every, keep_last, resume, async_save and heartbeat need "

@@ -139,7 +139,8 @@ def train_rank(spec: TrainSpec) -> RankResult:
         no_sync = None                                    # communicate on every micro-step
     saved = rank_state(model, opt, keeps_history=r == 0)
     if hasattr(wrapped, "compressor"):                    # PowerSGD: its Q's and this rank's errors
-        saved = with_part(saved, "powersgd", wrapped.compressor.state, wrapped.compressor.load_state)
+        saved = with_part(saved, "powersgd", wrapped.compressor.state, wrapped.compressor.load_state,
+                          layout={"powersgd_rank": spec.options.get("powersgd_rank", 4)})
     plan = Plan(_forward(spec, wrapped, model, n, r), opt, saved,
                 loss_share=1 / n, no_sync=no_sync, clip=opt.clip_grad_norm_, memory=memory_bytes,
                 grads=opt.grads if isinstance(opt, LocalOptimizer) else partial(shard_grads, opt))

@@ -53,6 +53,9 @@ class ContextParallelAttention(nn.Module):
         super().__init__()
         if attention not in ATTENTIONS:
             raise ValueError(f"attention={attention!r}: choose one of {sorted(ATTENTIONS)}")
+        if tp_group is not None and not tensor_parallel:
+            raise ValueError("tp_group is for tensor-parallel q, k, v: pass tensor_parallel=True with it "
+                             "(or build from the attention module: ContextParallelAttention.from_module)")
         self.q, self.k, self.v, self.proj, self.head_dim = q, k, v, proj, head_dim
         self.core, self.group, self.zigzag = ATTENTIONS[attention], group, zigzag
         self.tensor_parallel, self.tp_group = tensor_parallel, tp_group          # cp x tp: my heads

@@ -64,8 +64,8 @@ class PowerSGD:
         """Replace every matrix in ``grads`` (n, m) by the rank-r average P^ Q^T, in place."""
         if not grads:
             return
-        ms = [g.float() + e if e is not None else g.float().clone()          # M_i (n, m), fp32
-              for g, e in zip(grads, self.errors)]
+        ms = [g.float() + e.to(g.device) if e is not None else g.float().clone()   # M_i (n, m), fp32
+              for g, e in zip(grads, self.errors)]                    # (a resumed e is loaded on the CPU)
         qs = [q.to(g.device) for q, g in zip(self.qs, grads)]
         ps = [m @ q for m, q in zip(ms, qs)]                                   # (n, r) each
         ps = _all_reduce_mean(ps, comm)                                        # all-reduce #1
@@ -83,9 +83,12 @@ class PowerSGD:
         return list(self.qs), list(self.errors)
 
     def load_state(self, qs: list, errors: list) -> None:
-        if len(qs) != len(self.qs) or any(q.shape != mine.shape for q, mine in zip(qs, self.qs)):
-            raise ValueError("the checkpoint's PowerSGD state has other matrices or another rank: resume "
-                             "with the model and powersgd_rank it was saved with")
+        """Put back `state` (the layout, ``powersgd_rank`` included, matched: see the strategy)."""
+        shapes = [tuple(q.shape) for q in qs] + [tuple(e.shape) for e in errors if e is not None]
+        mine = [tuple(q.shape) for q in self.qs] + [s for s, e in zip(self.shapes, errors) if e is not None]
+        if len(qs) != len(self.qs) or len(errors) != len(self.shapes) or shapes != mine:
+            raise ValueError("the checkpoint's PowerSGD state does not fit these matrices: resume with the "
+                             "model and powersgd_rank it was saved with")
         self.qs, self.errors = list(qs), list(errors)
 
     def elements(self) -> int:
