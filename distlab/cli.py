@@ -68,6 +68,8 @@ def _train_parser(sub) -> None:
     p.add_argument("--bucket-mb", type=float, default=None, help="DDP/ZeRO bucket size (default 25)")
     p.add_argument("--no-overlap", action="store_true", help="communicate after backward, not during it")
     p.add_argument("--prefetch", action="store_true", help="ZeRO-3: gather the next unit early")
+    p.add_argument("--recompute", action="store_true",
+                   help="recompute each block's activations in backward (less memory, one more forward)")
     p.add_argument("--hsdp", type=int, default=None, metavar="R",
                    help="fsdp: R replicas of (world / R) shards")
     p.add_argument("--param-dtype", default=None, choices=["bf16", "fp16"],
@@ -107,6 +109,8 @@ def _options(args) -> dict:
         opts["overlap"] = False
     if args.prefetch:
         opts["prefetch"] = True
+    if args.recompute:
+        opts["recompute"] = True
     for key in ("hsdp", "param_dtype"):
         if getattr(args, key) is not None:
             opts[key] = getattr(args, key)

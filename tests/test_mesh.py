@@ -192,3 +192,9 @@ def test_train_refuses_a_mesh_that_does_not_fill_the_world_before_launching():
     with pytest.raises(ValueError, match="launch with world_size=8"):
         dl.train("3d:dp=2,tp=2,pp=2", world_size=4, steps=1)
     assert child_pids() == []
+
+
+def test_meshes_take_the_options_every_strategy_takes():
+    """memory_limit and recompute (the loop's options) pass a mesh's own option check."""
+    assert dl.train("3d:dp=1,tp=2,pp=1", world_size=2, memory_limit="1GB", recompute=True,
+                    check_only=True) is None

@@ -22,6 +22,7 @@ import difflib
 import importlib
 
 from ..checkpoint.training import OPTIONS as CHECKPOINT_OPTIONS
+from .loop import OPTIONS as _LOOP_OPTIONS
 from .numerics import OPTIONS as NUMERICS_OPTIONS
 from .numerics import SUPPORTED as NUMERICS_SUPPORTED
 from .base import RankResult, TrainSpec, build_model, global_batch, loss_fn, make_optimizer
@@ -44,9 +45,8 @@ REGISTRY: dict[str, str] = {
     "cp-ulysses": "distlab.strategies.context:train_rank",
     "3d": "distlab.strategies.mesh:train_rank",
 }
-#: options of the training loop itself (`loop`), taken by every strategy: memory_limit, and the numerics
-#: of `numerics` (refused by `numerics.check` outside `numerics.SUPPORTED`)
-LOOP_OPTIONS = NUMERICS_OPTIONS + ("memory_limit",)
+#: options of the training loop itself, taken by every strategy (`loop.OPTIONS`)
+LOOP_OPTIONS = _LOOP_OPTIONS
 #: how `names` and the CLI show the mesh entry: the form `dl.train` takes
 MESH_FORM = "3d:dp=D,tp=T,pp=P"
 
@@ -88,7 +88,7 @@ def check_options(strategy: str, given) -> None:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         takers = [n for n in names() if key in options(n)]
         where = f"; {key!r} is an option of {', '.join(takers)}" if takers and not close else ""
-        shared = CHECKPOINT_OPTIONS + ("memory_limit",)        # numerics: own where supported
+        shared = CHECKPOINT_OPTIONS + ("memory_limit", "recompute")    # numerics: own where supported
         hidden = shared + (() if strategy in NUMERICS_SUPPORTED else NUMERICS_OPTIONS)
         own = ", ".join(o for o in valid if o not in hidden) or "none of its own"
         raise TypeError(f"strategy {strategy!r} has no option {key!r}{hint}{where}. Its options: {own}; "
@@ -116,6 +116,22 @@ def check(spec: TrainSpec, world_size: int) -> None:
     check_numerics(spec, world_size)                          # fp16 and its options where supported
     if spec.options.get("memory_limit") is not None:
         parse_bytes(spec.options["memory_limit"])
+    _check_recompute(spec, PRESETS.get(spec.model))
+
+
+def _check_recompute(spec: TrainSpec, cfg) -> None:
+    """``recompute``: True or False; not (yet) with dl.fully_shard, whose units swap their parameters in
+    the block's forward hooks, which a recomputation does not run; not with a mixture of experts, whose
+    router's balance loss a second forward would count twice."""
+    on = spec.options.get("recompute", False)
+    if not isinstance(on, bool):
+        raise TypeError(f"recompute must be True or False, got {on!r}")
+    if on and spec.strategy == "fsdp":
+        raise ValueError("recompute=True does not work with fsdp yet (its units gather in the blocks' "
+                         "forward hooks, which the recomputation skips): use zero3, tested equal with it")
+    if on and getattr(cfg, "experts", 0):
+        raise ValueError(f"recompute=True with the mixture-of-experts {spec.model!r} would count the "
+                         "router's balance loss twice: train it without recompute")
 
 
 def load(strategy: str):

@@ -66,8 +66,12 @@ class RankResult:
 
 
 def build_model(spec: TrainSpec) -> nn.Module:
-    """``dl.models.build(spec.model, spec.seed)`` on ``dl.device()``: identical weights on every rank."""
-    return models.build(spec.model, spec.seed).to(device())
+    """``dl.models.build(spec.model, spec.seed)`` on ``dl.device()``: identical weights on every rank;
+    option ``recompute=True``: every transformer block recomputes its activations in backward."""
+    model = models.build(spec.model, spec.seed).to(device())
+    for block in getattr(model, "blocks", ()):
+        block.recompute = bool(spec.options.get("recompute", False))
+    return model
 
 
 def make_optimizer(params, spec: TrainSpec) -> torch.optim.Optimizer:

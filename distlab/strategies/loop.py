@@ -41,6 +41,10 @@ from ..runtime import device, group_size, rank, tracer
 from . import numerics
 from .base import TrainSpec
 
+#: the options of the training loop and the model, taken by every strategy: the numerics (`numerics`,
+#: refused outside `numerics.SUPPORTED`), memory_limit (`memory.Ledger`), recompute (`base.build_model`)
+OPTIONS = numerics.OPTIONS + ("memory_limit", "recompute")
+
 
 @dataclass
 class Plan:

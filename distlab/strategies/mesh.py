@@ -49,6 +49,7 @@ import torch
 
 from ..checkpoint.state import model_parallel_state
 from ..checkpoint.training import OPTIONS as CHECKPOINT_OPTIONS
+from .loop import OPTIONS as LOOP_OPTIONS
 from ..memory import PipelineStash, pipeline_memory
 from ..parallel import tensor as tp_lib
 from ..parallel.clip import clip_grad_norm_, sum_over
@@ -98,8 +99,8 @@ def parse(strategy: str, options: dict | None = None) -> dict:
                              f"{KEYS}, e.g. '3d:dp=2,tp=2,pp=2'")
         found[key] = value.strip()
     found.update(options or {})
-    unknown = [k for k in found if k not in KEYS and k not in CHECKPOINT_OPTIONS]
-    if unknown:                                       # the checkpoint's options are read elsewhere
+    unknown = [k for k in found if k not in KEYS + CHECKPOINT_OPTIONS + LOOP_OPTIONS]
+    if unknown:                                       # the checkpoint's and the loop's are read elsewhere
         close = difflib.get_close_matches(unknown[0], KEYS, n=1, cutoff=0.5)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise TypeError(f"the mesh strategy has no option {unknown[0]!r}{hint}: its options are {KEYS}")

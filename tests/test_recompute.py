@@ -1,0 +1,55 @@
+"""Full activation recomputation (``recompute=True``: `distlab.models.Block` under torch.utils.checkpoint).
+
+Recomputing is the same arithmetic done again, so every strategy must train exactly as without it (bit
+for bit on CPU), while each rank's activation peak (the memory ledger's) falls. Refused clearly where it
+would be wrong: dl.fully_shard (its units gather in forward hooks a recomputation skips) and mixtures of
+experts (the router's balance loss would be counted twice).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import distlab as dl
+
+KW = dict(model="gpt-tiny", steps=3, global_batch=8, seed=0)
+
+
+def _activation_peak(report) -> int:
+    return max(m.get("peak", {}).get("activations", 0) for m in report.memory)
+
+
+@pytest.mark.parametrize("strategy, world", [("single", 1), ("ddp", 2), ("zero3", 2), ("tp-sp", 2),
+                                             ("pp-1f1b", 2), ("cp-ring", 2), ("3d:dp=1,tp=2,pp=2", 4)])
+def test_recompute_trains_bit_for_bit_with_less_activation_memory(strategy, world):
+    plain = dl.train(strategy, world_size=world, **KW)
+    again = dl.train(strategy, world_size=world, **KW, recompute=True)
+    assert again.losses == plain.losses
+    assert all(torch.equal(again.params[k], plain.params[k]) for k in plain.params)
+    assert _activation_peak(again) < 0.5 * _activation_peak(plain)
+
+
+def test_recompute_is_refused_where_it_would_be_wrong(monkeypatch):
+    import importlib
+
+    def no_launch(*a, **k):
+        raise AssertionError("a rank was started")
+    monkeypatch.setattr(importlib.import_module("distlab.launch"), "launch", no_launch)
+    with pytest.raises(ValueError, match="use zero3"):
+        dl.train("fsdp", world_size=2, **KW, recompute=True)
+    with pytest.raises(ValueError, match="balance loss twice"):
+        dl.train("ep", world_size=2, **{**KW, "model": "gpt-moe-tiny"}, recompute=True)
+    with pytest.raises(TypeError, match="True or False"):
+        dl.train("ddp", world_size=2, **KW, recompute="yes")
+
+
+def test_the_cli_flag_reaches_train(monkeypatch):
+    import sys
+
+    from distlab.cli import main
+    seen = []
+    monkeypatch.setattr(sys.modules["distlab.train"], "train",
+                        lambda *a, **k: seen.append(k) or (_ for _ in ()).throw(SystemExit(0)))
+    with pytest.raises(SystemExit):
+        main(["train", "--strategy", "ddp", "--world-size", "2", "--recompute"])
+    assert seen[0]["options"]["recompute"] is True
