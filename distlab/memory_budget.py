@@ -25,7 +25,8 @@ import torch
 _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "kib": 2 ** 10, "mib": 2 ** 20,
           "gib": 2 ** 30}
 CURES = ("shard the model states (strategy='zero3' or 'fsdp': params, grads and optimizer state / N), "
-         "recompute activations instead of keeping them, or lower global_batch / raise grad_accum")
+         "recompute activations instead of keeping them (recompute=True), or lower global_batch / raise "
+         "grad_accum")
 
 
 def parse_bytes(value) -> int:
