@@ -120,15 +120,11 @@ def check(spec: TrainSpec, world_size: int) -> None:
 
 
 def _check_recompute(spec: TrainSpec, cfg) -> None:
-    """``recompute``: True or False; not (yet) with dl.fully_shard, whose units swap their parameters in
-    the block's forward hooks, which a recomputation does not run; not with a mixture of experts, whose
-    router's balance loss a second forward would count twice."""
+    """``recompute``: True or False; not with a mixture of experts, whose router's balance loss a second
+    forward would count twice."""
     on = spec.options.get("recompute", False)
     if not isinstance(on, bool):
         raise TypeError(f"recompute must be True or False, got {on!r}")
-    if on and spec.strategy == "fsdp":
-        raise ValueError("recompute=True does not work with fsdp yet (its units gather in the blocks' "
-                         "forward hooks, which the recomputation skips): use zero3, tested equal with it")
     if on and getattr(cfg, "experts", 0):
         raise ValueError(f"recompute=True with the mixture-of-experts {spec.model!r} would count the "
                          "router's balance loss twice: train it without recompute")

@@ -188,10 +188,7 @@ class FSDPUnit:
             self.unshard(async_op=True)
 
     def post_forward(self, module, args, out):
-        for p in self.params:
-            p.install(p.shard)
-        for m, name, p in self.replicated:
-            m._parameters[name] = p
+        self._install(full=False)
         if self.reshard:
             self.free()
         if torch.is_grad_enabled():
@@ -206,14 +203,24 @@ class FSDPUnit:
             fam.in_backward = True
             Variable._execution_engine.queue_callback(fam.backward_done)
         self.unshard()
+        self._install(full=True)          # a recomputation (recompute=True) reruns the forward: gathered
         prev = fam.neighbour(self, -1)
         if prev is not None:
             prev.unshard(async_op=True)
+
+    def _install(self, full: bool) -> None:
+        """Put the gathered parameters (cast to the compute dtype where kept whole) into the unit's modules,
+        or back the shards; the modules show the shards at rest (state_dict, the optimizer)."""
+        for p in self.params:
+            p.install(p.full if full and p.full is not None else p.shard)
+        for m, name, p in self.replicated:
+            m._parameters[name] = p.to(self.param_dtype) if full else p
 
     # -- gradients --------------------------------------------------------------------------
     def reduce(self, grads) -> None:
         """The unit's full gradients are complete: free the parameters, then reduce-scatter them into
         the shards (under no_sync: add them to the local fp32 sums instead)."""
+        self._install(full=False)
         self.free()
         sync, packed = self.family.sync, []
         for p, g in zip(self.trainable, grads):
@@ -242,6 +249,7 @@ class FSDPUnit:
             p.shard.grad = g if p.shard.grad is None else p.shard.grad.add_(g)
 
     def finish_backward(self) -> None:
+        self._install(full=False)
         self.free()
         if not self.family.sync:
             return
