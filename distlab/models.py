@@ -113,7 +113,9 @@ class Block(nn.Module):
     Sublinear Memory Cost"; Korthikanti et al. 2022, Sec. 4: Megatron's full recompute): forward keeps
     only the block's input, and backward runs the block's forward again to rebuild what it needs
     (`torch.utils.checkpoint`, non-reentrant). Activation memory per block falls from s b h (34 + 5 a s
-    / h) bytes (fp16, Korthikanti Eq. 1) to the 2 s b h of its input, for one more forward of compute.
+    / h) bytes (fp16, Korthikanti Eq. 1) to the 2 s b h of its input, for one more forward of compute;
+    in backward one block's activations are rebuilt at a time (held by torch's checkpoint, which the
+    memory ledger's saved-tensor count does not see: it reports what is kept between the passes).
     """
 
     def __init__(self, cfg: GPTConfig):

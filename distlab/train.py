@@ -92,8 +92,9 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
     the strategy does not read is a TypeError naming those it does (`distlab.strategies.options`).
     ``progress``: a bar with step, loss and it/s (None: when a person watches, see `distlab.progress`).
     ``check_only``: check the training input (strategy, options and layout, checkpoint options, restart
-    plan; a ValueError or TypeError that says what to change), then return None without training. The
-    launcher's own checks (``output``, ``timeout``, torchrun's world) come when it starts."""
+    plan; a ValueError or TypeError that says what to change), then return None without training (a
+    ``checkpoint_dir`` is created, as proof that it is writable). The launcher's own checks (``output``,
+    ``timeout``, torchrun's world) come when it starts."""
     spec = TrainSpec(strategy=strategy, model=model, steps=steps, seed=seed, global_batch=global_batch,
                      lr=lr, optimizer=optimizer, weight_decay=weight_decay, grad_accum=grad_accum,
                      precision=precision, clip=clip, options={**(options or {}), **more_options})

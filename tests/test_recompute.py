@@ -1,9 +1,11 @@
 """Full activation recomputation (``recompute=True``: `distlab.models.Block` under torch.utils.checkpoint).
 
 Recomputing is the same arithmetic done again, so every strategy must train exactly as without it (bit
-for bit on CPU), while each rank's activation peak (the memory ledger's) falls. FSDP works because its
-units put the gathered parameters back into the modules before their backward, where the recomputation
-runs. Refused for mixtures of experts (the router's balance loss would be counted twice).
+for bit on CPU), while what each rank keeps for backward (the memory ledger's saved-tensor count) falls;
+the ledger does not see the one block at a time that backward rebuilds (`models.Block`). FSDP works
+because its units put the gathered parameters back into the modules before their backward, where the
+recomputation runs. Refused: models without transformer blocks, mixtures of experts (the router's
+balance loss would be counted twice), zero bubble's split backward (every block recomputed again).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ def _activation_peak(report) -> int:
     ("single", 1, {}), ("ddp", 2, {}), ("zero3", 2, {}), ("fsdp", 2, {}), ("fsdp", 4, {"hsdp": 2}),
     ("fsdp", 2, {"param_dtype": "bf16"}), ("tp-sp", 2, {}), ("pp-1f1b", 2, {}), ("cp-ring", 2, {}),
     ("3d:dp=1,tp=2,pp=2", 4, {})])
-def test_recompute_trains_bit_for_bit_with_less_activation_memory(strategy, world, options):
+def test_recompute_trains_bit_for_bit_keeping_less_for_backward(strategy, world, options):
     plain = dl.train(strategy, world_size=world, **KW, **options)
     again = dl.train(strategy, world_size=world, **KW, **options, recompute=True)
     assert again.losses == plain.losses
@@ -41,6 +43,11 @@ def test_recompute_is_refused_where_it_would_be_wrong(monkeypatch):
         dl.train("ep", world_size=2, **{**KW, "model": "gpt-moe-tiny"}, recompute=True)
     with pytest.raises(TypeError, match="True or False"):
         dl.train("ddp", world_size=2, **KW, recompute="yes")
+    with pytest.raises(ValueError, match="has none"):
+        dl.train("ddp", world_size=2, **{**KW, "model": "mlp"}, recompute=True)
+    for strategy in ("pp-zb-h1", "3d:dp=1,tp=1,pp=2,schedule=zb-h1"):
+        with pytest.raises(ValueError, match="zero-bubble"):
+            dl.train(strategy, world_size=2, **KW, recompute=True)
 
 
 def test_the_cli_flag_reaches_train(monkeypatch):

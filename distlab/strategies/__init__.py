@@ -120,11 +120,21 @@ def check(spec: TrainSpec, world_size: int) -> None:
 
 
 def _check_recompute(spec: TrainSpec, cfg) -> None:
-    """``recompute``: True or False; not with a mixture of experts, whose router's balance loss a second
-    forward would count twice."""
+    """``recompute``: True or False; only for the GPT presets (the blocks recompute); not with a mixture of
+    experts, whose router's balance loss a second forward would count twice; not with zero bubble's split
+    backward, whose separate weight-gradient pass recomputes every block again (about five forwards more
+    per microbatch) while its deferred inputs keep most activations alive anyway."""
     on = spec.options.get("recompute", False)
     if not isinstance(on, bool):
         raise TypeError(f"recompute must be True or False, got {on!r}")
+    if on and cfg is None:
+        raise ValueError(f"recompute=True recomputes transformer blocks, and {spec.model!r} has none: "
+                         "choose a GPT preset, or train without recompute")
+    split = spec.strategy == "pp-zb-h1" or "zb" in str(spec.options.get("schedule", "")) or (
+        spec.strategy.startswith("3d:") and "zb" in spec.strategy)
+    if on and split:
+        raise ValueError("recompute=True with a zero-bubble schedule (split backward) recomputes each block "
+                         "again for the weight-gradient pass and saves little: use 1f1b or interleaved")
     if on and getattr(cfg, "experts", 0):
         raise ValueError(f"recompute=True with the mixture-of-experts {spec.model!r} would count the "
                          "router's balance loss twice: train it without recompute")

@@ -140,7 +140,8 @@ def train_rank(spec: TrainSpec) -> RankResult:
     saved = rank_state(model, opt, keeps_history=r == 0)
     if hasattr(wrapped, "compressor"):                    # PowerSGD: its Q's and this rank's errors
         saved = with_part(saved, "powersgd", wrapped.compressor.state, wrapped.compressor.load_state,
-                          layout={"powersgd_rank": spec.options.get("powersgd_rank", 4)})
+                          layout={"powersgd_rank": spec.options.get("powersgd_rank", 4),
+                                  "error_feedback": spec.options.get("error_feedback", True)})
     plan = Plan(_forward(spec, wrapped, model, n, r), opt, saved,
                 loss_share=1 / n, no_sync=no_sync, clip=opt.clip_grad_norm_, memory=memory_bytes,
                 grads=opt.grads if isinstance(opt, LocalOptimizer) else partial(shard_grads, opt))

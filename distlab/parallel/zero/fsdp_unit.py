@@ -203,7 +203,8 @@ class FSDPUnit:
             fam.in_backward = True
             Variable._execution_engine.queue_callback(fam.backward_done)
         self.unshard()
-        self._install(full=True)          # a recomputation (recompute=True) reruns the forward: gathered
+        if any(getattr(m, "recompute", False) for m in self.module.modules()):
+            self._install(full=True)      # its blocks rerun their forward in backward: show them the gathered
         prev = fam.neighbour(self, -1)
         if prev is not None:
             prev.unshard(async_op=True)
