@@ -41,6 +41,8 @@ import weakref
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from .memory_budget import Budget, MemoryLimitExceeded, parse_bytes  # noqa: F401  (re-exported)
 from .runtime import tracer
@@ -150,11 +152,14 @@ def pipeline_memory(modules, optimizer, stash: "PipelineStash"):
     """A callable returning the model states of a pipeline rank (its stage modules, whole or tensor-
     parallel shards; ``p.grad`` or the DDP buckets they view; the optimizer's state, or its inner
     optimizer's for a sharded one) and ``activations``: the most bytes the rank's stash held at once
-    since the last call (`PipelineStash.take`: the schedule runs forward and backward in one step)."""
+    since the last call (`PipelineStash.take`: the schedule runs forward and backward in one step), plus,
+    with recompute=True, the most a backward held while rebuilding a block (`SavedTensors.take_rebuilt`):
+    an upper bound, the two peaks need not coincide."""
     states = replica_memory(nn.ModuleList(modules), getattr(optimizer, "optimizer", optimizer))
 
     def measure() -> dict[str, int]:
-        return {**states(), "activations": stash.take()}
+        rebuilt = _running[-1].take_rebuilt() if _running else 0
+        return {**states(), "activations": stash.take() + rebuilt}
     return measure
 
 
@@ -169,6 +174,7 @@ class SavedTensors:
     def __init__(self, on_change=None):
         self.current = 0
         self.peak = 0
+        self.rebuilt_peak = 0               # the most held during recomputations since `take_rebuilt`
         self._refs: dict[int, int] = {}
         self.on_change = on_change          # called after every pack / unpack (a `Ledger`'s budget)
 
@@ -181,19 +187,23 @@ class SavedTensors:
     def _pack(self, t: torch.Tensor):
         if (t.is_leaf and t.requires_grad) or isinstance(t, torch.nn.Parameter):
             return t
+        held = SavedTensors._Held(t)
+        return held if self.count(t, held) else t
+
+    def count(self, t: torch.Tensor, owner) -> bool:
+        """Count ``t``'s storage while ``owner`` lives (once per storage however many hold it)."""
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if key == 0:
-            return t
+            return False
         if self._refs.get(key, 0) == 0:
             self.current += storage.nbytes()
             self.peak = max(self.peak, self.current)
         self._refs[key] = self._refs.get(key, 0) + 1
-        held = SavedTensors._Held(t)
-        weakref.finalize(held, self._release, key, storage.nbytes())
+        weakref.finalize(owner, self._release, key, storage.nbytes())
         if self.on_change is not None:
             self.on_change()
-        return held
+        return True
 
     def _release(self, key: int, nbytes: int) -> None:
         self._refs[key] -= 1
@@ -210,6 +220,43 @@ class SavedTensors:
     def hooks(self):
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield self
+
+    def take_rebuilt(self) -> int:
+        """The most bytes held during a recomputation since the last call (0: none ran)."""
+        peak, self.rebuilt_peak = self.rebuilt_peak, 0
+        return peak
+
+    def recompute_context(self):
+        """For ``torch.utils.checkpoint(context_fn=...)``: nothing during forward (the checkpoint keeps the
+        block's input, which `hooks` counts); during the recomputation in backward, every tensor the ops
+        make, while it lives (what the checkpoint holds for the block's backward, and its temporaries),
+        which saved-tensor hooks cannot see there (the checkpoint's own hooks take them)."""
+        return contextlib.nullcontext(), _Rebuilt(self)
+
+
+_running: list = []          # the `SavedTensors` of the ledger of the run in progress in this process
+
+
+def recompute_context():
+    """``context_fn`` for a recomputing block (`models.Block`, attached by the strategies): what it rebuilds
+    in backward is counted by the ledger of the run in progress (none: counted nowhere)."""
+    return _running[-1].recompute_context() if _running else (contextlib.nullcontext(),) * 2
+
+
+class _Rebuilt(TorchDispatchMode):
+    """Counts each tensor an op makes into a `SavedTensors` while the tensor lives."""
+
+    def __init__(self, saved: SavedTensors):
+        super().__init__()
+        self.saved = saved
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.saved.count(t, t)
+        self.saved.rebuilt_peak = max(self.saved.rebuilt_peak, self.saved.current)
+        return out
 
 
 class SavedActivations:
@@ -300,6 +347,7 @@ class Ledger:
     def __init__(self, limit: int | None = None, measure=None):
         self.timeline: list[tuple[str, dict[str, int]]] = []
         self.saved = SavedTensors()
+        _running[:] = [self.saved]                  # recomputations count here (`recompute_context`)
         self.budget = None
         if limit is not None:                       # checked at every saved tensor (see `Budget`)
             self.budget = Budget(limit, measure, lambda: self.saved.current)

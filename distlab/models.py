@@ -114,13 +114,13 @@ class Block(nn.Module):
     only the block's input, and backward runs the block's forward again to rebuild what it needs
     (`torch.utils.checkpoint`, non-reentrant). Activation memory per block falls from s b h (34 + 5 a s
     / h) bytes (fp16, Korthikanti Eq. 1) to the 2 s b h of its input, for one more forward of compute;
-    in backward one block's activations are rebuilt at a time (held by torch's checkpoint, which the
-    memory ledger's saved-tensor count does not see: it reports what is kept between the passes).
+    in backward one block's activations are rebuilt at a time, held by the checkpoint itself; the memory
+    ledger counts them through ``recompute_context`` (checkpoint's ``context_fn``, attached from outside).
     """
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.recompute = False
+        self.recompute, self.recompute_context = False, None   # context: checkpoint's, attached from outside
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg.d_model, cfg.heads, cfg.bias)
         self.ln2 = nn.LayerNorm(cfg.d_model)
@@ -133,8 +133,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():
-            from torch.utils.checkpoint import checkpoint
-            return checkpoint(self._layers, x, use_reentrant=False)
+            from torch.utils.checkpoint import checkpoint, noop_context_fn
+            return checkpoint(self._layers, x, use_reentrant=False,
+                              context_fn=self.recompute_context or noop_context_fn)
         return self._layers(x)
 
     def _layers(self, x: torch.Tensor) -> torch.Tensor:

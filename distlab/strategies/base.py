@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import models
+from ..memory import recompute_context
 from ..runtime import device, rank
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -71,6 +72,7 @@ def build_model(spec: TrainSpec) -> nn.Module:
     model = models.build(spec.model, spec.seed).to(device())
     for block in getattr(model, "blocks", ()):
         block.recompute = bool(spec.options.get("recompute", False))
+        block.recompute_context = recompute_context       # the ledger counts what backward rebuilds
     return model
 
 

@@ -141,6 +141,7 @@ def _micro_steps(spec: TrainSpec, plan: Plan, step: int, ledger: Ledger | None,
                 scaled = guard.loss_to_backward(loss)          # fp16: S * loss
                 with tr.span("backward", step=step, micro=micro), _phase(ledger, "backward", step, scaled):
                     scaled.backward()
+                _sample_rebuilt(ledger, plan)
         if loss is not None:
             total, held = total + loss.item() * plan.loss_share, True
     return total if held else None
@@ -177,6 +178,14 @@ def _phase(ledger: Ledger | None, phase: str, step: int, root=None):
 def _sample(ledger: Ledger | None, label: str, plan: Plan) -> None:
     if ledger is not None:
         ledger.sample(label, **plan.memory())
+
+
+def _sample_rebuilt(ledger: Ledger | None, plan: Plan) -> None:
+    """recompute=True: a "recompute" sample with the most activations held while backward rebuilt a block,
+    beside the model states as after backward (all gradients there: an upper bound for that moment)."""
+    rebuilt = ledger.saved.take_rebuilt() if ledger is not None else 0
+    if rebuilt:
+        ledger.sample("recompute", **{**plan.memory(), "activations": rebuilt})
 
 
 def comm_totals(events, steps: int) -> dict:
