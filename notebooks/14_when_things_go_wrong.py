@@ -188,7 +188,7 @@ assert seen == [[], [1], []] and skipped == [[1], [1], [1]]
 assert all(math.isfinite(v) for v in nan.losses)
 
 # %% [markdown]
-# ## 4. Out of memory in backward, cured by ZeRO
+# ## 4. Out of memory: in backward, cured by ZeRO; in forward, cured by recomputation
 #
 # A large model with a small batch: weights plus gradients (at the peak of backward) outweigh weights plus
 # activations (forward). `memory_limit=` gives a CPU run a memory budget: the ledger raises
@@ -220,6 +220,39 @@ print(str(oom))
 fits = dl.train("zero3", world_size=4, **MEM, memory_limit=limit)
 print("zero3 on 4 ranks fits under the limit:", max(m["peak_total"] for m in fits.memory) <= limit)
 assert max(m["peak_total"] for m in fits.memory) <= limit
+
+# %% [markdown]
+# The other way to run out: activations. A GPT on a bigger batch keeps far more activations than model states, so a
+# budget of three quarters of its peak trips in forward, on the activations. Sharding the model states barely
+# helps; recomputation does: with `recompute=True` each transformer block keeps only its input during forward and
+# runs its forward again in backward (Chen et al. 2016), one block at a time. Prediction: the activation peak is
+# at least one block's activations (measured on its own below) and at most that plus what forward keeps; the
+# arithmetic is the same, so the losses must come out identical.
+
+# %%
+from distlab.memory import SavedActivations
+
+ACT = dict(model="gpt-tiny", global_batch=16, steps=1)
+kept = dl.train("single", **ACT)
+act_limit = kept.memory[0]["peak_total"] * 3 // 4
+try:
+    dl.train("single", **ACT, memory_limit=act_limit)
+    raise AssertionError("should not fit")
+except dl.memory.MemoryLimitExceeded as e:
+    act_oom = e
+print("out of memory in", act_oom.phase, "; category:", act_oom.category)
+recomputed = dl.train("single", **ACT, recompute=True, memory_limit=act_limit)
+rows = dict(recomputed.memory[0]["timeline"])
+gpt = dl.models.build("gpt-tiny", 0)
+with SavedActivations(gpt) as one:
+    gpt.blocks[0](torch.randn(16, 32, 64, requires_grad=True))      # one block, at the batch's shape
+low, high = one.bytes, one.bytes + rows["forward"]["activations"]
+measured = rows["recompute"]["activations"]
+print(f"recompute=True fits; activation peak {measured / 2**20:.2f} MiB, predicted between {low / 2**20:.2f} "
+      f"and {high / 2**20:.2f} MiB ({kept.memory[0]['peak']['activations'] / measured:.1f}x less than without)")
+print("same losses:", recomputed.losses == kept.losses)
+assert act_oom.phase == "forward" and act_oom.category == "activations" and "recompute=True" in str(act_oom)
+assert low <= measured <= high and recomputed.losses == kept.losses
 
 # %% [markdown]
 # ## 5. A rank killed, restarted automatically
@@ -312,7 +345,8 @@ print(f"an async save stalling 3 s instead of 30 s: every {dl.theory.young_inter
 # - One slow rank makes every step slow: look at per-rank busy time, not the step time (equal on every rank).
 # - fp16 needs dynamic loss scaling; a non-finite gradient must skip the step on **every** rank; bf16 avoids
 #   overflow altogether.
-# - OOM in backward is weights + gradients: sharding them (ZeRO-3, FSDP) or recomputation cures it.
+# - OOM in backward from weights + gradients: shard them (ZeRO-3, FSDP). OOM in forward from activations:
+#   recompute them (`recompute=True`), the same training for one more forward per block.
 # - Automatic restart from the newest complete checkpoint is the minimum viable fault tolerance; with exact
 #   resume, a crash costs time, never results.
 # - Verify every shard (sha256) before trusting a checkpoint; keep more than one.
