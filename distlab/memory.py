@@ -152,9 +152,8 @@ def pipeline_memory(modules, optimizer, stash: "PipelineStash"):
     """A callable returning the model states of a pipeline rank (its stage modules, whole or tensor-
     parallel shards; ``p.grad`` or the DDP buckets they view; the optimizer's state, or its inner
     optimizer's for a sharded one) and ``activations``: the most bytes the rank's stash held at once
-    since the last call (`PipelineStash.take`: the schedule runs forward and backward in one step), plus,
-    with recompute=True, the most a backward held while rebuilding a block (`SavedTensors.take_rebuilt`):
-    an upper bound, the two peaks need not coincide."""
+    since the last call (`PipelineStash.take`: the schedule runs forward and backward in one step), plus
+    the most held rebuilding a block (recompute=True, `take_rebuilt`): a bound, the peaks need not meet."""
     states = replica_memory(nn.ModuleList(modules), getattr(optimizer, "optimizer", optimizer))
 
     def measure() -> dict[str, int]:
@@ -227,10 +226,8 @@ class SavedTensors:
         return peak
 
     def recompute_context(self):
-        """For ``torch.utils.checkpoint(context_fn=...)``: nothing during forward (the checkpoint keeps the
-        block's input, which `hooks` counts); during the recomputation in backward, every tensor the ops
-        make, while it lives (what the checkpoint holds for the block's backward, and its temporaries),
-        which saved-tensor hooks cannot see there (the checkpoint's own hooks take them)."""
+        """``torch.utils.checkpoint``'s ``context_fn``: in the recomputation, count what the ops make while it
+        lives (saved-tensor hooks cannot: the checkpoint's own take those tensors); forward: `hooks`."""
         return contextlib.nullcontext(), _Rebuilt(self)
 
 
@@ -244,7 +241,8 @@ def recompute_context():
 
 
 class _Rebuilt(TorchDispatchMode):
-    """Counts each tensor an op makes into a `SavedTensors` while the tensor lives."""
+    """Counts each tensor an op makes into a `SavedTensors` while the tensor lives (not a parameter's
+    alias: the checkpoint keeps ``weight.detach()`` for a linear's backward, which is no activation)."""
 
     def __init__(self, saved: SavedTensors):
         super().__init__()
@@ -252,8 +250,10 @@ class _Rebuilt(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        params = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad}
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in params:
                 self.saved.count(t, t)
         self.saved.rebuilt_peak = max(self.saved.rebuilt_peak, self.saved.current)
         return out
