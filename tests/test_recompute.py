@@ -77,3 +77,20 @@ def test_the_cli_flag_reaches_train(monkeypatch):
     with pytest.raises(SystemExit):
         main(["train", "--strategy", "ddp", "--world-size", "2", "--recompute"])
     assert seen[0]["options"]["recompute"] is True
+
+
+def test_a_recomputing_block_keeps_what_korthikanti_counts_for_full_recomputation():
+    """Full recomputation keeps only the layer's input: 2 s b h bytes in 16-bit (Korthikanti et al. 2022),
+    4 s b h here in fp32, measured on one block's forward to the byte."""
+    from distlab.memory import SavedActivations
+    from distlab.theory.activations import activation_bytes_per_layer
+    gpt = dl.models.build("gpt-tiny", 0)
+    block, (b, s, h) = gpt.blocks[0], (16, 32, gpt.cfg.d_model)
+    block.recompute = True
+    with SavedActivations(gpt) as kept:
+        block(torch.randn(b, s, h, requires_grad=True))
+    assert kept.bytes == activation_bytes_per_layer(s, b, h, gpt.cfg.heads, recompute="full") * 4 / 2
+    block.recompute = False
+    with SavedActivations(gpt) as whole:
+        block(torch.randn(b, s, h, requires_grad=True))
+    assert whole.bytes > 10 * kept.bytes
