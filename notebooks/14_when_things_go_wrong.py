@@ -201,11 +201,18 @@ free = dl.train("single", **MEM).memory[0]["timeline"]
 total = {label: sum(row[c] for c in dl.memory.CATEGORIES) for label, row in free[3:5]}    # step 1
 limit = (total["forward"] + total["backward"]) // 2
 print("backward needs more than forward:", total["backward"] > total["forward"])
-try:
-    dl.train("single", **MEM, memory_limit=limit)
+
+
+def out_of_memory(**run) -> dl.memory.MemoryLimitExceeded:
+    """The error a run over its memory budget raises (it must not fit)."""
+    try:
+        dl.train("single", **run)
+    except dl.memory.MemoryLimitExceeded as e:
+        return e
     raise AssertionError("should not fit")
-except dl.memory.MemoryLimitExceeded as e:
-    oom = e
+
+
+oom = out_of_memory(**MEM, memory_limit=limit)
 print("out of memory in", oom.phase, "; category:", oom.category)
 assert oom.phase == "backward" and oom.category == "grads" and "zero3" in str(oom)
 
@@ -235,11 +242,7 @@ from distlab.memory import SavedActivations
 ACT = dict(model="gpt-tiny", global_batch=16, steps=1)
 kept = dl.train("single", **ACT)
 act_limit = kept.memory[0]["peak_total"] * 3 // 4
-try:
-    dl.train("single", **ACT, memory_limit=act_limit)
-    raise AssertionError("should not fit")
-except dl.memory.MemoryLimitExceeded as e:
-    act_oom = e
+act_oom = out_of_memory(**ACT, memory_limit=act_limit)
 print("out of memory in", act_oom.phase, "; category:", act_oom.category)
 recomputed = dl.train("single", **ACT, recompute=True, memory_limit=act_limit)
 rows = dict(recomputed.memory[0]["timeline"])
