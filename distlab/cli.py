@@ -68,8 +68,9 @@ def _train_parser(sub) -> None:
     p.add_argument("--bucket-mb", type=float, default=None, help="DDP/ZeRO bucket size (default 25)")
     p.add_argument("--no-overlap", action="store_true", help="communicate after backward, not during it")
     p.add_argument("--prefetch", action="store_true", help="ZeRO-3: gather the next unit early")
-    p.add_argument("--recompute", action="store_true",
-                   help="recompute each block's activations in backward (less memory, one more forward)")
+    p.add_argument("--recompute", nargs="?", const="full", default=None, choices=["full", "selective"],
+                   help="recompute activations in backward: each whole block (full, the default), or only "
+                        "attention's scores and softmax (selective)")
     p.add_argument("--hsdp", type=int, default=None, metavar="R",
                    help="fsdp: R replicas of (world / R) shards")
     p.add_argument("--param-dtype", default=None, choices=["bf16", "fp16"],
@@ -110,7 +111,7 @@ def _options(args) -> dict:
     if args.prefetch:
         opts["prefetch"] = True
     if args.recompute:
-        opts["recompute"] = True
+        opts["recompute"] = args.recompute
     for key in ("hsdp", "param_dtype"):
         if getattr(args, key) is not None:
             opts[key] = getattr(args, key)

@@ -42,7 +42,6 @@ import weakref
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from .memory_budget import Budget, MemoryLimitExceeded, parse_bytes  # noqa: F401  (re-exported)
 from .runtime import tracer
@@ -152,13 +151,11 @@ def pipeline_memory(modules, optimizer, stash: "PipelineStash"):
     """A callable returning the model states of a pipeline rank (its stage modules, whole or tensor-
     parallel shards; ``p.grad`` or the DDP buckets they view; the optimizer's state, or its inner
     optimizer's for a sharded one) and ``activations``: the most bytes the rank's stash held at once
-    since the last call (`PipelineStash.take`: the schedule runs forward and backward in one step), plus
-    the most held rebuilding a block (recompute=True, `take_rebuilt`): a bound, the peaks need not meet."""
+    since the last call (`PipelineStash.take`: the schedule runs forward and backward in one step)."""
     states = replica_memory(nn.ModuleList(modules), getattr(optimizer, "optimizer", optimizer))
 
     def measure() -> dict[str, int]:
-        rebuilt = _running[-1].take_rebuilt() if _running else 0
-        return {**states(), "activations": stash.take() + rebuilt}
+        return {**states(), "activations": stash.take()}
     return measure
 
 
@@ -226,8 +223,8 @@ class SavedTensors:
         return peak
 
     def recompute_context(self):
-        """``torch.utils.checkpoint``'s ``context_fn``: in the recomputation, count what the ops make while it
-        lives (saved-tensor hooks cannot: the checkpoint's own take those tensors); forward: `hooks`."""
+        """``torch.utils.checkpoint``'s ``context_fn``: in the recomputation, count what it saves again for
+        backward (saved-tensor hooks cannot: the checkpoint's own take those tensors); forward: `hooks`."""
         return contextlib.nullcontext(), _Rebuilt(self)
 
 
@@ -241,8 +238,8 @@ def recompute_context():
 
 
 class _Rebuilt(TorchDispatchMode):
-    """Counts each tensor an op makes into a `SavedTensors` while the tensor lives (not a parameter's
-    alias: the checkpoint keeps ``weight.detach()`` for a linear's backward, which is no activation)."""
+    """Counts into a `SavedTensors`, while they live, the tensors a recomputation saves for backward: the
+    checkpoint keeps ``x.detach()`` of each (a parameter's is no activation; temporaries are not saved)."""
 
     def __init__(self, saved: SavedTensors):
         super().__init__()
@@ -250,11 +247,8 @@ class _Rebuilt(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        params = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in params:
-                self.saved.count(t, t)
+        if func is torch.ops.aten.detach.default and not (args[0].is_leaf and args[0].requires_grad):
+            self.saved.count(out, out)             # what the checkpoint keeps: x.detach() of each saved x
         self.saved.rebuilt_peak = max(self.saved.rebuilt_peak, self.saved.current)
         return out
 

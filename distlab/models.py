@@ -75,9 +75,23 @@ class CausalSelfAttention(nn.Module):
         self.k = nn.Linear(d_model, d_model, bias=bias)
         self.v = nn.Linear(d_model, d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
+        self.selective, self.recompute_context = False, None     # see `attention_core`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(causal_attention(self.q(x), self.k(x), self.v(x), self.head_dim))
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        return self.proj(attention_core(self, q, k, v))
+
+
+def attention_core(attn: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """`causal_attention` for ``attn``; with ``attn.selective``, Korthikanti et al.'s selective
+    recomputation (2022, Sec. 4.1): the core runs under `torch.utils.checkpoint`, so forward keeps only
+    q, k, v and backward recomputes the scores, the mask and the softmax (the a s^2 b terms: the most
+    memory for the least compute), ``attn.recompute_context`` as the checkpoint's ``context_fn``."""
+    if getattr(attn, "selective", False) and torch.is_grad_enabled():
+        from torch.utils.checkpoint import checkpoint, noop_context_fn
+        return checkpoint(causal_attention, q, k, v, attn.head_dim, use_reentrant=False,
+                          context_fn=attn.recompute_context or noop_context_fn)
+    return causal_attention(q, k, v, attn.head_dim)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -132,7 +146,7 @@ class Block(nn.Module):
             self.mlp = FeedForward(cfg.d_model, cfg.mlp_ratio, cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.recompute and torch.is_grad_enabled():
+        if self.recompute and torch.is_grad_enabled():     # full (selective: the attention's, see there)
             from torch.utils.checkpoint import checkpoint, noop_context_fn
             return checkpoint(self._layers, x, use_reentrant=False,
                               context_fn=self.recompute_context or noop_context_fn)

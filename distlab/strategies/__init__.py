@@ -19,6 +19,7 @@ cp-ulysses), `expert` (ep), `mesh` (3D), `mesh_axes` (its cp= and ep= axes).
 from __future__ import annotations
 
 import difflib
+import re
 import importlib
 
 from ..checkpoint.training import OPTIONS as CHECKPOINT_OPTIONS
@@ -120,24 +121,30 @@ def check(spec: TrainSpec, world_size: int) -> None:
 
 
 def _check_recompute(spec: TrainSpec, cfg) -> None:
-    """``recompute``: True or False; only for the GPT presets (the blocks recompute); not with a mixture of
-    experts, whose router's balance loss a second forward would count twice; not with zero bubble's split
-    backward, whose separate weight-gradient pass recomputes every block again (about five forwards more
-    per microbatch) while its deferred inputs keep most activations alive anyway."""
-    on = spec.options.get("recompute", False)
-    if not isinstance(on, bool):
-        raise TypeError(f"recompute must be True or False, got {on!r}")
-    if on and cfg is None:
-        raise ValueError(f"recompute=True recomputes transformer blocks, and {spec.model!r} has none: "
+    """``recompute``: False, True or "full", or "selective"; only for the GPT presets; not with pipelines
+    (their memory count cannot see it yet; zero bubble's weight pass would recompute every block again);
+    full not with a mixture of experts (a second forward would count the router's balance loss twice);
+    selective not with context parallelism (its attention cores are ring attention and Ulysses)."""
+    how = spec.options.get("recompute", False)
+    if how not in (False, True, "full", "selective"):
+        raise TypeError(f"recompute must be True (or 'full'), 'selective' or False, got {how!r}")
+    if how and cfg is None:
+        raise ValueError(f"recompute recomputes transformer blocks, and {spec.model!r} has none: "
                          "choose a GPT preset, or train without recompute")
-    split = spec.strategy == "pp-zb-h1" or "zb" in str(spec.options.get("schedule", "")) or (
-        spec.strategy.startswith("3d:") and "zb" in spec.strategy)
-    if on and split:
-        raise ValueError("recompute=True with a zero-bubble schedule (split backward) recomputes each block "
-                         "again for the weight-gradient pass and saves little: use 1f1b or interleaved")
-    if on and getattr(cfg, "experts", 0):
+    pp = re.search(r"pp=(\d+)", spec.strategy)
+    if how and (spec.strategy.startswith("pp-") or int(pp.group(1) if pp else spec.options.get("pp", 1)) > 1):
+        raise ValueError("recompute does not run with pipeline parallelism yet: a pipeline's memory count "
+                         "(its stash) sees neither what a recomputation keeps nor what it rebuilds, and "
+                         "zero bubble's weight pass would recompute every block again; use dp, ZeRO, "
+                         "FSDP, tp or cp (or a mesh without pp)")
+    if how in (True, "full") and getattr(cfg, "experts", 0):
         raise ValueError(f"recompute=True with the mixture-of-experts {spec.model!r} would count the "
-                         "router's balance loss twice: train it without recompute")
+                         "router's balance loss twice: use recompute='selective' (attention only)")
+    cp = re.search(r"cp=(\d+)", spec.strategy)
+    context = spec.strategy.startswith("cp-") or int(cp.group(1) if cp else spec.options.get("cp", 1)) > 1
+    if how == "selective" and context:
+        raise ValueError("recompute='selective' recomputes distlab's attention core, which context "
+                         "parallelism replaces with ring attention or Ulysses: use recompute=True")
 
 
 def load(strategy: str):

@@ -68,12 +68,15 @@ class RankResult:
 
 def build_model(spec: TrainSpec) -> nn.Module:
     """``dl.models.build(spec.model, spec.seed)`` on ``dl.device()``: identical weights on every rank;
-    option ``recompute=True``: every transformer block recomputes its activations in backward."""
+    option ``recompute``: True or "full" (every transformer block recomputes in backward), "selective"
+    (only attention's scores and softmax, `models.attention_core`)."""
     model = models.build(spec.model, spec.seed).to(device())
+    how = spec.options.get("recompute", False)
     for block in getattr(model, "blocks", ()):
-        block.recompute = bool(spec.options.get("recompute", False))
-        block.recompute_context = recompute_context       # the ledger counts what backward rebuilds
-    return model
+        block.recompute = how in (True, "full")
+        block.attn.selective = how == "selective"
+        block.recompute_context = block.attn.recompute_context = recompute_context   # the ledger counts
+    return model                                                                     # what backward rebuilds
 
 
 def make_optimizer(params, spec: TrainSpec) -> torch.optim.Optimizer:

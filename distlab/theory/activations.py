@@ -78,22 +78,32 @@ def dropout_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: i
 
 
 def predicted_layer_bytes(seq_len: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
-                          sp: bool = False, element_size: int = 4, dropout: bool = False) -> float:
+                          sp: bool = False, element_size: int = 4, dropout: bool = False,
+                          recompute: str = "none") -> float:
     """Korthikanti et al.'s per-layer activation bytes (`activation_bytes_per_layer`), without the
     dropout terms unless ``dropout``, rescaled from 2-byte to ``element_size`` activations.
-    (Only valid without dropout for element_size != 2, since masks are 1 byte whatever the dtype.)"""
-    total = activation_bytes_per_layer(seq_len, micro_batch, hidden, heads, tp=tp, sp=sp)
+    (Only valid without dropout for element_size != 2, since masks are 1 byte whatever the dtype.)
+    ``recompute="selective"`` drops the attention scores' terms (what is left: sbh 16 elements, / t
+    with SP), ``"full"`` keeps the layer's input (sbh elements, / t with SP)."""
+    total = activation_bytes_per_layer(seq_len, micro_batch, hidden, heads, tp=tp, sp=sp, recompute=recompute)
     if dropout:
         if element_size != 2:
             raise ValueError("with dropout the masks stay 1 byte: only element_size=2 matches the paper")
         return total
-    return (total - dropout_bytes(seq_len, micro_batch, hidden, heads, tp, sp)) * element_size / 2
+    if recompute == "full":
+        return total * element_size / 2
+    drop = dropout_bytes(seq_len, micro_batch, hidden, heads, tp, sp)
+    if recompute == "selective":                       # the attention dropout terms went with the scores
+        drop -= 3 * heads * seq_len * seq_len * micro_batch / tp
+    return (total - drop) * element_size / 2
 
 
 def unmodelled_bytes(seq_len: int, micro_batch: int, tp: int = 1, sp: bool = False,
-                     stats_element_size: int = 4) -> int:
+                     stats_element_size: int = 4, recompute: str = "none") -> int:
     """What a layer of distlab's GPT saves beyond Korthikanti's count: each of the two LayerNorms
     keeps a mean and a 1/std per token (fp32; per *local* token under SP), and attention keeps its
-    causal mask (s^2 bools)."""
+    causal mask (s^2 bools; not under selective recomputation, which rebuilds it; nothing under full)."""
+    if recompute == "full":
+        return 0
     tokens = seq_len * micro_batch // (tp if sp and tp > 1 else 1)
-    return 2 * 2 * tokens * stats_element_size + seq_len * seq_len
+    return 2 * 2 * tokens * stats_element_size + (seq_len * seq_len if recompute == "none" else 0)

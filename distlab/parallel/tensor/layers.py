@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...models import causal_attention
+from ...models import attention_core
 from .. import collectives as C
 from . import regions as ops
 from .linear import ColumnParallelLinear, RowParallelLinear, check_divisible, gathered_linears
@@ -32,6 +32,7 @@ class ParallelAttention(nn.Module):
         super().__init__()
         self.q, self.k, self.v, self.proj = q, k, v, proj
         self.head_dim, self.group = head_dim, group
+        self.selective, self.recompute_context = False, None     # `models.attention_core`
         self.sequence_parallel = sequence_parallel and C.group_size(group) > 1
 
     @classmethod
@@ -42,12 +43,15 @@ class ParallelAttention(nn.Module):
         check_divisible("heads", heads, t, "build the model with GPTConfig(heads=...) a multiple of the TP "
                         "degree")
         kw = dict(group=group, sequence_parallel=sequence_parallel)
-        return cls(*(ColumnParallelLinear.from_linear(lin, **kw) for lin in (attn.q, attn.k, attn.v)),
-                   RowParallelLinear.from_linear(attn.proj, **kw), attn.head_dim, group, sequence_parallel)
+        new = cls(*(ColumnParallelLinear.from_linear(lin, **kw) for lin in (attn.q, attn.k, attn.v)),
+                  RowParallelLinear.from_linear(attn.proj, **kw), attn.head_dim, group, sequence_parallel)
+        new.selective = getattr(attn, "selective", False)            # selective recomputation carries over
+        new.recompute_context = getattr(attn, "recompute_context", None)
+        return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = shared_input(x, [self.q, self.k, self.v], self.group, self.sequence_parallel)
-        return self.proj(causal_attention(q, k, v, self.head_dim))     # (b, s, h/t): my heads only
+        return self.proj(attention_core(self, q, k, v))                 # (b, s, h/t): my heads only
 
 
 def shared_input(x: torch.Tensor, linears: list, group=None, sequence_parallel: bool = False) -> tuple:
