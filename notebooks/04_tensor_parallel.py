@@ -310,6 +310,32 @@ plt.show()
 # term dominates (a = 96, s = 2048, h = 12288 gives 80 vs 34), which is why selective recomputation of attention
 # is the other half of Korthikanti's paper.
 #
+# Both kinds of recomputation are options of `dl.train` (`recompute="selective"` or `True`). Selective keeps
+# everything but the attention scores (the a·s²·b terms, and our causal mask) and recomputes those in backward;
+# full keeps only the block's input, s·b·h elements. Prediction: `predicted_layer_bytes(recompute=...)`; the
+# measurement uses the same hooks, the blocks set as `dl.train` sets them.
+
+# %%
+def recomputed_layer_memory(sequence_parallel, recompute):
+    torch.manual_seed(0)
+    gpt = GPT(CFG)
+    for block in gpt.blocks:
+        block.recompute, block.attn.selective = recompute == "full", recompute == "selective"
+    gpt = dl.tp.parallelize(gpt, sequence_parallel=sequence_parallel)
+    t = dl.world_size()
+    x = torch.randn(B, S // t if sequence_parallel and t > 1 else S, H)
+    return measure_layer(gpt.blocks[0], x)
+
+for t, sp in ((1, False), (2, True)):
+    for recompute in ("selective", "full"):
+        measured = dl.launch(recomputed_layer_memory, world_size=t, args=(sp, recompute)).results[0]
+        predicted_b = predicted_layer_bytes(S, B, H, A, tp=t, sp=sp, recompute=recompute)
+        extra = unmodelled_bytes(S, B, t, sp, recompute=recompute)
+        print(f"t={t}{' +SP' if sp else '':4} {recompute:9}  predicted {predicted_b / 1024:6.1f} KiB   measured "
+              f"{measured / 1024:6.1f} KiB   (LayerNorm stats {extra} B)")
+        assert measured == predicted_b + extra
+
+# %% [markdown]
 # ## 6. Training with TP matches single-process training
 #
 # `dl.train(strategy="tp")` runs every rank on the **whole** global batch (TP splits the model, not the data) and
