@@ -19,7 +19,6 @@ cp-ulysses), `expert` (ep), `mesh` (3D), `mesh_axes` (its cp= and ep= axes).
 from __future__ import annotations
 
 import difflib
-import re
 import importlib
 
 from ..checkpoint.training import OPTIONS as CHECKPOINT_OPTIONS
@@ -128,11 +127,14 @@ def _check_recompute(spec: TrainSpec, cfg) -> None:
     how = spec.options.get("recompute", False)
     if how not in (False, True, "full", "selective"):
         raise TypeError(f"recompute must be True (or 'full'), 'selective' or False, got {how!r}")
-    if how and cfg is None:
+    if not how:
+        return
+    if cfg is None:
         raise ValueError(f"recompute recomputes transformer blocks, and {spec.model!r} has none: "
                          "choose a GPT preset, or train without recompute")
-    pp = re.search(r"pp=(\d+)", spec.strategy)
-    if how and (spec.strategy.startswith("pp-") or int(pp.group(1) if pp else spec.options.get("pp", 1)) > 1):
+    from .mesh import parse                               # a mesh's degrees, as its own check reads them
+    mesh = parse(spec.strategy, spec.options) if spec.strategy.startswith("3d:") else {}
+    if spec.strategy.startswith("pp-") or mesh.get("pp", 1) > 1:
         raise ValueError("recompute does not run with pipeline parallelism yet: a pipeline's memory count "
                          "(its stash) sees neither what a recomputation keeps nor what it rebuilds, and "
                          "zero bubble's weight pass would recompute every block again; use dp, ZeRO, "
@@ -140,9 +142,7 @@ def _check_recompute(spec: TrainSpec, cfg) -> None:
     if how in (True, "full") and getattr(cfg, "experts", 0):
         raise ValueError(f"recompute=True with the mixture-of-experts {spec.model!r} would count the "
                          "router's balance loss twice: use recompute='selective' (attention only)")
-    cp = re.search(r"cp=(\d+)", spec.strategy)
-    context = spec.strategy.startswith("cp-") or int(cp.group(1) if cp else spec.options.get("cp", 1)) > 1
-    if how == "selective" and context:
+    if how == "selective" and (spec.strategy.startswith("cp-") or mesh.get("cp", 1) > 1):
         raise ValueError("recompute='selective' recomputes distlab's attention core, which context "
                          "parallelism replaces with ring attention or Ulysses: use recompute=True")
 
