@@ -59,6 +59,25 @@ def _case(attn: str, causal: bool, zigzag: bool, seed: int) -> list[str]:
     return bad
 
 
+def _float64() -> list[str]:
+    """float64 inputs keep float64 precision (issue 19: ring attention accumulated in float32, 5.7e-7 off)."""
+    n, bad = dl.world_size(), []
+    g = torch.Generator().manual_seed(99)
+    q, k, v, w = (torch.randn(_shape(n), generator=g, dtype=torch.float64) for _ in range(4))
+    out, leaves = _reference(q, k, v, causal=True)
+    grads = torch.autograd.grad((out * w).sum(), leaves)
+    for attn, fn in (("ring", dl.cp.ring_attention), ("ulysses", dl.cp.ulysses_attention)):
+        mine = [dl.cp.split(t.detach(), dim=2).clone().requires_grad_() for t in (q, k, v)]
+        got = fn(*mine, causal=True, zigzag=True)
+        (got * dl.cp.split(w, dim=2)).sum().backward()
+        pairs = [("out", got, out)] + [(f"d{x}", t.grad, gr) for x, t, gr in zip("qkv", mine, grads)]
+        for name, a, b in pairs:
+            err = (a - dl.cp.split(b.detach(), dim=2)).abs().max().item()
+            if a.dtype != torch.float64 or err > 1e-12:
+                bad.append(f"rank {dl.rank()}: {attn} float64 {name}: dtype {a.dtype}, max error {err:.1e}")
+    return bad
+
+
 def _layouts() -> list[str]:
     """split/unsplit: the chunks each rank holds, and the round trip on other dims."""
     r, n = dl.rank(), dl.world_size()
@@ -142,7 +161,7 @@ def _everything() -> dict:
     dl.tracer().enabled = False
     problems = [p for i, case in enumerate(CASES) for p in _case(*case, seed=i)]
     return {"attention": problems, "layout": _layouts(), "errors": _bad_input(), "memory": _saved_bytes(),
-            "flops": _flops()}
+            "flops": _flops(), "float64": _float64()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,6 +172,11 @@ def _run(n: int):
 @pytest.mark.parametrize("n", WORLDS)
 def test_attention_equals_full_attention_forward_and_backward(n):
     assert [p for res in _run(n).results for p in res["attention"]] == []
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_float64_inputs_keep_float64_precision(n):
+    assert [p for res in _run(n).results for p in res["float64"]] == []
 
 
 @pytest.mark.parametrize("n", WORLDS)

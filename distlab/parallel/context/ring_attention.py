@@ -36,7 +36,10 @@ transfer hides behind the block's compute when compute takes longer (Liu et al. 
 dK/dV cannot go early: they carry this step's sums, so they hop after the compute.
 
 Bytes sent per rank, with b the bytes of one rank's K and V together (2 x batch x heads x s/n x d):
-forward (n-1) b; backward (n-1) b + n b' (b' the same block in float32 for the gradients).
+forward (n-1) b; backward (n-1) b + n b' (b' the same block in the accumulation dtype, for the gradients).
+
+Precision: outputs, log-sum-exps and gradients accumulate in float32, or in the input's dtype when it is
+wider (float64 stays exact to float64 rounding); the result is cast back to the input's dtype.
 
 Causal masking works per chunk pair (`layout.py`: a rank holds one chunk, or two when zig-zag).
 Chunk ids are global positions in sequence order, all chunks the same length, so for query chunk a
@@ -91,12 +94,17 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
+def accumulation_dtype(t: torch.Tensor) -> torch.dtype:
+    """float32, or ``t``'s dtype where it is wider (float64): never less precise than the input."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 def ring_forward(q, k, v, causal, group, zigzag, scale):
-    """(out, lse) of this rank's queries against every rank's keys, in float32."""
-    n, r = group_size(group), group_rank(group)
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)          # (B, H, s/n, D)
-    lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)   # (B, H, s/n)
-    mine = chunks(r, n, zigzag, q.float(), out, lse)
+    """(out, lse) of this rank's queries against every rank's keys, in `accumulation_dtype`."""
+    n, r, acc = group_size(group), group_rank(group), accumulation_dtype(q)
+    out = torch.zeros(q.shape, dtype=acc, device=q.device)                    # (B, H, s/n, D)
+    lse = torch.full(q.shape[:-1], -math.inf, dtype=acc, device=q.device)     # (B, H, s/n)
+    mine = chunks(r, n, zigzag, q.to(acc), out, lse)
     kv = torch.stack([k, v])                                                  # (2, B, H, s/n, D)
     for step in range(n):
         if step < n - 1:
@@ -105,21 +113,21 @@ def ring_forward(q, k, v, causal, group, zigzag, scale):
             for a, q_a, out_a, lse_a in mine:
                 kind = pair_kind(a, b, causal)
                 if kind is not None:
-                    merge(out_a, lse_a, *block_forward(q_a, k_b.float(), v_b.float(), kind, scale))
+                    merge(out_a, lse_a, *block_forward(q_a, k_b.to(acc), v_b.to(acc), kind, scale))
         if step < n - 1:
             kv = shift.wait()                                 # the next block, from rank r-step-1
     return out, lse
 
 
 def ring_backward(dout, q, k, v, out, lse, causal, group, zigzag, scale):
-    """(dq, dk, dv) in float32: dq accumulated here, dk/dv round the ring with their block."""
-    n, r = group_size(group), group_rank(group)
-    dout = dout.float()
+    """(dq, dk, dv) in `accumulation_dtype`: dq accumulated here, dk/dv round the ring with their block."""
+    n, r, acc = group_size(group), group_rank(group), accumulation_dtype(q)
+    dout = dout.to(acc)
     delta = (dout * out).sum(-1)                                              # (B, H, s/n)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    mine = chunks(r, n, zigzag, q.float(), dout, lse, delta, dq)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    mine = chunks(r, n, zigzag, q.to(acc), dout, lse, delta, dq)
     kv = torch.stack([k, v])                                                  # (2, B, H, s/n, D)
-    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)         # gradients of the held block
+    dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)                  # gradients of the held block
     for step in range(n):
         if step < n - 1:
             shift = start_ring_shift(kv, group)               # the next K/V travels while we compute
@@ -128,7 +136,7 @@ def ring_backward(dout, q, k, v, out, lse, causal, group, zigzag, scale):
             for a, q_a, do_a, lse_a, delta_a, dq_a in mine:
                 kind = pair_kind(a, b, causal)
                 if kind is not None:
-                    block_backward(q_a, k_b.float(), v_b.float(), do_a, lse_a, delta_a, kind, scale,
+                    block_backward(q_a, k_b.to(acc), v_b.to(acc), do_a, lse_a, delta_a, kind, scale,
                                    dq_a, dk_b, dv_b)
         if step < n - 1:
             kv = shift.wait()
