@@ -18,9 +18,11 @@ the ranks itself (`distlab.restart`).
 
 ``train`` runs `dl.train` and prints the loss of every step, then bytes sent per rank per step and
 each rank's peak memory by category; ``--json PATH`` (``-``: stdout) writes them with the run's settings
-and every step's wall time. Bad input (a misspelled option, a layout the world size cannot hold) is one
-line, ``distlab: error: ...`` with what to do, and exit status 2, before any rank starts; a rank that
-fails is one line naming it and its error, exit status 1 (``--traceback`` shows the full traceback).
+and every step's wall time. Bad input (a misspelled option, a value of the wrong type or range, a layout
+the world size cannot hold, a ``--json`` path that cannot be written) is one line, ``distlab: error:
+...`` with what to do, and exit status 2, before any rank starts (`dl.train` with ``check_only=True``
+runs first); a rank that fails is one line naming it and its error, exit status 1 (``--traceback``
+shows the full traceback).
 Other subcommands may be added by other modules.
 """
 from __future__ import annotations
@@ -142,14 +144,30 @@ def _restart_args(args) -> dict:
         try:
             out["shrink"] = True if args.shrink == "auto" else [int(n) for n in args.shrink.split(",")]
         except ValueError:
-            raise SystemExit(f"--shrink expects world sizes like 3,2 (or nothing), "
-                             f"got {args.shrink!r}") from None
+            raise ValueError(f"--shrink expects world sizes like 3,2 (or nothing: one rank fewer per "
+                             f"restart), got {args.shrink!r}") from None
     return out
 
 
+def _check_writable(path: str | None) -> None:
+    """``--json PATH``: proved writable before training (a run of minutes must not end in a path that
+    cannot be written); a file made only to prove it is removed again."""
+    if path is None or path == "-" or os.environ.get("RANK", "0") != "0":    # torchrun: rank 0 writes it
+        return
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a"):
+            pass
+        if not existed:
+            os.unlink(path)
+    except OSError as err:
+        raise ValueError(f"--json {path!r} cannot be written ({err.strerror or err}): choose a file in a "
+                         f"directory you can write to, or '-' for stdout") from None
+
+
 class RunFailed(Exception):
-    """A ValueError or TypeError raised while training in this process (``single``), after every check
-    of the input passed: a failure of the run (exit 1), not bad input (exit 2)."""
+    """A ValueError or TypeError raised while training, after every check of the input passed: a failure
+    of the run (exit 1), not bad input (exit 2)."""
 
 
 def _run_train(args) -> int:
@@ -160,14 +178,12 @@ def _run_train(args) -> int:
                   global_batch=args.global_batch, lr=args.lr, optimizer=args.optimizer,
                   weight_decay=args.weight_decay, grad_accum=args.grad_accum, precision=args.precision,
                   clip=args.clip, options=_options(args), progress=args.progress, **_restart_args(args))
-    if args.strategy != "single":                         # its errors come back as a LaunchError
+    train(args.strategy, check_only=True, **kwargs)       # bad input: one line, exit 2, no rank started
+    _check_writable(args.json)
+    try:
         report = train(args.strategy, **kwargs)
-    else:
-        train(args.strategy, check_only=True, **kwargs)   # bad input: one line, exit 2
-        try:
-            report = train(args.strategy, **kwargs)
-        except (ValueError, TypeError) as err:            # every check passed: the run itself failed
-            raise RunFailed(f"{type(err).__name__}: {err}") from err
+    except (ValueError, TypeError) as err:                # every check passed: the run itself failed
+        raise RunFailed(f"{type(err).__name__}: {err}") from err
     if os.environ.get("RANK", "0") != "0":       # under torchrun every rank has the report: one prints it
         return 0
     out = sys.stderr if args.json == "-" else sys.stdout     # stdout is the JSON's, then

@@ -178,6 +178,9 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
     ``progress``: a bar for what ranks report with ``dl.progress`` (None: if a person watches).
     """
     _check_inputs(fn, world_size, output, timeout)
+    if not isinstance(host, str) or not host.strip():       # "" would listen on every interface
+        raise ValueError(f"host={host!r}: pass the address the rendezvous listens on, e.g. '127.0.0.1' "
+                         f"(this machine only)")
     kwargs = dict(kwargs or {})
     if _child.INSIDE_A_LAUNCH in os.environ:
         raise RuntimeError(f"dl.launch was called inside rank {os.environ[_child.INSIDE_A_LAUNCH]} of "

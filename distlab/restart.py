@@ -21,12 +21,16 @@ Elastic shrink: ``shrink=True`` relaunches on one rank fewer each time (the fail
 for the new world size (`distlab.checkpoint.reshard`), and the run equals the uninterrupted one up to
 the rounding of a different reduction order; without shrink it is the same bit for bit.
 
-Planted faults (``fail_at_step``, ``fail_in``, ``fail_rank``) fire on the first attempt only. How
+A failure that every attempt would meet again is not restarted (`permanent`): bad input found inside a
+rank, a full or read-only disk, a memory limit crossed; the error is raised at once, with a line saying
+why. Planted faults (``fail_at_step``, ``fail_in``, ``fail_rank``) fire on the first attempt only. How
 often to save is a trade against how often a failure comes: `dl.theory.daly_interval`.
 """
 from __future__ import annotations
 
+import errno
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -35,8 +39,10 @@ from pathlib import Path
 from .checkpoint import store
 from .checkpoint import training as checkpointing
 from .launch import LaunchError
+from .rules import Whole
 
 FAULTS = ("fail_at_step", "fail_in", "fail_rank")
+MAX_RESTARTS = Whole(0, example=2)        # what max_restarts takes (`distlab.rules`)
 
 
 @dataclass
@@ -64,8 +70,7 @@ class Restart:
 def plan(spec, world_size: int, max_restarts, shrink) -> list[int]:
     """The world size of every attempt, ``[world_size, ...]`` (1 + ``max_restarts`` of them); refuses
     what cannot restart, before any rank starts."""
-    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-        raise ValueError(f"max_restarts must be a whole number >= 0, got {max_restarts!r}")
+    MAX_RESTARTS.check("max_restarts", max_restarts)
     if spec.strategy == "single":
         raise ValueError("max_restarts relaunches ranks: use a launched strategy (ddp, zero1, ...), not "
                          "'single', which runs in this process")
@@ -76,7 +81,7 @@ def plan(spec, world_size: int, max_restarts, shrink) -> list[int]:
     if o.get("checkpoint_dir") is None or not o.get("checkpoint_every"):
         raise ValueError("max_restarts relaunches from the newest checkpoint: pass checkpoint_dir=... and "
                          "checkpoint_every=k (dl.theory.daly_interval suggests k)")
-    if shrink not in (False, None) and max_restarts < 1:
+    if shrink is not False and shrink is not None and max_restarts < 1:
         raise ValueError(f"shrink={shrink!r} says where to restart, but max_restarts=0 never restarts: pass "
                          "max_restarts=k >= 1 (--max-restarts K)")
     earlier = store.step_folders(o["checkpoint_dir"])
@@ -86,12 +91,17 @@ def plan(spec, world_size: int, max_restarts, shrink) -> list[int]:
                          "resume=True to continue that run, or use an empty checkpoint_dir")
     if shrink is True:
         return [max(1, world_size - i) for i in range(max_restarts + 1)]
-    if shrink in (False, None):
+    if shrink is False or shrink is None:
         return [world_size] * (max_restarts + 1)
     sizes = list(shrink) if isinstance(shrink, (list, tuple)) else None
     if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
         raise ValueError(f"shrink must be True (one rank fewer per restart), False, or a list of world sizes "
                          f"for the restarts (e.g. [3, 2]), got {shrink!r}")
+    grows = next((n for n, before in zip(sizes, [world_size, *sizes]) if n > before), None)
+    if grows is not None:
+        raise ValueError(f"shrink={shrink!r} would grow the run to {grows} ranks: a restart runs on the "
+                         f"ranks that are left, at most world_size={world_size} and never more than the "
+                         f"attempt before (e.g. shrink=[{max(1, world_size - 1)}])")
     if len(sizes) > max_restarts:
         raise ValueError(f"shrink gives {len(sizes)} restart world sizes but max_restarts={max_restarts}: "
                          f"raise max_restarts to {len(sizes)}")
@@ -117,7 +127,11 @@ def _attempts(spec, sizes: list[int], launch_once):
         try:
             report = launch_once(current, n)
         except LaunchError as err:
-            if attempt == len(sizes):
+            final = permanent(err)
+            if final:
+                print(f"distlab: not restarting after attempt {attempt}: {final}", file=sys.stderr,
+                      flush=True)
+            if final or attempt == len(sizes):
                 err.restarts = restarts
                 raise
             record, resume = _after_failure(err, spec, attempt, n, sizes[attempt], started, first_start)
@@ -129,6 +143,33 @@ def _attempts(spec, sizes: list[int], launch_once):
         report.restarts = restarts
         return report
     raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+#: what a failed rank meets again on every attempt: bad input it found (a ValueError or TypeError raised
+#: in a rank), a checkpoint it refuses, a memory limit it crosses, and a disk that is full, read-only or
+#: forbidden to it (OSError with one of `LASTING_ERRNOS`); anything else (a killed rank, a lost peer, the
+#: deadline) may pass, and is restarted
+LASTING = ("ValueError", "TypeError", "PermissionError", "CheckpointError", "MemoryLimitExceeded")
+LASTING_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up",
+                  errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+                  errno.EPERM: "operation not permitted"}
+
+
+def permanent(err: LaunchError) -> str | None:
+    """Why a restart of ``err``'s run would fail the same way (None: it might not), read from the
+    exception that ended its root-cause rank: the last line of its traceback, ``Type: message``."""
+    text = err.failures.get(err.rank, "") if err.rank is not None else ""
+    raised = re.findall(r"^((?:\w+\.)*\w+(?:Error|Exception|Exceeded)): (.*)$", text, flags=re.MULTILINE)
+    if not raised:
+        return None
+    kind, message = raised[-1][0].rsplit(".", 1)[-1], raised[-1][1]
+    code = re.match(r"\[Errno (\d+)\]", message)
+    why = LASTING_ERRNOS.get(int(code.group(1))) if code else None
+    if kind not in LASTING and why is None:
+        return None
+    because = why or ("bad input, found in the rank" if kind in ("ValueError", "TypeError") else kind)
+    return (f"rank {err.rank} failed with {kind}: {message} ({because}: every attempt would meet it "
+            f"again; fix it, then run again with resume=True)")
 
 
 def _after_failure(err: LaunchError, spec, attempt: int, n: int, next_n: int, started: float,

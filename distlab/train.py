@@ -31,10 +31,27 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import restart
 from .checkpoint import training as checkpointing
 from .progress import bar_here, shown_by_default
-from .strategies import RankResult, TrainSpec, load
+from .rules import Flag, Number, OneOf, check
+from .strategies import WORLD_SIZE, RankResult, TrainSpec, load
 from .strategies import check as check_strategy
+from .strategies.base import FIELDS
+
+#: what `train`'s own arguments take (`distlab.rules`); the spec's fields: `strategies.base.FIELDS`; the
+#: options': `strategies.rules` and the checkpoint's `checkpoint.options.RULES`; shrink: `restart.plan`
+ARGUMENTS = {
+    "world_size": WORLD_SIZE,
+    "output": OneOf("quiet", "ordered", "live"),
+    "timeout": Number(0, strict=True, example=300.0),
+    "progress": Flag(none="a bar when a person watches"),
+    "max_restarts": restart.MAX_RESTARTS,
+    "check_only": Flag(),
+}
+#: what one rank holds of its own, at the least: a process with torch, gloo and a tiny model loaded
+#: (measured: a gpt-tiny DDP rank forked on Linux has about 130 MiB of private memory)
+RANK_BYTES = 128 * 2**20
 
 
 @dataclass
@@ -91,27 +108,30 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
     (e.g. ``bucket_mb=1, overlap=False, comm="ring"`` for DDP; ``prefetch=True`` for ZeRO-3). An option
     the strategy does not read is a TypeError naming those it does (`distlab.strategies.options`).
     ``progress``: a bar with step, loss and it/s (None: when a person watches, see `distlab.progress`).
-    ``check_only``: check the training input (strategy, options and layout, checkpoint options, restart
-    plan; a ValueError or TypeError that says what to change), then return None without training (a
-    ``checkpoint_dir`` is created, as proof that it is writable). The launcher's own checks (``output``,
-    ``timeout``, torchrun's world) come when it starts."""
+    ``check_only``: check the training input (every argument and option, its type and range, the layout,
+    the checkpoint options, the restart plan, the ranks this machine can hold; a ValueError, or a
+    TypeError for an option that does not exist, that says what to pass instead), then return None
+    without training (a ``checkpoint_dir`` is created, as proof that it is writable). Only torchrun's
+    world is checked later, when the launch meets it."""
+    check(ARGUMENTS, dict(world_size=world_size, output=output, timeout=timeout, progress=progress,
+                          max_restarts=max_restarts, check_only=check_only))
+    FIELDS["options"].check("options", {} if options is None else options)
     spec = TrainSpec(strategy=strategy, model=model, steps=steps, seed=seed, global_batch=global_batch,
                      lr=lr, optimizer=optimizer, weight_decay=weight_decay, grad_accum=grad_accum,
                      precision=precision, clip=clip, options={**(options or {}), **more_options})
     train_rank = load(strategy)
+    if strategy == "single" and world_size != 1:
+        raise ValueError("strategy 'single' is one process: pass world_size=1 (or pick ddp, zero1, ...)")
     check_strategy(spec, world_size)          # options (TypeError, did-you-mean), then the layout: per family
     in_process = strategy if strategy == "single" else None
-    checkpointing.check_options(spec.options, in_process)     # a writable checkpoint_dir, resume=...
+    checkpointing.check_options(spec.options, in_process, steps=steps, world=world_size)   # resume=...
     sizes = None
-    if max_restarts or shrink:                          # refused before any rank starts
-        from . import restart
+    if max_restarts or (shrink is not False and shrink is not None):     # refused before any rank starts
         sizes = restart.plan(spec, world_size, max_restarts, shrink)
         for n in sorted(set(sizes[1:])):                # every restart's layout
             check_strategy(spec, n)
-    if strategy == "single" and world_size != 1:
-        raise ValueError("strategy 'single' is one process: pass world_size=1 (or pick ddp, zero1, ...)")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if strategy != "single":
+        check_machine(world_size)
     if check_only:
         return None
     if strategy == "single":
@@ -119,6 +139,40 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
     if sizes:
         return restart.run(spec, sizes, lambda s, n: _launched(train_rank, s, n, output, timeout, progress))
     return _launched(train_rank, spec, world_size, output, timeout, progress)
+
+
+def check_machine(world_size: int) -> None:
+    """Refuse, with the reason, more ranks than this machine can hold: every rank is a process with at
+    least `RANK_BYTES` of its own memory, and each takes open files and a process of this user's
+    (`distlab.launch`'s limits). The deadline or the kernel's out-of-memory killer would end such a run
+    halfway, after minutes, with no word on why."""
+    from .launch import _check_limits, _under_torchrun
+    if _under_torchrun():                         # torchrun's processes, maybe on many machines
+        return
+    _check_limits(world_size)                     # open files and processes: what `ulimit` allows
+    free = available_memory()
+    if free is not None and world_size * RANK_BYTES > free:
+        need, most = world_size * RANK_BYTES / 2**30, max(1, free // RANK_BYTES)
+        raise ValueError(f"world_size={world_size} ranks need at least {world_size} x "
+                         f"{RANK_BYTES / 2**20:.0f} MiB = {need:.1f} GiB of memory (each rank is a process "
+                         f"with torch loaded), but this machine has {free / 2**30:.1f} GiB available: use "
+                         f"at most {most} ranks, free memory, or run on a machine with more")
+
+
+def available_memory() -> int | None:
+    """Bytes this process could still allocate: the kernel's MemAvailable, or the room left under a
+    cgroup (container) limit if that is smaller; None where neither can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+            limit = f.read().strip()
+            if limit != "max":
+                found.append(int(limit) - int(g.read()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
 
 
 def _single(train_rank, spec: TrainSpec, progress: bool | None) -> Report:

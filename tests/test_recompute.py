@@ -57,7 +57,7 @@ def test_recompute_is_refused_where_it_would_be_wrong(monkeypatch):
     monkeypatch.setattr(importlib.import_module("distlab.launch"), "launch", no_launch)
     with pytest.raises(ValueError, match="balance loss twice"):       # (selective is fine: attention only)
         dl.train("ep", world_size=2, **{**KW, "model": "gpt-moe-tiny"}, recompute=True)
-    with pytest.raises(TypeError, match="'selective' or False"):
+    with pytest.raises(ValueError, match="'selective' or False"):
         dl.train("ddp", world_size=2, **KW, recompute="yes")
     for strategy in ("cp-ring", "3d:dp=1,cp=2,tp=1"):
         with pytest.raises(ValueError, match="ring attention or Ulysses"):

@@ -70,10 +70,9 @@ import torch.distributed as dist
 from ..runtime import rank, tracer, world_size
 from . import reshard, store
 from .background import BackgroundWriter
+from .options import OPTIONS, check_values
 from .state import RankState
 
-OPTIONS = ("checkpoint_dir", "checkpoint_every", "keep_last", "resume",
-           "fail_at_step", "fail_rank", "fail_in", "async_save", "heartbeat")
 HEARTBEAT = ".heartbeat.json"     # with heartbeat=True: rank 0's last finished step (dl.train's restarts)
 # the directory locks this process holds (a failed run in a notebook keeps its frames, and its lock,
 # alive: the next run in the same process takes the lock over)
@@ -254,16 +253,23 @@ def _first_attempt() -> bool:
 
 
 def _beat(directory, done: int) -> None:
-    """Record ``done`` finished steps in ``directory/.heartbeat.json`` (atomically: write, then rename)."""
+    """Record ``done`` finished steps in ``directory/.heartbeat.json`` (atomically: write a part, then
+    rename it over the heartbeat). A write that fails (a full disk) removes its part, then raises."""
     path = Path(directory) / HEARTBEAT
     part = path.with_name(HEARTBEAT + ".part")
-    part.write_text(json.dumps({"step": done, "time": time.time()}))
-    os.replace(part, path)
+    try:
+        part.write_text(json.dumps({"step": done, "time": time.time()}))
+        os.replace(part, path)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
 
 
 def clear_heartbeat(directory) -> None:
-    """Remove the heartbeat once the restarts are over (it is their bookkeeping, not a checkpoint)."""
-    (Path(directory) / HEARTBEAT).unlink(missing_ok=True)
+    """Remove the heartbeat once the restarts are over (it is their bookkeeping, not a checkpoint), and
+    the part of one whose writer was killed before its rename."""
+    for name in (HEARTBEAT, HEARTBEAT + ".part"):
+        (Path(directory) / name).unlink(missing_ok=True)
 
 
 def heartbeat(directory) -> dict | None:
@@ -311,25 +317,12 @@ def newest_verified(directory) -> tuple[int | None, str | None, str | None]:
                   f"resume=False to overwrite"), None
 
 
-def check_options(options: dict, in_process: str | None = None) -> None:
-    """What can be checked about the checkpoint options before any rank starts (``in_process``: the name
-    of a strategy that trains in this process, where a fault injection cannot kill a rank)."""
-    every = options.get("checkpoint_every")
-    if every is not None and (isinstance(every, bool) or int(every) != every or every < 1):
-        raise ValueError(f"checkpoint_every must be a positive integer, got {every!r}")
-    if in_process and options.get("fail_at_step") is not None:
-        raise ValueError(f"fail_at_step kills a rank process: use a launched strategy (ddp, zero1, ...), "
-                         f"not {in_process!r}, which runs in this process")
-    if options.get("checkpoint_dir") is None and any(
-            options.get(k) for k in ("checkpoint_every", "keep_last", "resume", "async_save", "heartbeat")):
-        raise ValueError("checkpoint_every, keep_last, resume, async_save and heartbeat need "
-                         "checkpoint_dir=... (a directory)")
-    resume = options.get("resume", False)
-    ok = resume in (True, False, None, "latest") or (
-        isinstance(resume, int) and not isinstance(resume, bool) and resume >= 0)
-    if not ok:
-        raise ValueError(f"resume must be True (or 'latest': the newest checkpoint that verifies), a step "
-                         f"number, or False; got {resume!r}")
+def check_options(options: dict, in_process: str | None = None, *, steps: int | None = None,
+                  world: int | None = None) -> None:
+    """Everything about the checkpoint options that can be checked before any rank starts
+    (`options.check_values`: each value, and what they say together against ``steps`` and the ``world``
+    size when given); then ``checkpoint_dir`` is created and proved writable now, not at the first save."""
+    check_values(options, in_process, steps=steps, world=world)
     directory = options.get("checkpoint_dir")
     if directory is not None:
         stale = _HELD.pop(str(writable(directory).resolve()), None)

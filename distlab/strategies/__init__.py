@@ -22,7 +22,10 @@ import difflib
 import importlib
 
 from ..checkpoint.training import OPTIONS as CHECKPOINT_OPTIONS
+from ..rules import Whole
+from ..rules import check as check_values
 from .loop import OPTIONS as _LOOP_OPTIONS
+from .loop import RULES as LOOP_RULES
 from .numerics import OPTIONS as NUMERICS_OPTIONS
 from .numerics import SUPPORTED as NUMERICS_SUPPORTED
 from .base import RankResult, TrainSpec, build_model, global_batch, loss_fn, make_optimizer
@@ -49,6 +52,7 @@ REGISTRY: dict[str, str] = {
 LOOP_OPTIONS = _LOOP_OPTIONS
 #: how `names` and the CLI show the mesh entry: the form `dl.train` takes
 MESH_FORM = "3d:dp=D,tp=T,pp=P"
+WORLD_SIZE = Whole(1, example=4)          # what world_size takes (and what a machine holds: `train`)
 
 
 def names() -> list[str]:
@@ -95,27 +99,30 @@ def check_options(strategy: str, given) -> None:
                         f"and, for every strategy, {', '.join(shared)}")
 
 
+def rules(strategy: str) -> dict:
+    """What each option of ``strategy`` takes (`distlab.rules`): its family's ``RULES`` and the loop's
+    (the checkpoint's are checked by `distlab.checkpoint.training.check_options`)."""
+    return {**_module(strategy).RULES, **LOOP_RULES}
+
+
 def check(spec: TrainSpec, world_size: int) -> None:
     """Everything that can be refused before any rank starts: the world size, the model name, the
-    options (`check_options`), then the family's own ``check`` (rows per rank, heads over the tensor-
-    parallel degree, pipeline stages and microbatches, mesh degrees, ...)."""
+    options' names (`check_options`) and values (`rules`), then the family's own ``check`` (rows per
+    rank, heads over the tensor-parallel degree, pipeline stages and microbatches, mesh degrees, ...)."""
     from ..models import PRESETS
-    from ..memory import parse_bytes
     from .moe_support import refuse_moe
     from .numerics import check as check_numerics
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    WORLD_SIZE.check("world_size", world_size)
     models = sorted(PRESETS) + ["mlp"]
     if spec.model not in models:
         close = difflib.get_close_matches(spec.model, models, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(f"unknown model {spec.model!r}{hint}: choose one of {models}")
     check_options(spec.strategy, spec.options)
+    check_values(rules(spec.strategy), spec.options)
     _module(spec.strategy).check(spec, world_size)
     refuse_moe(spec)                                          # a mixture of experts: ep, single, dp only
     check_numerics(spec, world_size)                          # fp16 and its options where supported
-    if spec.options.get("memory_limit") is not None:
-        parse_bytes(spec.options["memory_limit"])
     _check_recompute(spec, PRESETS.get(spec.model))
 
 
@@ -124,9 +131,7 @@ def _check_recompute(spec: TrainSpec, cfg) -> None:
     (their memory count cannot see it yet; zero bubble's weight pass would recompute every block again);
     full not with a mixture of experts (a second forward would count the router's balance loss twice);
     selective not with context parallelism (its attention cores are ring attention and Ulysses)."""
-    how = spec.options.get("recompute", False)
-    if how not in (False, True, "full", "selective"):
-        raise TypeError(f"recompute must be True (or 'full'), 'selective' or False, got {how!r}")
+    how = spec.options.get("recompute", False)               # one of them: `loop.RULES`
     if not how:
         return
     if cfg is None:
@@ -153,5 +158,6 @@ def load(strategy: str):
     return getattr(importlib.import_module(module_name), func_name)
 
 
-__all__ = ["REGISTRY", "MESH_FORM", "CHECKPOINT_OPTIONS", "names", "options", "check", "check_options",
-           "load", "TrainSpec", "RankResult", "build_model", "make_optimizer", "global_batch", "loss_fn"]
+__all__ = ["REGISTRY", "MESH_FORM", "CHECKPOINT_OPTIONS", "names", "options", "rules", "check",
+           "check_options", "load", "TrainSpec", "RankResult", "build_model", "make_optimizer",
+           "global_batch", "loss_fn"]

@@ -17,15 +17,42 @@ import torch.nn.functional as F
 
 from .. import models
 from ..memory import recompute_context
+from ..rules import Custom, Number, OneOf, Text, Whole, check
 from ..runtime import device, rank
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")     # fp16: with dynamic loss scaling (`numerics`)
+#: step s of the data is drawn from torch's generator seeded with seed * 1_000_003 + s (`dl.models`), a
+#: 64-bit seed: any seed below 2**32 fits it for any run shorter than 2**44 steps
+MAX_SEED = 2**32 - 1
+
+
+def _is_dict(value) -> None:
+    if not isinstance(value, dict):
+        raise TypeError
+
+
+#: the type and range of every field of `TrainSpec` (`distlab.rules`), checked whenever a spec is made
+FIELDS = {
+    "strategy": Text(example="ddp"),
+    "model": Text(example="gpt-tiny"),
+    "steps": Whole(1, example=20),
+    "seed": Whole(0, MAX_SEED, example=0),
+    "global_batch": Whole(1, example=16),
+    "lr": Number(0, strict=True, example=1e-3),
+    "optimizer": OneOf(*OPTIMIZERS),
+    "weight_decay": Number(0, example=0.01),
+    "grad_accum": Whole(1, example=1),
+    "precision": OneOf(*PRECISIONS),
+    "clip": Number(0, strict=True, example=1.0, none="no clipping"),
+    "options": Custom(_is_dict, "a dict {option name: value}", example={"bucket_mb": 25.0}),
+}
 
 
 @dataclass
 class TrainSpec:
-    """Everything a rank needs to train; picklable (plain values only)."""
+    """Everything a rank needs to train; picklable (plain values only). What each field takes: `FIELDS`,
+    checked whenever a spec is made (`dl.train` makes it in the parent, before any rank starts)."""
 
     strategy: str
     model: str = "gpt-tiny"
@@ -41,12 +68,7 @@ class TrainSpec:
     options: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer={self.optimizer!r}: choose one of {OPTIMIZERS}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision={self.precision!r}: choose one of {PRECISIONS}")
-        if self.steps < 1 or self.global_batch < 1 or self.grad_accum < 1:
-            raise ValueError("steps, global_batch and grad_accum must all be >= 1")
+        check(FIELDS, {name: getattr(self, name) for name in FIELDS})
         if self.global_batch % self.grad_accum:
             raise ValueError(f"global_batch={self.global_batch} must be divisible by "
                              f"grad_accum={self.grad_accum} (each micro-step takes an equal slice)")

@@ -39,6 +39,7 @@ from ..parallel.clip import clip_grad_norm_
 from ..parallel.context.layout import check_length
 from ..parallel.data import DDP
 from ..parallel.mesh import grid_groups
+from ..rules import Flag, Number, Whole
 from ..runtime import rank, world_size
 from .base import (RankResult, TrainSpec, autocast, build_model, global_batch, loss_fn, rank0_copy,
                    require_rows)
@@ -48,6 +49,9 @@ from .tensor import sharded_params
 
 ATTENTION = {"cp-ring": "ring", "cp-ulysses": "ulysses"}
 OPTIONS = {name: ("dp", "tp", "zigzag", "bucket_mb") for name in ATTENTION}
+#: what each option takes (`distlab.rules`); dp and tp must also divide the world: `check`
+RULES = {"dp": Whole(1, example=2), "tp": Whole(1, example=2), "zigzag": Flag(),
+         "bucket_mb": Number(0, strict=True, example=25.0)}
 
 
 def check(spec: TrainSpec, world: int) -> tuple[int, int, bool]:

@@ -33,6 +33,7 @@ import torch
 from ..checkpoint.state import flat_shard_state, replicated_state, with_part
 from ..memory import replica_memory, zero_memory
 from ..models import shard
+from ..rules import Flag, Number, OneOf, Whole
 from ..runtime import rank, world_size
 from .base import (
     RankResult,
@@ -56,6 +57,11 @@ _ZERO = ("bucket_mb", "overlap", "comm", "no_sync", "max_inflight")
 _DDP = ("bucket_mb", "overlap", "comm", "naive", "no_sync", "compression", "powersgd_rank", "error_feedback")
 OPTIONS = {"single": _DDP, "ddp": _DDP,
            "zero1": _ZERO, "zero2": _ZERO, "zero3": _ZERO + ("prefetch",)}
+#: what each option takes (`distlab.rules`), checked in the parent by `distlab.strategies.check`
+RULES = {"bucket_mb": Number(0, strict=True, example=25.0), "overlap": Flag(), "comm": OneOf("torch", "ring"),
+         "naive": Flag(), "no_sync": Flag(), "compression": OneOf("none", "powersgd", none="plain DDP"),
+         "powersgd_rank": Whole(1, example=4), "error_feedback": Flag(), "max_inflight": Whole(1, example=1),
+         "prefetch": Flag()}
 
 
 class LocalOptimizer:
@@ -160,21 +166,7 @@ def check(spec: TrainSpec, n: int) -> None:
         raise ValueError(f"data_parallel trains {STRATEGIES}, not {spec.strategy!r}")
     if spec.strategy == "single" and n != 1:
         raise ValueError("strategy 'single' runs on one process: use world_size=1 (or pick ddp, zero1, ...)")
-    require_rows(spec, n)
-    o = spec.options
-    if "bucket_mb" in o and not (isinstance(o["bucket_mb"], (int, float)) and o["bucket_mb"] > 0):
-        raise ValueError(f"bucket_mb must be a positive number of megabytes, got {o['bucket_mb']!r}")
-    if o.get("comm", "torch") not in ("torch", "ring"):
-        raise ValueError(f"comm={o['comm']!r}: choose 'torch' (torch.distributed's collectives) or 'ring'")
-    _check_compression(o)
-
-
-def _check_compression(o: dict) -> None:
-    if o.get("compression") not in (None, "none", "powersgd"):
-        raise ValueError(f"compression={o['compression']!r}: choose None (plain DDP) or 'powersgd'")
-    r = o.get("powersgd_rank", 4)
-    if not (isinstance(r, int) and not isinstance(r, bool) and r >= 1):
-        raise ValueError(f"powersgd_rank must be a positive integer (try 1, 2 or 4), got {r!r}")
+    require_rows(spec, n)                   # each option's type and range: `RULES`
 
 
 def _check(spec: TrainSpec) -> tuple[int, int]:

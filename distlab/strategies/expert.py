@@ -44,6 +44,7 @@ from ..parallel import expert as ep
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.data.buckets import grad_summer
 from ..parallel.mesh import grid_groups
+from ..rules import Number, OneOf, Whole
 from ..runtime import rank, world_size
 from .base import (RankResult, TrainSpec, autocast, build_model, global_batch, loss_fn, make_optimizer,
                    require_rows)
@@ -52,6 +53,9 @@ from .loop import Plan, run, sum_losses
 
 
 OPTIONS = {"ep": ("dp", "experts", "bucket_mb")}
+#: what each option takes (`distlab.rules`); dp must also divide the world: `check`
+RULES = {"dp": Whole(1, example=2), "experts": OneOf("split", "replicated"),
+         "bucket_mb": Number(0, strict=True, example=25.0)}
 
 
 def check(spec: TrainSpec, n: int) -> None:

@@ -21,6 +21,7 @@ from ..memory import fsdp_memory
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.zero import fsdp
 from ..parallel.zero.zero3 import default_units
+from ..rules import Flag, OneOf, Whole
 from ..runtime import rank, world_size
 from .base import RankResult, TrainSpec, build_model, make_optimizer, rank0_copy, require_rows
 from .data_parallel import _forward
@@ -28,6 +29,9 @@ from .loop import Plan, run, sum_losses
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}
 OPTIONS = {"fsdp": ("hsdp", "param_dtype", "reshard_after_forward", "no_sync")}
+#: what each option takes (`distlab.rules`); hsdp must also divide the world size (`options`)
+RULES = {"hsdp": Whole(1, example=2), "param_dtype": OneOf("bf16", "fp16", none="fp32"),
+         "reshard_after_forward": Flag(), "no_sync": Flag()}
 
 
 def check(spec: TrainSpec, world: int) -> None:

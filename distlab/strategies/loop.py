@@ -37,13 +37,19 @@ from ..checkpoint.state import RankState
 from ..memory import Ledger, parse_bytes
 from ..parallel import collectives as C
 from ..progress import progress
+from ..rules import Custom, OneOf
 from ..runtime import device, group_size, rank, tracer
 from . import numerics
 from .base import TrainSpec
 
-#: the options of the training loop and the model, taken by every strategy: the numerics (`numerics`,
-#: refused outside `numerics.SUPPORTED`), memory_limit (`memory.Ledger`), recompute (`base.build_model`)
-OPTIONS = numerics.OPTIONS + ("memory_limit", "recompute")
+#: the options of the training loop and the model, taken by every strategy, and what each takes
+#: (`distlab.rules`): the numerics (`numerics`, refused outside `numerics.SUPPORTED`), memory_limit
+#: (`memory.Ledger`), recompute (`base.build_model`: every block, or only attention's core)
+RULES = {**numerics.RULES,
+         "memory_limit": Custom(parse_bytes, "a number of bytes (an int) or a string like '64MB'",
+                                example="64MB", none="no limit"),
+         "recompute": OneOf(True, "full", "selective", False)}
+OPTIONS = tuple(RULES)
 
 
 @dataclass

@@ -57,6 +57,8 @@ from ..parallel.mesh import AXES, Mesh
 from ..parallel.pipeline.executor import Pipeline
 from ..parallel.pipeline.measure import ActionTrace
 from ..parallel.pipeline.split import stage_module
+from ..rules import Flag, Number, OneOf, Whole
+from ..rules import check as check_values
 from .base import (
     RankResult,
     TrainSpec,
@@ -81,6 +83,12 @@ KEYS = INT_OPTIONS + ("schedule", "balance", "sequence_parallel", "sp", "bucket_
 OPTIONS = {"3d": KEYS}                # what `distlab.strategies.check_options` accepts in options=
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 LAYOUT = ("dp", "tp", "pp", "zero", "virtual", "balance", "sequence_parallel")   # what a rank holds
+#: what each option takes (`distlab.rules`), in options= and, once `parse` has read them, in the name
+RULES = {**{k: Whole(1, example=2) for k in INT_OPTIONS if k != "zero"},
+         "zero": OneOf(0, 1), "schedule": OneOf(*SCHEDULES), "balance": OneOf("layers", "params"),
+         "sequence_parallel": Flag(), "sp": Flag(), "bucket_mb": Number(0, strict=True, example=25.0),
+         "attention": OneOf(*mesh_axes.ATTENTIONS), "zigzag": Flag()}
+_TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
 
 
 def parse(strategy: str, options: dict | None = None) -> dict:
@@ -97,38 +105,33 @@ def parse(strategy: str, options: dict | None = None) -> dict:
             hint = f" (did you mean {close[0]!r}?)" if close and eq else ""
             raise ValueError(f"{strategy!r}: cannot read {item!r}{hint}; write key=value with keys from "
                              f"{KEYS}, e.g. '3d:dp=2,tp=2,pp=2'")
-        found[key] = value.strip()
-    found.update(options or {})
-    unknown = [k for k in found if k not in KEYS + CHECKPOINT_OPTIONS + LOOP_OPTIONS]
+        found[key] = _read(strategy, key, value.strip())
+    unknown = [k for k in (options or {}) if k not in KEYS + CHECKPOINT_OPTIONS + LOOP_OPTIONS]
     if unknown:                                       # the checkpoint's and the loop's are read elsewhere
         close = difflib.get_close_matches(unknown[0], KEYS, n=1, cutoff=0.5)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise TypeError(f"the mesh strategy has no option {unknown[0]!r}{hint}: its options are {KEYS}")
+    found.update({k: v for k, v in (options or {}).items() if k in KEYS})     # typed values, as given
+    check_values(RULES, found)
     out = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero": 0, "schedule": "1f1b", "balance": "layers",
            "bucket_mb": 25.0}
     for key, value in found.items():
-        if key not in KEYS:
-            continue                                  # a checkpoint option
-        if key in INT_OPTIONS:
-            try:
-                value = int(value)
-            except (TypeError, ValueError):
-                raise ValueError(f"{strategy!r}: {key}={value!r} must be an integer") from None
-        elif key in ("sequence_parallel", "sp"):
-            key, value = "sequence_parallel", str(value).lower() in ("1", "true", "yes")
-        elif key == "zigzag":
-            value = str(value).lower() in ("1", "true", "yes")
-        elif key == "bucket_mb":
-            value = float(value)
-        out[key] = value
-    if out["schedule"] not in SCHEDULES:
-        raise ValueError(f"schedule={out['schedule']!r}: choose one of {SCHEDULES}")
-    if out["zero"] not in (0, 1):
-        raise ValueError(f"zero={out['zero']}: the mesh supports DDP (zero=0) or ZeRO-1 (zero=1) over dp")
-    for axis in ("cp", "ep"):
-        if out[axis] < 1:
-            raise ValueError(f"{axis}={out[axis]}: every mesh degree must be a positive integer")
+        out["sequence_parallel" if key == "sp" else key] = value
     return out
+
+
+def _read(strategy: str, key: str, text: str):
+    """The value of ``key=text`` written in a mesh's name, as its option would be given in options=."""
+    if key in ("sequence_parallel", "sp", "zigzag"):
+        if text.lower() not in _TRUE + _FALSE:
+            raise ValueError(f"{strategy!r}: {key}={text!r} must be true or false (or 1 or 0)")
+        return text.lower() in _TRUE
+    converter = int if key in INT_OPTIONS else float if key == "bucket_mb" else str
+    try:
+        return converter(text)
+    except ValueError:
+        raise ValueError(f"{strategy!r}: {key}={text!r} must be "
+                         f"{'an integer' if converter is int else 'a number'}") from None
 
 
 def check_world(spec: TrainSpec, world_size: int) -> None:

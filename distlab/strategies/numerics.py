@@ -31,6 +31,7 @@ import statistics
 import torch
 
 from ..parallel import collectives as C
+from ..rules import Flag, Number, Whole
 
 
 class LossScaler:
@@ -110,29 +111,32 @@ class SpikeWatch:
                                     "ratio": norm / median if median else math.inf})
 
 
-#: the options of the step's numerics, taken by the strategies that support them (`SUPPORTED`)
-OPTIONS = ("loss_scale", "growth_interval", "skip_nonfinite", "spike_factor", "nan_at_step", "nan_rank")
+#: the options of the step's numerics and what each takes (`distlab.rules`), taken by the strategies that
+#: support them (`SUPPORTED`); nan_at_step below steps and nan_rank below the world size: `check`
+RULES = {"loss_scale": Number(0, strict=True, example=2.0 ** 16),
+         "growth_interval": Whole(1, example=2000),
+         "skip_nonfinite": Flag(),
+         "spike_factor": Number(1, strict=True, example=5.0),
+         "nan_at_step": Whole(0, example=3),
+         "nan_rank": Whole(0, example=0)}
+OPTIONS = tuple(RULES)
 SUPPORTED = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp")
 
 
 def check(spec, world: int) -> None:
     """Refuse, before any rank starts, fp16 or a numerics option on a strategy that does not hand the
-    loop its gradients (`loop.Plan.grads`), and bad values."""
+    loop its gradients (`loop.Plan.grads`), and a planted NaN on a rank or a step that does not exist."""
     asked = [k for k in OPTIONS if k in spec.options]
     if (spec.precision == "fp16-mixed" or asked) and spec.strategy not in SUPPORTED:
         what = "precision='fp16-mixed'" if spec.precision == "fp16-mixed" else f"option {asked[0]!r}"
         raise ValueError(f"{what} is supported by {', '.join(SUPPORTED)}, not by {spec.strategy!r}: "
                          "use precision='bf16-mixed' (no loss scaling needed) or one of those strategies")
-    o = spec.options
-    LossScaler(o.get("loss_scale", 2.0 ** 16), o.get("growth_interval", 2000))
-    SpikeWatch(o.get("spike_factor", 5.0))
-    for key in ("nan_at_step", "nan_rank"):
-        if key in o and not (isinstance(o[key], int) and o[key] >= 0):
-            raise ValueError(f"{key} must be a step / rank number >= 0, got {o[key]!r}")
+    o = spec.options                                     # each value's type and range: `RULES`
     if o.get("nan_rank", 0) >= world:
         raise ValueError(f"nan_rank={o['nan_rank']} but the ranks are 0 .. {world - 1}")
-    if not isinstance(o.get("skip_nonfinite", False), bool):
-        raise ValueError(f"skip_nonfinite must be True or False, got {o['skip_nonfinite']!r}")
+    if o.get("nan_at_step", 0) >= spec.steps:
+        raise ValueError(f"nan_at_step={o['nan_at_step']} is never reached: the steps are 0 .. "
+                         f"{spec.steps - 1} (steps={spec.steps})")
 
 
 class StepGuard:

@@ -28,6 +28,7 @@ from ..parallel.expert import ride_balance_losses
 from ..parallel.pipeline.executor import Pipeline
 from ..parallel.pipeline.measure import ActionTrace
 from ..parallel.pipeline.split import stage_module
+from ..rules import OneOf, Whole
 from ..runtime import device, rank, world_size
 from .base import (
     RankResult,
@@ -46,6 +47,9 @@ from .loop import Plan, run
 SCHEDULE_OF = {"pp-gpipe": "gpipe", "pp-1f1b": "1f1b", "pp-interleaved": "interleaved", "pp-zb-h1": "zb-h1"}
 OPTIONS = {name: ("microbatches", "balance") + (("virtual",) if name == "pp-interleaved" else ())
            for name in SCHEDULE_OF}
+#: what each option takes (`distlab.rules`); what the batch and the model allow: `check`
+RULES = {"microbatches": Whole(1, example=8), "balance": OneOf("layers", "params"),
+         "virtual": Whole(1, example=2)}
 
 
 def check(spec: TrainSpec, p: int) -> tuple[int, int]:
@@ -54,12 +58,10 @@ def check(spec: TrainSpec, p: int) -> tuple[int, int]:
     if spec.strategy not in SCHEDULE_OF:
         raise ValueError(f"unknown pipeline strategy {spec.strategy!r}: choose one of {sorted(SCHEDULE_OF)}")
     name = SCHEDULE_OF[spec.strategy]
-    v = int(spec.options.get("virtual", 2)) if name == "interleaved" else 1
+    v = spec.options.get("virtual", 2) if name == "interleaved" else 1
     m = microbatch_count(spec.options.get("microbatches"), spec.micro_batch, p, name,
                          "micro-step (global_batch / grad_accum)")
     check_pieces(spec, p * v, v)
-    if spec.options.get("balance", "layers") not in ("layers", "params"):
-        raise ValueError(f"balance={spec.options['balance']!r}: choose 'layers' or 'params'")
     return v, m
 
 

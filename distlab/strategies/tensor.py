@@ -18,6 +18,7 @@ from ..checkpoint.state import model_parallel_state
 from ..parallel import collectives as C
 from ..parallel import tensor as tp_lib
 from ..parallel.clip import clip_grad_norm_
+from ..rules import Flag
 from ..runtime import rank
 from ..memory import replica_memory
 from ..models import PRESETS
@@ -26,6 +27,7 @@ from .loop import Plan, run
 
 
 OPTIONS = {"tp": ("sequence_parallel",), "tp-sp": ()}
+RULES = {"sequence_parallel": Flag()}          # what each option takes (`distlab.rules`)
 
 
 def check_shards(spec: TrainSpec, t: int, sequence_parallel: bool, who: str) -> None:
