@@ -23,7 +23,8 @@ All ranks must see the same file system (one machine, or a shared mount).
 Replicated state (DDP's model and optimizer, ZeRO-1/2's parameters) is written once, by the first
 rank of its replica ``group``; every rank's manifest entry records where to read it from. Loading
 uses ``torch.load(..., weights_only=True)``: tensors, numbers, strings and containers only, no
-arbitrary pickled code from a checkpoint someone handed you.
+arbitrary pickled code from a checkpoint someone handed you; nor does its manifest lead a read outside
+its step folder, or further than the sizes it records (`distlab.checkpoint.files`).
 """
 from __future__ import annotations
 
@@ -104,14 +105,10 @@ def verify(directory, step: int) -> dict:
     size and sha256 it records. Returns the manifest; raises `CheckpointError` saying what is wrong."""
     info = manifest(directory, step)
     path = _step_dir(directory, step)
-    for entry in info.get("shards", []):
-        file = path / entry["file"]
-        try:
-            data = file.read_bytes()
-        except OSError:
-            raise CheckpointError(f"{file} is missing") from None
-        if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise CheckpointError(f"{file} does not match its manifest (size or sha256)")
+    for entry in info["shards"]:
+        data = files.read(path, entry["file"], entry["bytes"], advice="the checkpoint is damaged")
+        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise CheckpointError(f"{path / entry['file']} does not match its manifest (sha256)")
     return info
 
 
@@ -125,17 +122,18 @@ def step_folders(directory) -> list[str]:
 
 
 def manifest(directory, step: int | str = "latest") -> dict:
-    """The manifest of checkpoint ``step`` (default: the latest complete one)."""
+    """The manifest of checkpoint ``step`` (default: the latest complete one), its shape checked
+    (`files.check_manifest`: among others, every file it names is a plain name in its step folder)."""
     path = _step_dir(directory, step) / MANIFEST
+    advice = f"the checkpoint is damaged; load another step (complete: {steps(directory)})"
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except (ValueError, OSError) as err:      # truncated, overwritten or unreadable
-        raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: {err}): the checkpoint is "
-                              f"damaged; load another step (complete: {steps(directory)})") from None
+        data = json.loads(files.read(path.parent, MANIFEST, advice=advice))
+    except (ValueError, RecursionError) as err:      # truncated, overwritten, not JSON
+        raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: {err}): {advice}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         data = data if isinstance(data, dict) else {}
         raise CheckpointError(f"{path} is not a {FORMAT} manifest (format={data.get('format')!r})")
+    files.check_manifest(path, data)
     return data
 
 
@@ -375,15 +373,12 @@ def _rank_state(path: Path, info: dict, r: int, verify: bool, map_location,
 
 
 def _read(path: Path, entry: dict, verify: bool, map_location) -> dict:
-    file = path / entry["file"]
-    try:
-        data = file.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"{file} is missing: the checkpoint is incomplete; load an earlier step "
-                              f"(complete: {steps(path.parent)})") from None
-    if verify and (len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]):
-        raise CheckpointError(f"{file} does not match its manifest (size or sha256): the file is corrupt; "
-                              f"load an earlier step (complete: {steps(path.parent)})")
+    """One shard file (a plain name in ``path``, exactly the bytes its manifest entry records)."""
+    advice = f"load an earlier step (complete: {steps(path.parent)})"
+    data = files.read(path, entry["file"], entry["bytes"], advice=advice)
+    if verify and hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise CheckpointError(f"{path / entry['file']} does not match its manifest (sha256): the file is "
+                              f"corrupt; {advice}")
     require_safe_torch()
     return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
 
