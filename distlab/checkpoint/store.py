@@ -106,7 +106,7 @@ def verify(directory, step: int) -> dict:
     info = manifest(directory, step)
     path = _step_dir(directory, step)
     for entry in info["shards"]:
-        data = files.read(path, entry["file"], entry["bytes"], advice="the checkpoint is damaged")
+        data = files.read(path, entry["file"], entry["bytes"], advice="load another step")
         if hashlib.sha256(data).hexdigest() != entry["sha256"]:
             raise CheckpointError(f"{path / entry['file']} does not match its manifest (sha256)")
     return info
