@@ -55,8 +55,9 @@ def test_sharded_save_writes_replicated_state_once_per_group_and_rotates(tmp_pat
 
 def test_interrupted_save_is_ignored_then_cleaned_and_resave_replaces(tmp_path):
     dl.checkpoint.save(tmp_path, 1, {"x": torch.ones(3)})
-    half = tmp_path / "step_2.tmp"                          # what a crash mid-save leaves
-    half.mkdir()
+    half = tmp_path / "step_2.tmp"                          # what a crash mid-save leaves: distlab's
+    half.mkdir()                                            # own folder (marked first), a part of a shard
+    (half / ".distlab-checkpoint").write_text("made by distlab.checkpoint")
     (half / "rank_0.pt").write_bytes(b"half a file")
     assert dl.checkpoint.latest(tmp_path) == 1
     assert torch.equal(dl.checkpoint.load(tmp_path)["x"], torch.ones(3))

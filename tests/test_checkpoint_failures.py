@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,3 +123,106 @@ def test_sharded_resume_skips_a_checkpoint_whose_other_rank_shard_is_corrupt(tmp
     assert resumed.results[0].info["checkpoint"]["resumed_from"] == 2
     assert "step_4" in resumed.results[0].info["checkpoint"]["note"]
     assert resumed.losses == plain.losses
+
+
+# -- a manifest is input from outside: it cannot make distlab read outside its step folder ----------
+def _saved(tmp_path):
+    """A one-rank checkpoint at ``tmp_path/ck/step_1``, a copy of its shard outside the step folder (same
+    bytes, same run: only where it lies is wrong), and a function that edits the shard's manifest entry."""
+    ck = tmp_path / "ck"
+    dl.checkpoint.save(ck, 1, {"x": torch.arange(10.0)})
+    (tmp_path / "outside.pt").write_bytes((ck / "step_1" / "rank_0.pt").read_bytes())
+
+    def edit(**entry):
+        path = ck / "step_1" / "manifest.json"
+        info = json.loads(path.read_text())
+        info["shards"][0].update(entry)
+        path.write_text(json.dumps(info))
+    return ck, edit
+
+
+def _every_reader_refuses(ck, match: str) -> None:
+    from distlab.checkpoint import store
+    for read in (dl.checkpoint.load, dl.checkpoint.load_all, lambda d: store.verify(d, 1)):
+        with pytest.raises(CheckpointError, match=match):
+            read(ck)
+
+
+@pytest.mark.parametrize("name", ["ABSOLUTE", "../outside.pt", "../ck/step_1/rank_0.pt", "sub/rank_0.pt",
+                                  ".", "", "rank_0.pt\0"])
+def test_a_manifest_cannot_name_a_file_outside_its_step_folder(tmp_path, name):
+    ck, edit = _saved(tmp_path)
+    edit(file=str(tmp_path / "outside.pt") if name == "ABSOLUTE" else name)
+    _every_reader_refuses(ck, "manifest.json names .* for rank 0: not a plain file name .*refused")
+
+
+def test_a_shard_that_is_a_link_out_of_its_step_folder_is_refused(tmp_path):
+    ck, _ = _saved(tmp_path)
+    shard = ck / "step_1" / "rank_0.pt"
+    shard.unlink()
+    shard.symlink_to(tmp_path / "outside.pt")                          # the same bytes, elsewhere
+    _every_reader_refuses(ck, "rank_0.pt leads outside its step folder .*outside.pt.*refused")
+    shard.unlink()
+    shard.symlink_to("/dev/zero")
+    _every_reader_refuses(ck, "rank_0.pt leads outside its step folder .*/dev/zero")
+
+
+def test_a_shard_that_is_not_a_regular_file_is_refused(tmp_path):
+    ck, _ = _saved(tmp_path)
+    shard = ck / "step_1" / "rank_0.pt"
+    shard.unlink()
+    shard.mkdir()
+    _every_reader_refuses(ck, "rank_0.pt is not a regular file")
+
+
+def test_a_manifest_with_a_bad_shape_is_refused(tmp_path):
+    ck, edit = _saved(tmp_path)
+    edit(replicated_from=3)                                             # no such rank in a world of 1
+    with pytest.raises(CheckpointError, match="manifest.json.*replicated_from=3.*not a rank"):
+        dl.checkpoint.load(ck)
+    edit(replicated_from=None, bytes="10")
+    with pytest.raises(CheckpointError, match="manifest.json.*bytes='10'"):
+        dl.checkpoint.load(ck)
+
+
+def _load_in_a_child(ck) -> subprocess.CompletedProcess:
+    """Load ``ck`` in a child allowed 2 GiB more memory than it holds after importing distlab: a read of
+    /dev/zero, or of a file far larger than its manifest says, fails there, not in this process."""
+    script = ("import resource, sys, os, distlab as dl\n"
+              "held = int(open('/proc/self/statm').read().split()[0]) * os.sysconf('SC_PAGE_SIZE')\n"
+              "resource.setrlimit(resource.RLIMIT_AS, (held + (2 << 30), held + (2 << 30)))\n"
+              "try:\n    dl.checkpoint.load(sys.argv[1])\n"
+              "except dl.checkpoint.CheckpointError as err:\n    print('refused:', err)\n")
+    root = str(Path(__file__).resolve().parents[1])
+    return subprocess.run([sys.executable, "-c", script, str(ck)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
+
+
+def test_a_manifest_pointing_at_dev_zero_is_refused_without_reading_it(tmp_path):
+    ck, edit = _saved(tmp_path)
+    edit(file="/dev/zero")
+    done = _load_in_a_child(ck)
+    assert "refused:" in done.stdout and "not a plain file name" in done.stdout, done.stderr[-2000:]
+
+
+def test_a_shard_larger_than_its_manifest_says_is_refused_before_it_is_read(tmp_path):
+    ck, _ = _saved(tmp_path)
+    shard = ck / "step_1" / "rank_0.pt"
+    os.truncate(shard, 64 << 30)                 # 64 GiB on paper (sparse: no disk used)
+    done = _load_in_a_child(ck)
+    assert "refused:" in done.stdout and "68719476736 bytes on disk" in done.stdout, done.stderr[-2000:]
+    os.truncate(shard, 3)                         # and smaller: also before reading
+    _every_reader_refuses(ck, r"rank_0.pt does not match its manifest: 3 bytes on disk, \d+ in the manifest")
+
+
+def test_resume_and_consolidate_refuse_a_manifest_that_points_outside(tmp_path):
+    dl.train("single", **KW, checkpoint_dir=str(tmp_path / "ck"))
+    for step in (2, 4):
+        path = tmp_path / "ck" / f"step_{step}" / "manifest.json"
+        info = json.loads(path.read_text())
+        info["shards"][0]["file"] = "/etc/passwd"
+        path.write_text(json.dumps(info))
+    with pytest.raises(CheckpointError, match="no checkpoint that verifies.*not a plain file name"):
+        dl.train("single", **KW, checkpoint_dir=str(tmp_path / "ck"), resume=True)
+    with pytest.raises(CheckpointError, match="not a plain file name"):
+        dl.checkpoint.consolidate(tmp_path / "ck")

@@ -5,11 +5,12 @@
         manifest.json         world size, step, run id, meta, per shard: file, bytes, sha256, replicated_from
         rank_0.pt             rank 0's own state + the replicated state of its replica group
         rank_1.pt             rank 1's own state (e.g. its ZeRO optimizer shard)
-      step_6.tmp/             an interrupted save: never loaded, removed by the next save
+      step_6.tmp/             an interrupted save: never loaded, removed by the next save (only folders
+                              distlab made are ever removed: see `distlab.checkpoint.files`)
 
 The commit protocol (the same idea as torch.distributed.checkpoint and Megatron's, reduced to its bones):
 
-    rank 0:  remove stale *.tmp, mkdir step_N.tmp            -- barrier --
+    rank 0:  remove its own stale *.tmp, mkdir step_N.tmp    -- barrier (and rank 0's verdict) --
     rank r:  torch.save -> step_N.tmp/rank_r.pt, fsync       -- all-gather (bytes, sha256): a barrier --
     rank 0:  write manifest.json, fsync, rename step_N.tmp -> step_N, fsync directory, rotate keep_last
     all:     receive rank 0's verdict (raise together if the commit failed)
@@ -22,7 +23,8 @@ All ranks must see the same file system (one machine, or a shared mount).
 Replicated state (DDP's model and optimizer, ZeRO-1/2's parameters) is written once, by the first
 rank of its replica ``group``; every rank's manifest entry records where to read it from. Loading
 uses ``torch.load(..., weights_only=True)``: tensors, numbers, strings and containers only, no
-arbitrary pickled code from a checkpoint someone handed you.
+arbitrary pickled code from a checkpoint someone handed you; nor does its manifest lead a read outside
+its step folder, or further than the sizes it records (`distlab.checkpoint.files`).
 """
 from __future__ import annotations
 
@@ -39,13 +41,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from . import files
+from .files import CheckpointError
+
 FORMAT = "distlab-checkpoint/1"
 MANIFEST = "manifest.json"
 _COMPLETE = re.compile(r"^step_(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, corrupt, or does not fit this run; the message says what to do."""
 
 
 # -- where am I ------------------------------------------------------------------------------------
@@ -104,14 +105,10 @@ def verify(directory, step: int) -> dict:
     size and sha256 it records. Returns the manifest; raises `CheckpointError` saying what is wrong."""
     info = manifest(directory, step)
     path = _step_dir(directory, step)
-    for entry in info.get("shards", []):
-        file = path / entry["file"]
-        try:
-            data = file.read_bytes()
-        except OSError:
-            raise CheckpointError(f"{file} is missing") from None
-        if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-            raise CheckpointError(f"{file} does not match its manifest (size or sha256)")
+    for entry in info["shards"]:
+        data = files.read(path, entry["file"], entry["bytes"], advice="load another step")
+        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise CheckpointError(f"{path / entry['file']} does not match its manifest (sha256)")
     return info
 
 
@@ -125,17 +122,18 @@ def step_folders(directory) -> list[str]:
 
 
 def manifest(directory, step: int | str = "latest") -> dict:
-    """The manifest of checkpoint ``step`` (default: the latest complete one)."""
+    """The manifest of checkpoint ``step`` (default: the latest complete one), its shape checked
+    (`files.check_manifest`: among others, every file it names is a plain name in its step folder)."""
     path = _step_dir(directory, step) / MANIFEST
+    advice = f"the checkpoint is damaged; load another step (complete: {steps(directory)})"
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except (ValueError, OSError) as err:      # truncated, overwritten or unreadable
-        raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: {err}): the checkpoint is "
-                              f"damaged; load another step (complete: {steps(directory)})") from None
+        data = json.loads(files.read(path.parent, MANIFEST, advice=advice))
+    except (ValueError, RecursionError) as err:      # truncated, overwritten, not JSON
+        raise CheckpointError(f"{path} cannot be read ({type(err).__name__}: {err}): {advice}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         data = data if isinstance(data, dict) else {}
         raise CheckpointError(f"{path} is not a {FORMAT} manifest (format={data.get('format')!r})")
+    files.check_manifest(path, data)
     return data
 
 
@@ -144,7 +142,7 @@ def _step_dir(directory, step: int | str) -> Path:
     if step == "latest":
         step = latest(directory)
         if step is None:
-            extra = sorted(p.name for p in directory.glob("*.tmp")) if directory.is_dir() else []
+            extra = [p.name for p in files.leftovers(directory)]
             note = f" (only interrupted saves, which are never loaded: {extra})" if extra else ""
             raise CheckpointError(f"no complete checkpoint in {directory}{note}: train without resume first")
     path = directory / f"step_{int(step)}"
@@ -181,12 +179,10 @@ def save(directory, step: int, state: dict, *, replicated: dict | None = None, g
     r, n = _rank_world()
     writer = _replica_writer(group)
     tmp = directory / f"step_{step}.tmp"
-    if r == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        for stale in directory.glob("*.tmp"):
-            shutil.rmtree(stale, ignore_errors=True)      # earlier interrupted saves
-        tmp.mkdir()
-    run_id = _broadcast((run_id or uuid.uuid4().hex) if r == 0 else None, pg)   # a barrier: .tmp exists
+    ready = ((run_id or uuid.uuid4().hex), _prepare(directory, tmp)) if r == 0 else None
+    run_id, problem = _broadcast(ready, pg)                # a barrier: .tmp exists (or rank 0 says why not)
+    if problem is not None:
+        raise CheckpointError(f"saving step {step} to {directory} failed on rank 0: {problem}")
     _call(hook, "prepared")
 
     payload = {"step": step, "rank": r, "world_size": n, "run_id": run_id, "state": _compact(state)}
@@ -217,6 +213,25 @@ def save(directory, step: int, state: dict, *, replicated: dict | None = None, g
     return directory / f"step_{step}"
 
 
+def _prepare(directory: Path, tmp: Path) -> str | None:
+    """Rank 0: remove what earlier interrupted saves left (distlab's own folders only: `files.is_ours`)
+    and make ``tmp``, marked as distlab's before anything goes in. Returns what went wrong, or None."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in files.leftovers(directory):
+            shutil.rmtree(stale, ignore_errors=True)
+        if os.path.lexists(tmp) and not files.is_ours(tmp):
+            return (f"{tmp} is in the way: it is not one distlab made (it has no {files.MARKER}), so it is "
+                    f"left alone; move it away, or use another checkpoint_dir")
+        if tmp.exists():                  # distlab's, and removing it above failed: now say why
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        files.mark(tmp)
+    except OSError as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
 def _commit(directory: Path, step: int, tmp: Path, entries: list[dict], n: int, facts: dict,
             keep_last: int | None) -> None:
     for e in entries:
@@ -231,7 +246,7 @@ def _commit(directory: Path, step: int, tmp: Path, entries: list[dict], n: int, 
     final = directory / f"step_{step}"
     if final.exists():                                     # re-saving a step: move the old one aside first
         aside = directory / f"step_{step}.replaced.tmp"
-        os.replace(final, aside)
+        _move_aside(final, aside)
         os.replace(tmp, final)
         shutil.rmtree(aside, ignore_errors=True)
     else:
@@ -240,9 +255,17 @@ def _commit(directory: Path, step: int, tmp: Path, entries: list[dict], n: int, 
     if keep_last is not None:
         for old in steps(directory)[:-keep_last]:
             victim = directory / f"step_{old}.deleting.tmp"
-            os.replace(directory / f"step_{old}", victim)  # no longer "complete" before any file goes
+            _move_aside(directory / f"step_{old}", victim)  # no longer "complete" before any file goes
             shutil.rmtree(victim, ignore_errors=True)
         _fsync_dir(directory)
+
+
+def _move_aside(folder: Path, aside: Path) -> None:
+    """Rename a complete checkpoint to the ``.tmp`` name ``aside``, marked as distlab's first (one saved
+    before the marker existed has none), so that a crash before its deletion leaves a folder the next
+    save removes, never a half-deleted "complete" checkpoint."""
+    files.mark(folder)
+    os.replace(folder, aside)
 
 
 def _map_tensors(obj, copy, memo: dict):
@@ -350,15 +373,12 @@ def _rank_state(path: Path, info: dict, r: int, verify: bool, map_location,
 
 
 def _read(path: Path, entry: dict, verify: bool, map_location) -> dict:
-    file = path / entry["file"]
-    try:
-        data = file.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"{file} is missing: the checkpoint is incomplete; load an earlier step "
-                              f"(complete: {steps(path.parent)})") from None
-    if verify and (len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]):
-        raise CheckpointError(f"{file} does not match its manifest (size or sha256): the file is corrupt; "
-                              f"load an earlier step (complete: {steps(path.parent)})")
+    """One shard file (a plain name in ``path``, exactly the bytes its manifest entry records)."""
+    advice = f"load an earlier step (complete: {steps(path.parent)})"
+    data = files.read(path, entry["file"], entry["bytes"], advice=advice)
+    if verify and hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise CheckpointError(f"{path / entry['file']} does not match its manifest (sha256): the file is "
+                              f"corrupt; {advice}")
     require_safe_torch()
     return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
 

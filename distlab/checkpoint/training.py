@@ -43,7 +43,8 @@ What can go wrong, and what happens then:
   folders of which none verifies are a refusal, never a silent fresh start that would overwrite them.
 * Every save carries the run's id in its manifest and in every shard: a shard of another run is refused.
 * One training run at a time per directory: rank 0 holds an exclusive lock on it (flock) for the run, and
-  the directory is checked writable before any rank starts.
+  the directory is checked writable before any rank starts (`exclusive`: a second live run is refused in
+  any process or thread; a run gives the lock back however it ends).
 
 Fault injection (for tests and lessons): ``fail_at_step=s`` kills ``fail_rank`` (default: the last
 rank) with SIGKILL, either at the start of step s (``fail_in="step"``) or in the middle of saving
@@ -56,10 +57,11 @@ runs in a background thread (`background`); ``heartbeat=True`` (set by ``dl.trai
 """
 from __future__ import annotations
 
-import fcntl
+import contextlib
 import json
 import os
 import signal
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -68,14 +70,14 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import rank, tracer, world_size
-from . import reshard, store
+from . import exclusive, reshard, store
 from .background import BackgroundWriter
 from .options import OPTIONS, check_values
 from .state import RankState
 
 HEARTBEAT = ".heartbeat.json"     # with heartbeat=True: rank 0's last finished step (dl.train's restarts)
-# the directory locks this process holds (a failed run in a notebook keeps its frames, and its lock,
-# alive: the next run in the same process takes the lock over)
+# (left empty: a run gives its directory lock back however it ends, and `lock` takes over one whose run
+# is over, never a live one: `exclusive`; check_options still clears it, and both can go together)
 _HELD: dict[str, int] = {}
 # spec fields that must agree between the run that saved and the run that resumes (steps may grow);
 # "layout" (the rank state's facts) may differ when both sides can reshard
@@ -90,7 +92,8 @@ def requested(options: dict) -> bool:
 
 class Checkpointer:
     """The checkpoint side of one rank's training loop (built by `for_spec`) over ``state``, the
-    `RankState` its strategy built."""
+    `RankState` its strategy built. A context manager around the loop: leaving it, however the run
+    ends, gives the checkpoint directory back to the next run."""
 
     def __init__(self, spec, state: RankState):
         o = spec.options
@@ -111,6 +114,26 @@ class Checkpointer:
         self._lock = lock(self.directory) if self.directory is not None and rank() == 0 else None
         self.heartbeat = bool(o.get("heartbeat")) and rank() == 0
         self.writer = BackgroundWriter() if o.get("async_save") and self.every else None
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, kind, err, tb) -> None:
+        """The run is over. After a failure, a save still in flight is waited for first where that cannot
+        hang (one rank: no peers in its collectives); a failed rank of several keeps the lock until its
+        process ends, which stops its writer too."""
+        if kind is not None and self.writer is not None:
+            if self.writer.pg is not None:
+                return
+            with contextlib.suppress(Exception):
+                self.writer.wait()
+        self.release()
+
+    def release(self) -> None:
+        """Give the checkpoint directory back (rank 0; a second call does nothing)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def _check_fault_injection(self) -> None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -214,10 +237,7 @@ class Checkpointer:
         training: the directory is free for the next run). Waits for a background save still in flight."""
         if self.writer is not None:
             self.writer.close()
-        if self._lock is not None:
-            _HELD.pop(str(Path(self.directory).resolve()), None)
-            os.close(self._lock)
-            self._lock = None
+        self.release()
         note = {"note": self.note} if self.note else {}
         write_s = self.writer.write_s if self.writer is not None else self.stall_s
         return {"checkpoint": {"resumed_from": start or None, "saved": list(self.saved), **note},
@@ -227,6 +247,12 @@ class Checkpointer:
 
 class NoCheckpoints:
     """The training loop's checkpoint side when no option asks for one: every call does nothing."""
+
+    def __enter__(self) -> NoCheckpoints:
+        return self
+
+    def __exit__(self, kind, err, tb) -> None:
+        pass
 
     def resume(self) -> tuple[int, list[float]]:
         return 0, []
@@ -335,30 +361,18 @@ def writable(directory) -> Path:
     directory = Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
+        probe = directory / f".write-test-{os.getpid()}-{threading.get_ident()}-{uuid.uuid4().hex}"
+        probe.write_bytes(b"")        # named for this process, thread and call: two runs checking one
+        probe.unlink()                # directory at once must not remove each other's probe
     except OSError as err:
         raise store.CheckpointError(f"checkpoint_dir {str(directory)!r} is not writable "
                                     f"({err.strerror or err}): choose a directory you can write to") from None
     return directory
 
 
-def lock(directory):
-    """An exclusive lock on ``directory`` itself for one training run (rank 0 holds it; the kernel drops it
-    when the process ends, however it ends; no lock file to leave behind). Two runs writing one directory
-    would delete each other's saves."""
-    path = writable(directory)
-    stale = _HELD.pop(str(path.resolve()), None)
-    if stale is not None:
-        os.close(stale)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise store.CheckpointError(f"another training run is writing checkpoints to {directory}: wait for "
-                                    f"it to finish, or use another checkpoint_dir (under torchrun, 'single' "
-                                    f"runs on every process: use a launched strategy)") from None
-    _HELD[str(path.resolve())] = fd
-    return fd
+def lock(directory) -> exclusive.DirectoryLock:
+    """An exclusive lock on ``directory`` for one training run (rank 0 holds it; the kernel drops it when
+    the process ends, however it ends; no lock file to leave behind). Two runs writing one directory
+    would delete each other's saves: a second live run, in another process or another thread of this
+    one, is refused; a lock whose run is over is taken over (`exclusive`)."""
+    return exclusive.take(writable(directory))

@@ -95,24 +95,25 @@ class Trained:
 def run(spec: TrainSpec, plan: Plan) -> Trained:
     """Resume (or start), then train steps ``start .. spec.steps - 1`` as ``plan`` says."""
     guard = numerics.StepGuard(spec, rank())              # fp16 loss scale, agreed skips, norms
-    ckpt = checkpointing.for_spec(spec, guard.checkpointed(plan.state))
-    start, losses = ckpt.resume()
-    tr, ledger = tracer(), _ledger(spec, plan)
-    t_start = tr.now()
-    for step in range(start, spec.steps):
-        ckpt.before_step(step)                            # fault injection (fail_at_step)
-        tr.mark("step", step=step, cpu=time.process_time())   # CPU seconds this rank has run so far
-        share = _micro_steps(spec, plan, step, ledger, guard)
-        losses.append(0.0 if share is None else share)
-        _sample(ledger, "backward", plan)
-        _optimizer_step(spec, plan, step, ledger, guard)
-        ckpt.after_step(step + 1, losses)
-        shown = {} if share is None or not plan.loss_share else {"loss": share / plan.loss_share}
-        progress(step + 1, spec.steps, **shown)           # this rank's loss on its part of the batch
-    t_end = tr.now()
-    events = [e for e in tr.events() if e.kind == "comm" and t_start <= e.start <= t_end]
-    info = {"comm": comm_totals(events, max(1, spec.steps - start)), **ckpt.summary(start),
-            "numerics": guard.summary()}
+    # the checkpoint side holds checkpoint_dir for the run; leaving `with`, however the run ends, frees it
+    with checkpointing.for_spec(spec, guard.checkpointed(plan.state)) as ckpt:
+        start, losses = ckpt.resume()
+        tr, ledger = tracer(), _ledger(spec, plan)
+        t_start = tr.now()
+        for step in range(start, spec.steps):
+            ckpt.before_step(step)                        # fault injection (fail_at_step)
+            tr.mark("step", step=step, cpu=time.process_time())   # CPU seconds this rank has run so far
+            share = _micro_steps(spec, plan, step, ledger, guard)
+            losses.append(0.0 if share is None else share)
+            _sample(ledger, "backward", plan)
+            _optimizer_step(spec, plan, step, ledger, guard)
+            ckpt.after_step(step + 1, losses)
+            shown = {} if share is None or not plan.loss_share else {"loss": share / plan.loss_share}
+            progress(step + 1, spec.steps, **shown)       # this rank's loss on its part of the batch
+        t_end = tr.now()
+        events = [e for e in tr.events() if e.kind == "comm" and t_start <= e.start <= t_end]
+        info = {"comm": comm_totals(events, max(1, spec.steps - start)), **ckpt.summary(start),
+                "numerics": guard.summary()}
     if ledger is not None:
         info["memory"] = ledger.as_dict()
     return Trained(losses, start, events, info)
