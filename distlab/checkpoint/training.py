@@ -76,9 +76,6 @@ from .options import OPTIONS, check_values
 from .state import RankState
 
 HEARTBEAT = ".heartbeat.json"     # with heartbeat=True: rank 0's last finished step (dl.train's restarts)
-# (left empty: a run gives its directory lock back however it ends, and `lock` takes over one whose run
-# is over, never a live one: `exclusive`; check_options still clears it, and both can go together)
-_HELD: dict[str, int] = {}
 # spec fields that must agree between the run that saved and the run that resumes (steps may grow);
 # "layout" (the rank state's facts) may differ when both sides can reshard
 _MUST_MATCH = ("strategy", "model", "seed", "global_batch", "lr", "optimizer", "weight_decay", "grad_accum",
@@ -351,9 +348,7 @@ def check_options(options: dict, in_process: str | None = None, *, steps: int | 
     check_values(options, in_process, steps=steps, world=world)
     directory = options.get("checkpoint_dir")
     if directory is not None:
-        stale = _HELD.pop(str(writable(directory).resolve()), None)
-        if stale is not None:      # an earlier run in this process that failed before releasing it
-            os.close(stale)
+        writable(directory)
 
 
 def writable(directory) -> Path:
