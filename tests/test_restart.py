@@ -46,10 +46,11 @@ def test_elastic_shrink_reshards_and_matches_the_reference(tmp_path, no_leaks):
     assert report.world_size == 2 and report.results[0].info["checkpoint"]["resumed_from"] == 2
     assert report.losses == pytest.approx(ref.losses, rel=1e-5, abs=1e-6)
     # Adam moves every element by about lr (1e-3) a step whatever its gradient's size, so an element whose
-    # gradient is near zero can differ by a good part of a step after a change of reduction order:
-    # every element within lr / 10, and on average within 1e-7
+    # gradient is near zero can differ by a good part of a step after a change of reduction order (seen:
+    # one element of 110k off by 1.07e-4 on an AMD EPYC, under 1e-4 on the CPU before it): every element
+    # within one step (lr), at most 1 in 10,000 beyond 1e-5, and on average within 1e-7
     diffs = torch.cat([(report.params[k] - v).abs().flatten() for k, v in ref.params.items()])
-    assert diffs.max() < 1e-4 and diffs.mean() < 1e-7
+    assert diffs.max() < 1e-3 and (diffs > 1e-5).sum() <= diffs.numel() // 10_000 and diffs.mean() < 1e-7
     assert dl.checkpoint.manifest(tmp_path)["world_size"] == 2
 
 
