@@ -37,12 +37,13 @@
 #    **Expert parallelism** (GShard; DeepSpeed-MoE, Rajbhandari et al. 2022) keeps E/n experts per rank and
 #    moves the *tokens* instead, by two all-to-alls per layer (dispatch and combine) and two more in backward.
 #
-# The code, in the reading order of [distlab/parallel/expert/\_\_init\_\_.py](../distlab/parallel/expert/__init__.py):
-# the router, capacity and the drop rule in [router.py](../distlab/parallel/expert/router.py); tokens to their
-# experts' ranks and back in [dispatch.py](../distlab/parallel/expert/dispatch.py) (the all-to-all itself is traced
-# in [collectives.py](../distlab/parallel/collectives.py)); the layer in [moe.py](../distlab/parallel/expert/moe.py);
-# the strategy `ep` in [strategies/expert.py](../distlab/strategies/expert.py); the formulas in
-# [theory/moe.py](../distlab/theory/moe.py).
+# The code: the layer with every expert in one process (the router, capacity and the drop rule, the balance loss,
+# the experts) in [models/moe.py](../distlab/models/moe.py); then, in the reading order of
+# [distlab/parallel/expert/\_\_init\_\_.py](../distlab/parallel/expert/__init__.py), tokens to their experts' ranks
+# and back in [dispatch.py](../distlab/parallel/expert/dispatch.py) (the all-to-all itself is traced in
+# [collectives.py](../distlab/parallel/collectives.py)) and the same layer with its experts split in
+# [moe.py](../distlab/parallel/expert/moe.py); the strategy `ep` in [strategies/expert.py](../distlab/strategies/expert.py);
+# the formulas in [theory/moe.py](../distlab/theory/moe.py).
 
 # %%
 import dataclasses
@@ -52,7 +53,7 @@ import torch
 import torch.nn.functional as F
 import distlab as dl
 from distlab.memory import optimizer_bytes, storage_bytes
-from distlab.parallel.expert import dispatch
+from distlab.models import moe
 
 torch.set_num_threads(1)            # the same float rounding, so the same routing, on every run of this lesson
 MODEL, N = "gpt-moe-tiny", 2
@@ -71,8 +72,9 @@ E8 = LAB.experts
 # %% [markdown]
 # ## 1. Who goes where: tokens per expert
 #
-# `MoE.route(x)` returns the router's probabilities, the gate weights and a `Dispatch`: every (token, choice)
-# pair's expert, whether it fit in its expert's capacity (`kept`), and what each rank would send. We hook the input of
+# `MoE.route(x)` returns the router's probabilities, the gate weights and a `Routing`: the capacity C, whether each
+# (token, choice) pair fit in its expert's capacity (`kept`), and the kept pairs sorted by expert (the expert-parallel
+# layer's `route` returns a `Dispatch`: the same, and what each rank sends). We hook the input of
 # every MoE layer of the untrained model (from outside: the layer carries no probes) and route one batch of 16
 # sequences, 512 tokens. Sections 1 to 3 use the same GPT with 8 experts per layer (`LAB`): with more experts
 # an uneven load is easier to see. The rule for who gets the C slots is GShard's: first choices before second choices, and in
@@ -183,12 +185,12 @@ plt.show()
 FACTORS = (0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)
 T_UNIFORM = 2048
 torch.manual_seed(0)
-uniform = dl.ep.MoE(H, 2 * H, E8, top_k=K, group=dl.ep.LOCAL)
+uniform = moe.MoE(H, 2 * H, E8, top_k=K)                               # every expert in this process
 torch.nn.init.orthogonal_(uniform.router.gate.weight)                  # (E, h) rows orthonormal: iid logits
 draws = [uniform.router(torch.randn(T_UNIFORM, H))[1] for _ in range(8)]   # expert (T, k) per draw
 
 def dropped_fraction(expert, factor):
-    return float((~dispatch.plan(expert, E8, factor, dl.ep.LOCAL).kept).float().mean())
+    return float((~moe.plan(expert, E8, factor).kept).float().mean())
 
 measured_uniform = [sum(dropped_fraction(x, f) for x in draws) / len(draws) for f in FACTORS]
 expected = [dl.theory.expected_drop_fraction(T_UNIFORM, E8, K, f) for f in FACTORS]
@@ -463,7 +465,7 @@ import distlab as dl
 # %% nbgrader={"grade": false, "grade_id": "top_k_router", "locked": false, "points": 0, "schema_version": 3, "solution": true}
 def top_k_router(logits: torch.Tensor, k: int):
     """(expert (T, k), weight (T, k)): softmax over all experts, the k largest, renormalised to sum to 1
-    when k > 1 (GShard; Switch keeps k = 1 unnormalised). As `distlab/parallel/expert/router.py`."""
+    when k > 1 (GShard; Switch keeps k = 1 unnormalised). As `distlab/models/moe.py`'s `Router`."""
     ### BEGIN SOLUTION
     weight, expert = logits.float().softmax(dim=-1).topk(k, dim=-1)
     if k > 1:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import distlab as dl
-from distlab.parallel.expert import router
+from distlab.models import moe
 
 H, F, E, TOKENS = 8, 16, 4, 13           # 13 tokens: uneven over 2 and 4 ranks
 
@@ -108,16 +108,16 @@ def test_drop_rule_first_choices_first_then_token_order():
     """E = 2, k = 2, 4 tokens, capacity 2 per expert: the first choices fill the slots in token order,
     second choices only take what is left; the split into parts (ranks) changes nothing."""
     expert = torch.tensor([[0, 1], [0, 1], [1, 0], [0, 1]])            # (T, k)
-    cap = router.capacity(4, 2, 2, capacity_factor=0.5)
+    cap = moe.capacity(4, 2, 2, capacity_factor=0.5)
     assert cap == 2                                                    # ceil(0.5 * 2 * 4 / 2)
     want = torch.tensor([[True, True], [True, False], [True, False], [False, False]])
-    whole = router.slots(expert, 2, router.offsets(router.counts(expert, 2)[None])[0]) < cap
+    whole = moe.slots(expert, 2, moe.offsets(moe.counts(expert, 2)[None])[0]) < cap
     assert torch.equal(whole, want)
     parts = [expert[:1], expert[1:3], expert[3:]]
-    every = torch.stack([router.counts(p, 2) for p in parts])            # (n, k, E)
-    cut = torch.cat([router.slots(p, 2, router.offsets(every)[i]) < cap for i, p in enumerate(parts)])
+    every = torch.stack([moe.counts(p, 2) for p in parts])            # (n, k, E)
+    cut = torch.cat([moe.slots(p, 2, moe.offsets(every)[i]) < cap for i, p in enumerate(parts)])
     assert torch.equal(cut, want)
-    assert router.kept(every, cap).sum().item() == want.sum().item()
+    assert moe.kept(every, cap).sum().item() == want.sum().item()
 
 
 def test_load_balancing_loss_by_hand():
@@ -127,11 +127,11 @@ def test_load_balancing_loss_by_hand():
     f = [2 / 4, 1 / 4, 1 / 4]
     p = [(0.7 + 0.1 + 0.5 + 0.2) / 4, (0.2 + 0.6 + 0.4 + 0.2) / 4, (0.1 + 0.3 + 0.1 + 0.6) / 4]
     want = 3 * sum(fi * pi for fi, pi in zip(f, p))
-    assert router.load_balancing_loss(probs, first, 4).item() == pytest.approx(want, rel=1e-6)
-    shares = router.load_balancing_loss(probs[:1], first, 4) + router.load_balancing_loss(probs[1:], first, 4)
+    assert moe.load_balancing_loss(probs, first, 4).item() == pytest.approx(want, rel=1e-6)
+    shares = moe.load_balancing_loss(probs[:1], first, 4) + moe.load_balancing_loss(probs[1:], first, 4)
     assert shares.item() == pytest.approx(want, rel=1e-6)
     uniform = torch.full((6, 3), 1 / 3)
-    assert router.load_balancing_loss(uniform, torch.tensor([2, 2, 2]), 6).item() == pytest.approx(1.0)
+    assert moe.load_balancing_loss(uniform, torch.tensor([2, 2, 2]), 6).item() == pytest.approx(1.0)
 
 
 def test_moe_gpt_adds_the_weighted_aux_loss_and_single_trains_it():
@@ -304,12 +304,12 @@ def test_theory_counts_the_moe_gpt_parameters():
     assert p.active == p.total - cfg.layers * (cfg.experts - cfg.top_k) * one
     assert dl.theory.moe_layer_params(2, 4, 4, 2) == (4 * 22 + 8, 2 * 22 + 8)     # 2hf + f + h = 22
     V, S, h, L = 64, 32, 16, 3
-    dense = V * h + S * h + L * (12 * h * h + 13 * h) + 2 * h + h * V           # models.py's closed form
+    dense = V * h + S * h + L * (12 * h * h + 13 * h) + 2 * h + h * V           # models/gpt.py's closed form
     assert dl.theory.gpt_moe_params(V, S, h, L, experts=1, top_k=1).total == dense + L * h
     assert dl.theory.ep_params_per_rank(p, 2) == p.dense + p.experts / 2
     assert dl.theory.ep_memory(p, 1) == 16 * p.total and dl.theory.ep_memory(p, 4) < dl.theory.ep_memory(p, 2)
     for tokens, experts, k, cf in [(13, 4, 1, 1.0), (13, 4, 2, 0.75), (64, 8, 2, 1.25)]:
-        assert dl.theory.expert_capacity(tokens, experts, k, cf) == router.capacity(tokens, experts, k, cf)
+        assert dl.theory.expert_capacity(tokens, experts, k, cf) == moe.capacity(tokens, experts, k, cf)
 
 
 def test_expected_drop_fraction_by_hand_and_by_sampling():
@@ -320,7 +320,7 @@ def test_expected_drop_fraction_by_hand_and_by_sampling():
     assert dl.theory.expected_drop_fraction(10, 4, 4, 1.0) == 0.0          # k = E: all fit at capacity T
     g = torch.Generator().manual_seed(0)
     T, E_, k, cf = 512, 8, 2, 1.0
-    cap = router.capacity(T, E_, k, cf)
+    cap = moe.capacity(T, E_, k, cf)
     drops = []
     for _ in range(200):
         choice = torch.rand(T, E_, generator=g).topk(k, dim=1).indices          # k distinct, uniform

@@ -2,6 +2,7 @@
 (DESIGN.md, "Rules of the house"):
 
     theory imports no torch; parallel imports no matplotlib, ipywidgets, strategies or checkpoint;
+    models imports nothing from parallel (nor strategies, checkpoint or the launcher);
     checkpoint knows no strategy names; parallel and memory.py do not import each other.
 
 The graph is read statically from the source (`ast`, relative imports resolved), with the imports
@@ -148,6 +149,20 @@ def test_parallel_imports_no_plots_widgets_strategies_or_checkpoints():
     outside = sorted(f"{m} imports {pkg}" for t in MODULES if _under(t, "distlab.parallel")
                      for m in _reachable(t) for pkg in GRAPH[m][1] & {"matplotlib", "ipywidgets"})
     assert outside == []
+
+
+def test_models_sit_below_the_parallelisms():
+    """`distlab.models` (the GPT, the mixture of experts, the MLP, the data) reaches nothing of `parallel`,
+    the strategies, the checkpoints or the launcher, directly or through another module: the parallel
+    wrappers take models, never the reverse (`dl.ep` splits the experts of `models.moe.MoE`)."""
+    banned = ("distlab.parallel", "distlab.strategies", "distlab.checkpoint", "distlab.launch",
+              "distlab._child", "distlab._supervisor", "distlab.train", "distlab.cli")
+    models = [m for m in MODULES if _under(m, "distlab.models")]
+    assert "distlab.models.moe" in GRAPH["distlab.models.gpt"][0]            # the reader sees inside models
+    assert "distlab.models.moe" in GRAPH["distlab.parallel.expert.moe"][0]   # the arrow that points down
+    reached = sorted(f"{m} (from {t})" for t in models for m in _reachable(t)
+                     if any(_under(m, b) for b in banned))
+    assert reached == []
 
 
 def test_parallel_and_memory_do_not_import_each_other():

@@ -157,7 +157,7 @@ register(Exercise(
 # -- lesson 11: the top-k router ------------------------------------------------------------------
 def top_k_router(logits: torch.Tensor, k: int):
     """(expert (T, k), weight (T, k)): softmax over all experts, the k largest, renormalised to sum to 1
-    when k > 1 (GShard; Switch keeps k = 1 unnormalised). As `distlab/parallel/expert/router.py`."""
+    when k > 1 (GShard; Switch keeps k = 1 unnormalised). As `distlab/models/moe.py`'s `Router`."""
     weight, expert = logits.float().softmax(dim=-1).topk(k, dim=-1)
     if k > 1:
         weight = weight / weight.sum(dim=-1, keepdim=True)

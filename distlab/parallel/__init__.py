@@ -8,7 +8,8 @@ Reading order (each folder's ``__init__`` states the order of its own files):
     tensor/          Megatron tensor parallelism and sequence parallelism
     pipeline/        pipeline schedules (pure), stage splitting, the executor, zero bubble
     context/         context parallelism: sequence layouts, ring attention, Ulysses
-    expert/          expert parallelism: a mixture-of-experts layer, tokens dispatched by all-to-all
+    expert/          expert parallelism: the model's mixture-of-experts layer (models/moe.py) with its
+                     experts split over ranks, tokens dispatched by all-to-all
     mesh.py          the device mesh that composes them: torch.arange(world).view(dp, pp, tp)
 
 Dependencies point one way: nothing here imports strategies, checkpoints, plots or widgets.

@@ -10,7 +10,7 @@ parameter, and sees its own rows of the global batch (uneven splits allowed)::
             `data.buckets.grad_summer`); expert gradients already whole
 
 Losses: each rank backpropagates its *share* of the global batch's loss, (n_r / B) * CE_r plus its
-share of the load-balancing term (`router.load_balancing_loss`), over ``grad_accum``. Summed over the
+share of the load-balancing term (`models.moe.load_balancing_loss`), over ``grad_accum``. Summed over the
 ranks the shares are single's loss, so the dense gradients are *summed* (the average over replicas of
 each one's mean-loss gradient, weighted by its rows), and an expert's gradient, gathered through the
 reverse all-to-all from every rank's tokens, needs nothing more. Clipping uses the whole model's norm

@@ -9,16 +9,18 @@ Each rank holds a contiguous part of the batch (rows of the global batch in rank
     rank 0 (e0, e1): [t1 t3 from rank 0 | ... from rank 1]   -> experts -> outputs, same order
     all-to-all back (send and receive sizes swapped) -> y(t) = sum_c weight(t, c) * expert_c(t)
 
-1. `plan`: every rank counts its tokens per (choice, expert) and all-gathers the counts, (n, k, E):
-   from them alone every rank knows the capacity C (from the *global* token count), which of its
-   own tokens fit (`router.slots`), and how many rows it sends to and receives from each rank.
+1. `plan`: the single-process `models.moe.plan` over a group. Every rank counts its tokens per
+   (choice, expert) and all-gathers the counts, (n, k, E): from them alone every rank knows the
+   capacity C (from the *global* token count), which of its own tokens fit (`moe.slots` with its
+   part's `moe.offsets`), and how many rows it sends to and receives from each rank (`moe.kept`).
    Dropping at the sender, with global slot numbers, drops exactly what one process would.
 2. `dispatch`: rows of x sorted by expert (stable: token order within an expert) -> all-to-all.
-3. `combine`: the expert outputs come back in the order they left, weighted and summed per token.
+3. `combine`: the expert outputs come back in the order they left (all-to-all), then `moe.combine`
+   weights and sums them per token, as in one process.
 
 The all-to-all is an autograd function (`AllToAll`): its backward is the reverse all-to-all of the
-gradients. With a group of one rank (or ``group=LOCAL``) nothing is sent and the same code runs in
-one process: that is the single-process reference every expert-parallel run is tested against.
+gradients. With a group of one rank (or ``group=LOCAL``) nothing is sent and the plan is
+`models.moe.plan`'s: the single-process layer every expert-parallel run is tested against.
 """
 from __future__ import annotations
 
@@ -26,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...models import moe
 from .. import collectives as C
-from . import router
 
 
 class _Local:
@@ -61,24 +63,19 @@ class AllToAll(torch.autograd.Function):
 
 
 @dataclass
-class Dispatch:
-    """Where this rank's (token, choice) pairs go, and what it receives.
+class Dispatch(moe.Routing):
+    """`models.moe.Routing` over a group: where this rank's (token, choice) pairs go, what it receives.
 
-    kept:   (T, k) bool, whether each choice fit in its expert's capacity
+    kept:   (T, k) bool, whether each of this rank's choices fit in its expert's capacity
     order:  (R_send,) flat indices t*k + c of the kept pairs, sorted by expert: the rows sent
-    send:   rows to each rank; recv: rows from each rank (``len == n``)
     local_expert: (R_recv,) the local expert of each received row
     first_counts: (E,) first choices per expert over the whole batch; tokens: the batch's token count
+    capacity: C, the slots of each expert (from the whole batch's token count)
+    send:   rows to each rank; recv: rows from each rank (``len == n``)
     """
 
-    kept: torch.Tensor
-    order: torch.Tensor
     send: list[int]
     recv: list[int]
-    local_expert: torch.Tensor
-    first_counts: torch.Tensor
-    tokens: int
-    capacity: int
 
 
 def plan(expert: torch.Tensor, experts: int, capacity_factor: float, group=None,
@@ -96,14 +93,13 @@ def plan(expert: torch.Tensor, experts: int, capacity_factor: float, group=None,
     mine_at = rank(parts)                                                   # my part of the batch
     first = mine_at - me                                                    # the part of group rank 0
     top_k, per_rank = expert.shape[1], experts // (1 if replicated else n)
-    mine = router.counts(expert, experts)                                   # (k, E)
+    mine = moe.counts(expert, experts)                                      # (k, E)
     every = mine[None] if size(parts) == 1 else C.all_gather(mine[None].contiguous(), 0, parts)  # (P, k, E)
     tokens = int(every[:, 0].sum())
-    cap = router.capacity(tokens, experts, top_k, capacity_factor)
-    kept_pairs = router.slots(expert, experts, router.offsets(every)[mine_at]) < cap   # (T, k)
-    flat = kept_pairs.flatten().nonzero().squeeze(1)                                  # kept t*k + c
-    order = flat[expert.flatten()[flat].sort(stable=True).indices]                    # by expert
-    fits = router.kept(every, cap).sum(dim=1)                                         # (P, E)
+    cap = moe.capacity(tokens, experts, top_k, capacity_factor)
+    kept_pairs = moe.slots(expert, experts, moe.offsets(every)[mine_at]) < cap      # (T, k)
+    order = moe.by_expert(kept_pairs, expert)                                         # sent, by expert
+    fits = moe.kept(every, cap).sum(dim=1)                                            # (P, E)
     if replicated:                                                    # our own kept rows, all experts
         ours = fits[mine_at:mine_at + 1]                                              # (1, E)
         send = [int(ours.sum())]
@@ -112,8 +108,9 @@ def plan(expert: torch.Tensor, experts: int, capacity_factor: float, group=None,
         ours = fits[first:first + n, me * per_rank:(me + 1) * per_rank]               # (n, E/n)
     local_ids = torch.arange(per_rank, device=expert.device).repeat(ours.shape[0])
     local_expert = local_ids.repeat_interleave(ours.flatten())
-    return Dispatch(kept_pairs, order, send, ours.sum(dim=1).tolist(), local_expert,
-                    every[:, 0].sum(dim=0), tokens, cap)
+    return Dispatch(kept=kept_pairs, order=order, local_expert=local_expert,
+                    first_counts=every[:, 0].sum(dim=0), tokens=tokens, capacity=cap,
+                    send=send, recv=ours.sum(dim=1).tolist())
 
 
 def dispatch(x: torch.Tensor, d: Dispatch, group=None) -> torch.Tensor:
@@ -124,10 +121,7 @@ def dispatch(x: torch.Tensor, d: Dispatch, group=None) -> torch.Tensor:
 
 
 def combine(y: torch.Tensor, d: Dispatch, weight: torch.Tensor, group=None) -> torch.Tensor:
-    """Expert outputs y (R_recv, h) -> (T, h): sent back, weighted by the gate, summed per token.
-    A token whose every choice was dropped gets zeros (its residual connection carries it on)."""
+    """Expert outputs y (R_recv, h) -> (T, h): sent back (the reverse all-to-all), then weighted by the
+    gate and summed per token (`models.moe.combine`)."""
     back = y if len(d.send) == 1 else AllToAll.apply(y, d.recv, d.send, group)   # (R_send, h)
-    top_k = d.kept.shape[1]
-    gate = weight.flatten()[d.order].to(back.dtype)[:, None]                    # (R_send, 1)
-    out = back.new_zeros((d.kept.shape[0], back.shape[1]))
-    return out.index_add(0, d.order // top_k, back * gate)
+    return moe.combine(back, d, weight)

@@ -1,22 +1,19 @@
-"""Small models and synthetic data that every strategy trains, so results compare across lessons.
+"""A GPT-2 style decoder (Radford et al. 2019), small enough to train on a laptop, dense or MoE.
 
-* `GPT`: a GPT-2 style decoder (Radford et al. 2019): token + position embeddings, ``layers``
-  pre-LayerNorm blocks of causal self-attention and a 4h MLP, a final LayerNorm and an LM head
-  (optionally tied to the token embedding). Attention keeps separate ``q``, ``k``, ``v`` and
-  ``proj`` linears and infers its head count from ``q``'s output size, so `distlab.tp` can shard
-  heads by replacing layers without touching this code. Parameter count (untied, with biases):
-  ``V*h + S*h + L*(12h^2 + 13h) + 2h + h*V``.
-* `GPT` with ``experts > 0`` (preset ``gpt-moe-tiny``): each block's MLP becomes a mixture of experts
-  (`distlab.parallel.expert.moe.MoE`, all experts in this process): top-k softmax routing, a capacity
-  factor with token dropping, and the Switch load-balancing loss added to ``loss`` times ``aux_coef``
-  (Fedus et al. 2021, Eq. 4). ``GPT.aux_loss()`` is that term of the last forward.
-* `MLP`: a stack of Linear+GELU layers, the simplest model to shard.
-* `MarkovTokens`: token sequences from a seeded, low-entropy Markov chain: a model visibly learns it
-  (loss falls from ln V towards the chain's entropy rate, `MarkovTokens.entropy`).
-* `TeacherRegression`: inputs and targets from a fixed random teacher MLP, for the MLP.
+Token + position embeddings, ``layers`` pre-LayerNorm blocks of causal self-attention and a 4h MLP, a
+final LayerNorm and an LM head (optionally tied to the token embedding)::
 
-Data sets are indexed by step and return the *global* batch; `shard` gives a rank its rows.
-Everything is deterministic given the seed, on any world size.
+    ids (b, s) -> tok + pos (b, s, h) -> L x Block: x + attn(ln1(x)), then + mlp(ln2(x))
+               -> ln_f -> head -> logits (b, s, V)
+
+Attention keeps separate ``q``, ``k``, ``v`` and ``proj`` linears and infers its head count from ``q``'s
+output size, so `distlab.tp` can shard heads by replacing layers without touching this code. Parameter
+count (untied, with biases): ``V*h + S*h + L*(12h^2 + 13h) + 2h + h*V``.
+
+With ``experts > 0`` (preset ``gpt-moe-tiny``) each block's MLP is a mixture of experts (`moe.MoE`, every
+expert in this process): top-k softmax routing, a capacity factor with token dropping, and the Switch
+load-balancing loss added to ``loss`` times ``aux_coef`` (Fedus et al. 2021, Eq. 4); ``GPT.aux_loss()`` is
+that term of the last forward. `dl.ep.parallelize` splits those experts over ranks from the outside.
 """
 from __future__ import annotations
 
@@ -26,6 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .mlp import init_weights
+from .moe import MoE, check
 
 
 @dataclass
@@ -47,18 +47,7 @@ class GPTConfig:
         if self.d_model % self.heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by heads={self.heads}")
         if self.experts:
-            from .parallel.expert.router import check
             check(self.experts, self.top_k)
-
-
-#: Named sizes used by `dl.train(model=...)`, the CLI and the lessons.
-PRESETS = {
-    "gpt-tiny": GPTConfig(vocab=64, seq_len=32, d_model=64, heads=4, layers=2),
-    "gpt-small": GPTConfig(vocab=256, seq_len=64, d_model=128, heads=8, layers=4),
-    "gpt-wide": GPTConfig(vocab=128, seq_len=32, d_model=256, heads=8, layers=2),
-    "gpt-moe-tiny": GPTConfig(vocab=64, seq_len=32, d_model=32, heads=4, layers=2, mlp_ratio=2, experts=4,
-                              top_k=2, capacity_factor=1.25, aux_coef=0.01),
-}
 
 
 class CausalSelfAttention(nn.Module):
@@ -139,9 +128,8 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg.d_model, cfg.heads, cfg.bias)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         if cfg.experts:
-            from .parallel.expert import LOCAL, MoE      # every expert here: `dl.ep.parallelize` splits them
             self.mlp = MoE(cfg.d_model, cfg.mlp_ratio * cfg.d_model, cfg.experts, cfg.top_k,
-                           cfg.capacity_factor, group=LOCAL)
+                           cfg.capacity_factor)       # every expert here: `dl.ep.parallelize` splits them
         else:
             self.mlp = FeedForward(cfg.d_model, cfg.mlp_ratio, cfg.bias)
 
@@ -170,7 +158,7 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         if cfg.tied:
             self.head.weight = self.tok.weight
-        self.apply(_init_weights)
+        self.apply(init_weights)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(ids.shape[1], device=ids.device)
@@ -190,99 +178,3 @@ class GPT(nn.Module):
         """``aux_coef`` times the load-balancing losses of the last forward's MoE layers (0 if dense)."""
         moe = [b.mlp.balance_loss for b in self.blocks if hasattr(b.mlp, "balance_loss")]
         return self.cfg.aux_coef * sum(moe) if moe else 0.0
-
-
-class MLP(nn.Module):
-    """sizes=(16, 64, 64, 1): Linear+GELU between every pair, no activation after the last."""
-
-    def __init__(self, sizes=(16, 64, 64, 1), bias: bool = True):
-        super().__init__()
-        if len(sizes) < 2:
-            raise ValueError("MLP needs at least an input and an output size, e.g. sizes=(16, 1)")
-        self.layers = nn.ModuleList(nn.Linear(a, b, bias=bias) for a, b in zip(sizes, sizes[1:]))
-        self.apply(_init_weights)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < len(self.layers) - 1:
-                x = F.gelu(x)
-        return x
-
-
-def _init_weights(module: nn.Module) -> None:
-    """GPT-2's initialisation: N(0, 0.02) weights, zero biases."""
-    if isinstance(module, (nn.Linear, nn.Embedding)):
-        nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if getattr(module, "bias", None) is not None:
-            nn.init.zeros_(module.bias)
-
-
-def build(name: str, seed: int = 0) -> nn.Module:
-    """A preset by name ("gpt-tiny", "gpt-small", "gpt-wide", "mlp"), initialised from ``seed``."""
-    torch.manual_seed(seed)
-    if name == "mlp":
-        return MLP()
-    if name not in PRESETS:
-        raise ValueError(f"unknown model {name!r}: choose one of {sorted(PRESETS) + ['mlp']}")
-    return GPT(PRESETS[name])
-
-
-# -- synthetic data ------------------------------------------------------------------------------
-class MarkovTokens:
-    """Sequences from a seeded Markov chain over ``vocab`` tokens with ``branching`` likely successors.
-
-    Each token has ``branching`` successors drawn once from the seed, taken with equal probability,
-    so the best achievable loss is ln(branching) nats (`entropy`), far below ln(vocab).
-    ``batch(step, size)`` is a pure function of (seed, step): every rank and every world size sees
-    the same global batch.
-    """
-
-    def __init__(self, vocab: int = 64, seq_len: int = 32, seed: int = 0, branching: int = 2):
-        g = torch.Generator().manual_seed(seed)
-        self.vocab, self.seq_len, self.seed, self.branching = vocab, seq_len, seed, branching
-        self.successors = torch.stack([torch.randperm(vocab, generator=g)[:branching] for _ in range(vocab)])
-
-    @property
-    def entropy(self) -> float:
-        return math.log(self.branching)
-
-    def batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        seq = torch.empty(size, self.seq_len + 1, dtype=torch.long)
-        seq[:, 0] = torch.randint(self.vocab, (size,), generator=g)
-        choice = torch.randint(self.branching, (size, self.seq_len), generator=g)
-        for t in range(self.seq_len):
-            seq[:, t + 1] = self.successors[seq[:, t], choice[:, t]]
-        return seq[:, :-1], seq[:, 1:]
-
-
-class TeacherRegression:
-    """x ~ N(0, I), y = teacher(x) for a fixed random MLP teacher: the MLP student can fit it exactly."""
-
-    def __init__(self, sizes=(16, 64, 64, 1), seed: int = 0):
-        torch.manual_seed(10_000 + seed)
-        self.teacher = MLP(sizes)
-        for p in self.teacher.parameters():
-            p.data.mul_(10.0)   # larger than the student's init, so there is something to learn
-            p.requires_grad_(False)
-        self.in_features, self.seed = sizes[0], seed
-
-    def batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        x = torch.randn(size, self.in_features, generator=g)
-        with torch.no_grad():
-            return x, self.teacher(x)
-
-
-def dataset_for(name: str, seed: int = 0):
-    """The synthetic data set that matches a model preset."""
-    if name == "mlp":
-        return TeacherRegression(seed=seed)
-    cfg = PRESETS[name]
-    return MarkovTokens(cfg.vocab, cfg.seq_len, seed=seed)
-
-
-def shard(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """Rows of the global batch that ``rank`` owns: ``torch.tensor_split`` (uneven splits allowed)."""
-    return torch.tensor_split(batch, world_size)[rank]
