@@ -24,10 +24,15 @@ sys.path.insert(0, os.path.join(os.environ["DISTLAB_ROOT"], "tests"))
 import distlab as dl
 from _processes import child_pids, open_fds
 
-def sleeps(seconds, ignore_term):
-    if ignore_term:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)     # makes shutdown wait out its grace period
-    time.sleep(seconds)
+def sleeps(seconds, stubborn):
+    if not stubborn:
+        time.sleep(seconds)
+        return
+    # makes shutdown wait out its grace period: SIGTERM ignored, and the GIL held in C (a libc sleep
+    # through PyDLL), so the rank's lifeline watcher cannot run either
+    import ctypes
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ctypes.PyDLL(None).sleep(int(seconds))
 
 def grandchild():
     import subprocess
