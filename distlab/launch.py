@@ -19,6 +19,7 @@ How it works (see `_child` for what happens inside a rank, `_supervisor` for the
 * **Ctrl-C** is held back while ranks start or stop, so it never orphans one. No process outlives a
   launch: a rank kills what it started when its function returns or raises, and ends with all of it as
   soon as the parent dies or the launch ends (a pipe only the parent holds open: `distlab._lifeline`).
+* **Threads**: ranks fork from a fresh thread, never one that ran torch's (uncopied) thread pool.
 * **Errors**: any failing rank raises `LaunchError` naming the root cause, the earliest rank to
   fail of its own accord, not the peers that then lost their connection to it. A hang (the
   deadline) says what each rank was doing, from its flight recorder (`distlab.flight`).
@@ -210,7 +211,7 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
                 pg_timeout=float(timeout), local_world_size=world_size, flight_dir=box.path,
                 payload=(fn, tuple(args), kwargs) if method == "fork" else
                 _spawn_payload(fn, tuple(args), kwargs))
-            _start_ranks(mp.get_context(method), spec, rendezvous, ranks, deadline)
+            _in_a_fresh_thread(_start_ranks, mp.get_context(method), spec, rendezvous, ranks, deadline)
         with ProgressBar(shown_by_default() if progress is None else progress) as bar:
             supervisor = Supervisor(ranks, deadline, live=(output == "live"), on_progress=bar.update)
             supervisor.run()
@@ -257,6 +258,27 @@ class _Rendezvous:
     def close(self) -> None:
         self.listener.close()
         self.store = None
+
+
+def _in_a_fresh_thread(start, *args) -> None:
+    """Call ``start(*args)`` in a new thread and wait for it. Why: a forked child is a copy of the thread
+    that forked, *with its OpenMP pool* if it ever computed (a notebook with the default thread count),
+    minus the pool's threads, which fork does not copy: its first parallel operation waits for them
+    forever (GNU libgomp's gomp_team_barrier_wait), whatever thread count the child sets. A thread that
+    never computed has no pool, so the child builds a fresh one. (spawn and forkserver start clean.)"""
+    raised: list[BaseException] = []
+
+    def body():
+        try:
+            start(*args)
+        except BaseException as exc:          # handed to the caller
+            raised.append(exc)
+
+    thread = threading.Thread(target=body, name=f"{threading.current_thread().name}: distlab starts ranks")
+    thread.start()
+    thread.join()
+    if raised:
+        raise raised[0]
 
 
 # Launches from several threads of one process: only one starts ranks at a time (a rank forked while
