@@ -2,8 +2,9 @@
 
 Order matters here, each step for a reason found the hard way:
 
-1. leave the parent's process group and ask the kernel to kill us if the parent dies, so the
-   notebook's stop button reaches the parent alone and no rank is ever orphaned;
+1. leave the parent's process group, so the notebook's stop button reaches the parent alone; become a
+   subreaper and watch the lifeline, so that when the parent dies (or its launch ends) this rank ends
+   with every process it started, under any start method (`distlab._lifeline`);
 2. close every inherited descriptor that belongs to another rank, so each rank's output pipe
    reaches end-of-file exactly when that rank exits;
 3. point file descriptors 1 and 2 (and Python's sys.stdout/sys.stderr, which in a Jupyter kernel
@@ -16,11 +17,11 @@ Order matters here, each step for a reason found the hard way:
 6. set torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT),
    run the user's function (its torch.distributed calls recorded by the flight recorder,
    `distlab.flight`), send back its result (or the traceback) and the trace, then a final
-   barrier so that no rank tears its connections down while a peer still reads from them.
+   barrier so that no rank tears its connections down while a peer still reads from them;
+7. kill whatever the function started and left running (returned or raised alike), then exit.
 """
 from __future__ import annotations
 
-import ctypes
 import io
 import os
 import pickle
@@ -32,6 +33,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import cloudpickle
+
+from . import _lifeline
 
 
 @dataclass
@@ -47,27 +50,14 @@ class RankSpec:
     pg_timeout: float
     payload: object               # (fn, args, kwargs), or cloudpickle bytes of it under spawn
     local_world_size: int
-    parent_pid: int = 0           # the launching process: a rank whose parent is gone exits at once
     flight_dir: str | None = None  # where this rank's flight recorder keeps its last operations
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """prctl(PR_SET_PDEATHSIG, SIGKILL): Linux kills this rank if the launching process dies. A parent
-    that died *before* this call (a spawned rank takes seconds to import torch) sends no signal: the
-    rank would wait for its rendezvous until the timeout. So check, after arming, that it still lives."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass
-    if parent_pid and os.getppid() != parent_pid:
-        os._exit(1)
-
-
-def _leave_parent(parent_pid: int) -> None:
+def _leave_parent(lifeline) -> None:
     """Step 1: Ctrl-C handled as usual (not by the handler the parent holds while starting ranks), a
     process group of our own (the notebook's stop button reaches the parent alone; the parent can kill
-    the group, with whatever this rank starts), and death with the parent."""
+    the group, with whatever this rank starts), and an end tied to the parent's through ``lifeline``,
+    with every process this rank starts (a subreaper keeps even daemons among them)."""
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     except ValueError:
@@ -76,7 +66,8 @@ def _leave_parent(parent_pid: int) -> None:
         os.setpgrp()
     except OSError:
         pass
-    _die_with_parent(parent_pid)
+    _lifeline.become_subreaper()
+    _lifeline.watch(lifeline)
 
 
 def _pin_gloo_to_loopback(host: str) -> None:
@@ -135,8 +126,8 @@ def _encode_result(rank: int, value: object) -> bytes:
             "return plain data instead (numbers, strings, lists, dicts, tensors)") from None
 
 
-def main(rank: int, spec: RankSpec, out_conn, result_conn, fds_to_close: list[int]) -> None:
-    _leave_parent(spec.parent_pid)
+def main(rank: int, spec: RankSpec, out_conn, result_conn, lifeline, fds_to_close: list[int]) -> None:
+    _leave_parent(lifeline)
     for fd in fds_to_close:
         try:
             os.close(fd)
@@ -192,4 +183,5 @@ def main(rank: int, spec: RankSpec, out_conn, result_conn, fds_to_close: list[in
             pass
     sys.stdout.flush()
     sys.stderr.flush()
+    _lifeline.end_descendants()
     os._exit(0 if message[0] == "ok" else 1)

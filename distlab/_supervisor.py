@@ -3,8 +3,9 @@
 One loop in the calling thread waits on every rank's output pipe, result pipe and process
 sentinel at once (no helper threads: a Jupyter kernel has enough of those). It ends when every
 rank has exited, when the first failure's grace window closes, or when the deadline passes; in
-every case `shutdown` terminates, kills and reaps whatever is left: each rank's process group, so
-what a rank started goes too, with Ctrl-C held back until it is done (`interrupts_deferred`).
+every case `shutdown` ends whatever is left: it closes the lifeline, on which each rank kills every
+process it started and then itself (`distlab._lifeline`), then terminates, kills and reaps what still
+runs, each rank with its process group, with Ctrl-C held back until it is done (`interrupts_deferred`).
 """
 from __future__ import annotations
 
@@ -62,11 +63,12 @@ class LaunchError(RuntimeError):
 class RankStatus:
     """What the parent knows about one rank."""
 
-    def __init__(self, rank: int, process, out_conn, result_conn):
+    def __init__(self, rank: int, process, out_conn, result_conn, lifeline=None):
         self.rank = rank
         self.process = process
         self.out_conn = out_conn          # read end of stdout+stderr
         self.result_conn = result_conn    # read end of the result message
+        self.lifeline = lifeline          # write end of the launch's lifeline (shared by its ranks)
         self.lines: list[str] = []
         self.partial = bytearray()       # the line being received
         self.kept = 0                     # characters of output kept so far (at most OUTPUT_LIMIT)
@@ -286,17 +288,26 @@ def _signal_group(process, sig: int) -> None:
             pass
 
 
+LIFELINE_SECONDS = 0.5    # how long ranks may take to end themselves (and their trees) once the lifeline ends
+
+
 def shutdown(ranks: list[RankStatus], grace: float = 2.0) -> None:
-    """Terminate, then kill, then reap every rank and the processes it started; close every pipe.
-    Safe to call twice, and Ctrl-C cannot cut it short (it is delivered when everything is gone)."""
+    """End every rank and every process it started, reap the ranks, close every pipe.
+
+    First the lifeline ends: each live rank kills the processes below it, then itself (`distlab._lifeline`),
+    within milliseconds. A rank that cannot (still booting, or its main thread holding the GIL in C code)
+    then gets SIGTERM, with its process group, and SIGKILL after ``grace``. Safe to call twice, and
+    Ctrl-C cannot cut it short (it is delivered when everything is gone)."""
     with interrupts_deferred():
         started = [r.process for r in ranks if r.process._popen is not None]
         alive = [p for p in started if p.is_alive()]
+        for r in ranks:
+            if r.lifeline is not None and not r.lifeline.closed:
+                r.lifeline.close()
+        _join(alive, LIFELINE_SECONDS)
         for p in started:
             _signal_group(p, signal.SIGTERM)
-        end = time.monotonic() + grace
-        for p in alive:
-            p.join(max(end - time.monotonic(), 0.0))
+        _join(alive, grace)
         for p in started:
             _signal_group(p, signal.SIGKILL)
         for p in started:
@@ -309,6 +320,12 @@ def shutdown(ranks: list[RankStatus], grace: float = 2.0) -> None:
                 r.process.close()
             except ValueError:
                 pass
+
+
+def _join(processes: list, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    for p in processes:
+        p.join(max(end - time.monotonic(), 0.0))
 
 
 def raise_if_failed(supervisor: Supervisor, timeout: float, outputs: list[str], flight: dict) -> None:

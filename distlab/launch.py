@@ -16,8 +16,10 @@ How it works (see `_child` for what happens inside a rank, `_supervisor` for the
 * **Output**: each rank's file descriptors 1 and 2 go into a pipe; the parent prints complete
   lines tagged ``[rank N]``, live or grouped by rank at the end ("ordered", deterministic); of a
   progress bar drawn with carriage returns, the last frame; at most 2 MB per rank (a cell is no log).
-* **Ctrl-C** is held back while ranks start or stop, so it never orphans one; each rank leads its own
-  process group, and the group (with whatever the rank started) is killed at the end.
+* **Ctrl-C** is held back while ranks start or stop, so it never orphans one. No process outlives a
+  launch: a rank kills what it started when its function returns or raises, and ends with all of it as
+  soon as the parent dies or the launch ends (a pipe only the parent holds open: `distlab._lifeline`).
+* **Threads**: ranks fork from a fresh thread, never one that ran torch's (uncopied) thread pool.
 * **Errors**: any failing rank raises `LaunchError` naming the root cause, the earliest rank to
   fail of its own accord, not the peers that then lost their connection to it. A hang (the
   deadline) says what each rank was doing, from its flight recorder (`distlab.flight`).
@@ -209,12 +211,10 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
             spec = _child.RankSpec(
                 world_size=world_size, backend=backend, host=host, port=rendezvous.port,
                 rank0_listen_fd=rendezvous.fd_for_rank0, threads=threads_per_rank(world_size),
-                pg_timeout=float(timeout), local_world_size=world_size,
-                parent_pid=os.getpid() if method != "forkserver" else 0,   # (the server's child)
-                flight_dir=box.path,
+                pg_timeout=float(timeout), local_world_size=world_size, flight_dir=box.path,
                 payload=(fn, tuple(args), kwargs) if method == "fork" else
                 _spawn_payload(fn, tuple(args), kwargs))
-            _start_ranks(mp.get_context(method), spec, rendezvous, ranks, deadline)
+            _in_a_fresh_thread(_start_ranks, mp.get_context(method), spec, rendezvous, ranks, deadline)
         with ProgressBar(shown_by_default() if progress is None else progress) as bar:
             supervisor = Supervisor(ranks, deadline, live=(output == "live"), on_progress=bar.update)
             supervisor.run()
@@ -263,22 +263,47 @@ class _Rendezvous:
         self.store = None
 
 
+def _in_a_fresh_thread(start, *args) -> None:
+    """Call ``start(*args)`` in a new thread and wait for it. Why: a forked child is a copy of the thread
+    that forked, *with its OpenMP pool* if it ever computed (a notebook with the default thread count),
+    minus the pool's threads, which fork does not copy: its first parallel operation waits for them
+    forever (GNU libgomp's gomp_team_barrier_wait), whatever thread count the child sets. A thread that
+    never computed has no pool, so the child builds a fresh one. (spawn and forkserver start clean.)"""
+    raised: list[BaseException] = []
+
+    def body():
+        try:
+            start(*args)
+        except BaseException as exc:          # handed to the caller
+            raised.append(exc)
+
+    thread = threading.Thread(target=body, name=f"{threading.current_thread().name}: distlab starts ranks")
+    thread.start()
+    thread.join()
+    if raised:
+        raise raised[0]
+
+
 # Launches from several threads of one process: only one starts ranks at a time (a rank forked while
 # another launch holds the write ends of its pipes would keep that launch's pipes open), and each
 # forked rank closes the parent-side descriptors of every launch still running (their pipes' read
-# ends and process sentinels), so no rank holds another launch's pipes.
+# ends, lifelines and process sentinels), so no rank holds another launch's pipes.
 _STARTING = threading.Lock()
-_LIVE_FDS: dict[int, int] = {}       # descriptor -> id() of the RankStatus it belongs to
+_LIVE_FDS: dict[int, int] = {}       # descriptor -> id() of the launch's list of RankStatus
 
 
 def _start_ranks(ctx, spec: _child.RankSpec, rendezvous: _Rendezvous, ranks: list[RankStatus],
                  deadline: float) -> None:
     """Start every rank, each with its own output and result pipes (appended to ``ranks`` *before* it
-    starts, so that whatever was forked is shut down if a later start fails)."""
+    starts, so that whatever was forked is shut down if a later start fails), and all with the read end
+    of one lifeline (`distlab._lifeline`), whose write end only this process keeps: in every RankStatus,
+    for `shutdown` to close."""
     with _STARTING:
+        lifeline_r, lifeline_w = ctx.Pipe(duplex=False)
+        _LIVE_FDS[lifeline_w.fileno()] = id(ranks)
         pipes = [(ctx.Pipe(duplex=False), ctx.Pipe(duplex=False)) for _ in range(spec.world_size)]
         fork = rendezvous.fd_for_rank0 is not None
-        all_fds = [c.fileno() for pair in pipes for p in pair for c in p]
+        all_fds = [c.fileno() for pair in pipes for p in pair for c in p] + [lifeline_w.fileno()]
         try:
             for rank, ((out_r, out_w), (res_r, res_w)) in enumerate(pipes):
                 if time.monotonic() > deadline:
@@ -289,13 +314,16 @@ def _start_ranks(ctx, spec: _child.RankSpec, rendezvous: _Rendezvous, ranks: lis
                 close_in_child = [fd for fd in all_fds + sorted(_LIVE_FDS) if fd not in keep] if fork else []
                 if fork and rank != 0:
                     close_in_child.append(rendezvous.fd_for_rank0)
-                proc = ctx.Process(target=_child.main, args=(rank, spec, out_w, res_w, close_in_child),
-                                   name=f"distlab-rank-{rank}")
-                ranks.append(RankStatus(rank, proc, out_r, res_r))
+                proc = ctx.Process(target=_child.main, name=f"distlab-rank-{rank}",
+                                   args=(rank, spec, out_w, res_w, lifeline_r, close_in_child))
+                ranks.append(RankStatus(rank, proc, out_r, res_r, lifeline=lifeline_w))
                 proc.start()
-                fds = (out_r.fileno(), res_r.fileno(), proc.sentinel)
-                _LIVE_FDS.update(dict.fromkeys(fds, id(ranks[-1])))
+                _LIVE_FDS.update(dict.fromkeys((out_r.fileno(), res_r.fileno(), proc.sentinel), id(ranks)))
         finally:
+            lifeline_r.close()
+            if not ranks:
+                del _LIVE_FDS[lifeline_w.fileno()]
+                lifeline_w.close()
             for rank, ((out_r, out_w), (res_r, res_w)) in enumerate(pipes):
                 out_w.close()                      # the parent keeps only the read ends of started ranks
                 res_w.close()
@@ -308,8 +336,8 @@ def _start_ranks(ctx, spec: _child.RankSpec, rendezvous: _Rendezvous, ranks: lis
 def _forget(ranks: list[RankStatus]) -> None:
     """This launch's descriptors are about to close: later ranks of other launches need not close them."""
     with _STARTING:
-        mine = {id(r) for r in ranks}      # by owner: a pipe closed mid-launch no longer knows its number
-        for fd in [fd for fd, owner in _LIVE_FDS.items() if owner in mine]:
+        # by owner: a pipe closed mid-launch no longer knows its number
+        for fd in [fd for fd, owner in _LIVE_FDS.items() if owner == id(ranks)]:
             del _LIVE_FDS[fd]
 
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import time
 
 
 def child_pids() -> list[int]:
@@ -47,3 +49,40 @@ def is_library_singleton(fd: int) -> bool:
     except OSError:
         return True   # closed meanwhile
     return target.startswith(("/dev/", "anon_inode:")) or target.endswith((".so", ".json"))
+
+
+# -- processes a test's scripts started, found by a marker in their environment ------------------
+def marked(marker: str, cmdline: bytes = b"") -> list[int]:
+    """Live, non-zombie processes with ``marker`` in their environment and ``cmdline`` in their command
+    (a process inherits its parent's environment, so this finds a script's ranks and their processes)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read()
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in env and cmdline in command and state != "Z":
+            found.append(int(entry))
+    return found
+
+
+def wait_until_gone(marker: str, seconds: float) -> list[int]:
+    end = time.monotonic() + seconds
+    while marked(marker) and time.monotonic() < end:
+        time.sleep(0.1)
+    return marked(marker)
+
+
+def kill_marked(marker: str) -> None:
+    for pid in marked(marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

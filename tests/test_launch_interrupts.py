@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,6 +13,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+from _processes import kill_marked, marked, wait_until_gone
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,10 +24,15 @@ sys.path.insert(0, os.path.join(os.environ["DISTLAB_ROOT"], "tests"))
 import distlab as dl
 from _processes import child_pids, open_fds
 
-def sleeps(seconds, ignore_term):
-    if ignore_term:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)     # makes shutdown wait out its grace period
-    time.sleep(seconds)
+def sleeps(seconds, stubborn):
+    if not stubborn:
+        time.sleep(seconds)
+        return
+    # makes shutdown wait out its grace period: SIGTERM ignored, and the GIL held in C (a libc sleep
+    # through PyDLL), so the rank's lifeline watcher cannot run either
+    import ctypes
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ctypes.PyDLL(None).sleep(int(seconds))
 
 def grandchild():
     import subprocess
@@ -76,41 +82,6 @@ elif mode == "grandchild":
 """
 
 
-def _marked(marker: str, cmdline: bytes = b"") -> list[int]:
-    """Live, non-zombie processes with ``marker`` in their environment and ``cmdline`` in their command."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = f.read()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                command = f.read()
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if marker.encode() in env and cmdline in command and state != "Z":
-            found.append(int(entry))
-    return found
-
-
-def _wait_until_gone(marker: str, seconds: float) -> list[int]:
-    end = time.monotonic() + seconds
-    while _marked(marker) and time.monotonic() < end:
-        time.sleep(0.2)
-    return _marked(marker)
-
-
-def _kill_all(marker: str) -> None:
-    for pid in _marked(marker):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def _script(mode: str, arg: float, marker: str, **popen):
     env = {**os.environ, "DISTLAB_ROOT": str(ROOT), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "DISTLAB_TEST_MARKER": marker}
@@ -126,8 +97,8 @@ def _run_script(mode: str, arg: float, timeout: float = 240):
     finally:
         proc.kill()
         proc.wait()
-        left = _wait_until_gone(marker, 10)
-        _kill_all(marker)
+        left = wait_until_gone(marker, 10)
+        kill_marked(marker)
     assert proc.returncode == 0, err[-3000:]
     return json.loads(out.strip().splitlines()[-1]), left
 
@@ -168,15 +139,15 @@ def test_spawned_ranks_die_when_the_parent_is_killed_while_they_boot():
     try:
         assert proc.stdout.readline().strip() == "launching"
         end = time.monotonic() + 60
-        while len(_marked(marker, b"multiprocessing-fork")) < 2 and time.monotonic() < end:   # two ranks
+        while len(marked(marker, b"multiprocessing-fork")) < 2 and time.monotonic() < end:   # two ranks
             time.sleep(0.01)
         proc.kill()                                   # the notebook's kernel dies; the ranks still boot
         proc.wait()
-        left = _wait_until_gone(marker, 45)           # (before the fix: until the store timeout, 120 s)
+        left = wait_until_gone(marker, 45)           # (before the fix: until the store timeout, 120 s)
     finally:
         proc.kill()
         proc.wait()
         proc.stdout.close()
         proc.stderr.close()
-        _kill_all(marker)
+        kill_marked(marker)
     assert left == [], "spawned ranks outlived the parent"

@@ -44,7 +44,7 @@ def test_a_launch_started_while_another_starts_holds_none_of_its_pipes(monkeypat
     class SlowProcess(real_context("fork").Process):
         def start(self):
             super().start()
-            if threading.current_thread().name == "launch-a":
+            if threading.current_thread().name.startswith("launch-a"):   # (its starting thread)
                 a_started_one.set()
                 time.sleep(0.5)                     # A's start window stays open
 
