@@ -26,7 +26,7 @@ endif
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: lab test test-fast lint notebooks sources student bench browser clean
+.PHONY: lab test test-slow test-fast lint notebooks sources student bench browser clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,8 +38,13 @@ $(STAMP): pyproject.toml
 lab: $(STAMP)
 	$(BIN)/jupyter lab --notebook-dir=notebooks $(ROOT_ARGS) $(LAB_ARGS)
 
+# `make test` leaves out the tests marked slow (spawn and forkserver variants, larger worlds: a few minutes
+# more); `make test-slow` runs exactly those. CI (.ci/run) runs both.
 test: $(STAMP) lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest --nbval tests notebooks
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest --nbval -m "not slow" tests notebooks
+
+test-slow: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m slow tests
 
 # ruff (pyproject.toml: line length 110); part of `make test`, so CI lints too.
 lint: $(STAMP)
