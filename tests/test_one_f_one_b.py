@@ -50,7 +50,7 @@ def _both(p: int) -> list[dict]:
     out = []
     for m in _microbatches(p):
         pipe = dl.pp.Pipeline(stage, dl.rank(), p, schedule="1f1b", microbatches=m)
-        executor = _run(stage, lambda x, y, m: pipe.step(x, y), x, y, m)
+        executor = _run(stage, lambda x, y, m, pipe=pipe: pipe.step(x, y), x, y, m)
         textbook = _run(stage, lambda x, y, m: dl.pp.one_f_one_b(stage, x, y, m), x, y, m)
         out.append({"m": m, "executor": executor, "textbook": textbook})
     return out

@@ -10,6 +10,7 @@ goes through ``batch_isend_irecv`` so it lands in one NCCL group; under gloo pla
                                                   (reduced into mine with op, or replacing it)
     post_exchanges(ring, [(send, dst, recv, src), ...])   every pair posted at once, waited later
     Flight(ring, pieces)                           one step posted piece by piece (the fast ring)
+    exchange_sizes(ring, counts, device)           what an uneven collective tells every rank first
 
 Tracing attaches here, and only here: the algorithms pass data and addresses (which rank, which
 chunk), never labels. Each step records one comm event in ``dl.tracer()``, filled in from the
@@ -275,7 +276,7 @@ class Flight:
             self.step.done(self.ring, self.sent, self.received, self.dst, self.src)
 
     def wait_all(self) -> None:
-        """Wait for every piece posted, in the order posted (then, and for empty ones, the rest)."""
+        """Wait for every piece, in the order posted (empty ones, never posted, count as done)."""
         works, self.works = self.works, []
         for w in works:
             self.wait(w)

@@ -36,7 +36,7 @@ from .split import (GPTStage, MLPStage, SequentialStage, TimedStage, boundaries,
                     stage_module, stage_names)
 
 __all__ = ["one_f_one_b", "schedule", "simulate", "Action", "Timeline", "DeadlockError", "peak_activations",
-           "SCHEDULES", "Pipeline", "Observer", "Stash", "default_loss", "split", "stage_module", "stage_names",
-           "boundaries", "partition", "GPTStage", "MLPStage", "SequentialStage", "TimedStage",
+           "SCHEDULES", "Pipeline", "Observer", "Stash", "default_loss", "split", "stage_module",
+           "stage_names", "boundaries", "partition", "GPTStage", "MLPStage", "SequentialStage", "TimedStage",
            "ActionTrace", "measured_bubble", "Bubble", "executed", "in_flight", "peak_in_flight",
            "NamedStage", "named_stage", "chain", "cut", "check_stages"]
