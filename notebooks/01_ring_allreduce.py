@@ -29,7 +29,8 @@
 # Everything below is `dl.comm`, built from nothing but `torch.distributed` point-to-point `isend`/`irecv`. Read
 # [distlab/comm/ring.py](../distlab/comm/ring.py) beside this notebook: it is the textbook ring, each phase N-1
 # plain steps of one send to the right and one receive from the left (one
-# [`p2p.exchange`](../distlab/comm/p2p.py) each), and it is the code this lesson runs and draws.
+# [`p2p.ring_step`](../distlab/comm/p2p.py) each, which records the step in the trace), and it is the code this
+# lesson runs and draws.
 # [distlab/comm/ring_pipelined.py](../distlab/comm/ring_pipelined.py) is the same ring made fast (each step cut
 # into segments that stream, receives posted ahead, as gloo does); `dl.comm.pipelined_all_reduce` gives the same
 # bits, and the tests check the two equal on random data for 1 to 8 ranks.

@@ -25,6 +25,7 @@
 #
 # In this lesson you will
 #
+# 0. read 1F1B written by hand, three loops with their sends and receives, and see it give the executor's numbers;
 # 1. read the four schedules as plain lists of actions (GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1);
 # 2. train a GPT through `dl.pp.Pipeline` with each schedule and get exactly the single-process result;
 # 3. **measure** the four schedules' timelines side by side and compare the bubble with `dl.theory.bubble`;
@@ -32,8 +33,9 @@
 # 5. watch the activations each stage keeps in flight: GPipe holds m microbatches, 1F1B at most p - i on stage i.
 #
 # The code, in the order [`distlab/parallel/pipeline/__init__.py`](../distlab/parallel/pipeline/__init__.py) gives:
-# the schedules as pure lists in [schedule.py](../distlab/parallel/pipeline/schedule.py), cutting a model into stages
-# in [split.py](../distlab/parallel/pipeline/split.py), the messages between neighbours in
+# 1F1B by hand in [one_f_one_b.py](../distlab/parallel/pipeline/one_f_one_b.py), the schedules as pure lists in
+# [schedule.py](../distlab/parallel/pipeline/schedule.py), cutting a model into stages in
+# [split.py](../distlab/parallel/pipeline/split.py), the messages between neighbours in
 # [p2p.py](../distlab/parallel/pipeline/p2p.py), the executor in
 # [executor.py](../distlab/parallel/pipeline/executor.py) (each action: receive, compute, send) and the split
 # backward of zero bubble in [zero_bubble.py](../distlab/parallel/pipeline/zero_bubble.py). The executor measures
@@ -59,6 +61,45 @@ CFG = GPTConfig(vocab=64, seq_len=32, d_model=64, heads=4, layers=6)   # 8 units
 
 def observers():             # what we measure, attached from outside the executor
     return [dl.pp.ActionTrace(), dl.memory.PipelineStash()]    # a span per action; activations in flight
+
+
+# %% [markdown]
+# ## 0. 1F1B by hand: three loops
+#
+# First the schedule the way you would write it on a whiteboard (as picotron does): rank r holds stage r, runs
+# p - r - 1 forwards to fill the pipe (**warm-up**), then one forward and one backward in turn (**steady state**),
+# then the backwards it still owes (**cool-down**). Each forward receives its input from rank r - 1 and sends its
+# output to rank r + 1; each backward receives the gradient of its output from rank r + 1 and sends the gradient of
+# its input back to rank r - 1. Here is all of it, from
+# [one_f_one_b.py](../distlab/parallel/pipeline/one_f_one_b.py):
+
+# %%
+import inspect
+
+print(inspect.getsource(dl.pp.one_f_one_b))
+
+# %% [markdown]
+# The rest of the lesson runs schedules through `dl.pp.Pipeline`, an executor that walks any list of actions. For
+# 1F1B the two must agree: one step of each, on the same stages and the same batch, gives the same loss and the same
+# gradients on every stage, to the bit.
+
+# %%
+def by_hand_and_executor(batch=16):
+    torch.manual_seed(0)
+    stage = dl.pp.stage_module(GPT(CFG), dl.rank(), P)                # this rank's stage of the same GPT
+    x, y = MarkovTokens(CFG.vocab, CFG.seq_len, seed=0).batch(0, batch)
+    x, y = (x if dl.rank() == 0 else None), (y if dl.rank() == P - 1 else None)
+    loss = dl.pp.one_f_one_b(stage, x, y, microbatches=M)
+    by_hand = [q.grad.clone() for q in stage.parameters()]
+    stage.zero_grad()
+    executor_loss = dl.pp.Pipeline(stage, dl.rank(), P, schedule="1f1b", microbatches=M).step(x, y)
+    return loss, executor_loss, all(torch.equal(g, q.grad) for g, q in zip(by_hand, stage.parameters()))
+
+results = dl.launch(by_hand_and_executor, world_size=P, output="quiet").results
+loss, executor_loss, _ = results[-1]
+print(f"loss on the last stage: by hand {loss.item():.6f}, executor {executor_loss.item():.6f}")
+assert torch.equal(loss, executor_loss) and all(same for _, _, same in results)
+print("gradients of every stage: equal to the bit")
 
 
 # %% [markdown]

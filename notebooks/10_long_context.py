@@ -39,7 +39,8 @@
 # hand-written backward), [ulysses.py](../distlab/parallel/context/ulysses.py) (over the all-to-all of
 # [distlab/comm/all_to_all.py](../distlab/comm/all_to_all.py)), [gpt.py](../distlab/parallel/context/gpt.py)
 # (the GPT's attention swapped for either). K/V hops go through `ring_shift` in
-# [distlab/comm/p2p.py](../distlab/comm/p2p.py), which records each one in the trace; the formulas are in
+# [distlab/comm/shift.py](../distlab/comm/shift.py), whose one exchange [p2p.py](../distlab/comm/p2p.py) records in
+# the trace; the formulas are in
 # [distlab/theory/context.py](../distlab/theory/context.py).
 
 # %%
@@ -137,7 +138,7 @@ plt.show()
 #
 # which is exact: after c steps every query has met every key. Each step **posts** the send of the held block to
 # rank r + 1 and the receive of the next from rank r − 1 *before* computing, and waits after: the transfer hides
-# behind the compute (`start_ring_shift` in [p2p.py](../distlab/comm/p2p.py)).
+# behind the compute (`start_ring_shift` in [shift.py](../distlab/comm/shift.py)).
 #
 # We run it on 4 ranks and rebuild the picture **from the trace**: every hop is recorded with the rank it came
 # from, so "the block rank r holds at step t" is "the block its sender held at step t − 1". To see the compute, we

@@ -16,20 +16,22 @@
     dl.comm.free_scratch()                                 # drop the receive buffers kept between calls
 
 Reading order:
-  1. ``p2p.py``            the one primitive: post a send and a receive together, wait, record the step
+  1. ``p2p.py``            the primitives: post a send and a receive together and wait (``exchange``), one
+                           step round a ring (``ring_step``); the one place a step is recorded in the trace
   2. ``ring.py``           the textbook ring: N-1 plain exchange steps per phase (what lesson 01 draws)
   3. ``tree.py``, ``naive.py``   broadcast down a binomial tree; the all-reduce through one root, to compare
   4. ``all_to_all.py``     every rank a different block for every other: N-1 pairwise-exchange steps
                            (expert parallelism's dispatch, Ulysses' sequence <-> heads)
-  5. ``ring_pipelined.py`` the same ring made fast: chunks streamed in segments, receives posted ahead;
+  5. ``shift.py``          a block to the next rank, the previous rank's back (ring attention's K/V hops)
+  6. ``ring_pipelined.py`` the same ring made fast: chunks streamed in segments, receives posted ahead;
                            tested bit-identical to ``ring.py``
+  7. ``traced.py``         the entry points above: each algorithm run inside a traced call, from outside
 """
-from .p2p import OPS, free_scratch, ring_shift, start_ring_shift
-from .all_to_all import all_to_all
-from .naive import naive_all_reduce
-from .ring import ring_all_gather, ring_all_reduce, ring_bytes, ring_reduce_scatter
-from .ring_pipelined import pipelined_all_gather, pipelined_all_reduce, pipelined_reduce_scatter
-from .tree import broadcast
+from .p2p import OPS, free_scratch
+from .ring import ring_bytes
+from .traced import (all_to_all, broadcast, naive_all_reduce, pipelined_all_gather, pipelined_all_reduce,
+                     pipelined_reduce_scatter, ring_all_gather, ring_all_reduce, ring_reduce_scatter,
+                     ring_shift, start_ring_shift)
 
 __all__ = ["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "pipelined_all_reduce",
            "pipelined_reduce_scatter", "pipelined_all_gather", "broadcast", "naive_all_reduce",

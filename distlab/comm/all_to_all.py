@@ -53,10 +53,8 @@ recorded as op ``"exchange_sizes"``), unless the caller passes ``out_splits``.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from ..runtime import tracer
-from .p2p import Ring, exchange, new_call
+from .p2p import Ring, exchange, exchange_sizes, post_exchanges
 
 
 def all_to_all(t: torch.Tensor, splits: list[int] | None = None, group=None,
@@ -66,8 +64,8 @@ def all_to_all(t: torch.Tensor, splits: list[int] | None = None, group=None,
     ``splits``: N row counts summing to ``t.shape[0]`` (None: N equal blocks, the rows must divide by N).
     ``out_splits``: the rows each rank sends here, when the caller knows them (skips the size exchange).
     Every rank passes the same trailing shape and dtype, and either every rank passes ``splits`` or
-    none does (with ``splits`` the row counts are exchanged first). N-1 steps, one comm event
-    ``"all_to_all"`` each; ``posted``: all steps posted at once (fast), or one after another (textbook).
+    none does (with ``splits`` the row counts are exchanged first). N-1 steps; ``posted``: all steps
+    posted at once (fast), or one after another (textbook).
     """
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
@@ -79,7 +77,7 @@ def all_to_all(t: torch.Tensor, splits: list[int] | None = None, group=None,
     splits = _check_splits(splits, n, rows, "splits", f"t.shape[0] = {rows}")
     x = t.contiguous()
     if out_splits is None:
-        out_splits = splits if even else _exchange_sizes(ring, splits, t.device)
+        out_splits = splits if even else exchange_sizes(ring, splits, t.device)
     else:                                    # (exchanged counts were checked on the ranks that sent them)
         out_splits = _check_splits(out_splits, n, sum(map(int, out_splits)), "out_splits",
                                    "the rows received")
@@ -87,64 +85,31 @@ def all_to_all(t: torch.Tensor, splits: list[int] | None = None, group=None,
     send_blocks = torch.split(x, splits)                             # send_blocks[i] -> rank i
     recv_blocks = torch.split(out, out_splits)                       # recv_blocks[j] <- rank j
     steps = posted_steps if posted else pairwise_steps
-    steps(ring, "all_to_all", send_blocks, recv_blocks, call=new_call(), size=x.numel() * x.element_size())
+    steps(ring, send_blocks, recv_blocks)
     return out
 
 
-def pairwise_steps(ring: Ring, name: str, send_blocks, recv_blocks, *, call: int, size: int) -> None:
+def pairwise_steps(ring: Ring, send_blocks, recv_blocks) -> None:
     """My own block is a local copy; then N-1 steps: at step s send block r+s to rank r+s, receive into
     block r-s from rank r-s."""
     n, r = ring.size, ring.rank
     recv_blocks[r].copy_(send_blocks[r])
     for s in range(1, n):
         dst, src = (r + s) % n, (r - s) % n
-        exchange(ring, name, send=send_blocks[dst].view(-1), dst=dst, recv=recv_blocks[src].view(-1),
-                 src=src, step=s - 1, call=call, size=size, send_block=dst, recv_block=src)
+        exchange(ring, send=send_blocks[dst].view(-1), dst=dst, recv=recv_blocks[src].view(-1), src=src)
 
 
-def posted_steps(ring: Ring, name: str, send_blocks, recv_blocks, *, call: int, size: int) -> None:
+def posted_steps(ring: Ring, send_blocks, recv_blocks) -> None:
     """The same N-1 steps, all in flight together: post step 1's send and receive, step 2's, ..., copy my
-    own block while they travel, then wait step by step (each recorded as one comm event, from the
-    posting to its completion)."""
-    n, r, tr = ring.size, ring.rank, tracer()
-    start = tr.now()
+    own block while they travel, then wait step by step (each a comm event from its posting to its
+    completion)."""
+    n, r = ring.size, ring.rank
     peers = [((r + s) % n, (r - s) % n) for s in range(1, n)]          # step s: (send to, receive from)
-    ops = []
-    for dst, src in peers:                     # send, then receive, step by step: gloo's own order
-        ops += [(dist.isend, send_blocks[dst], dst), (dist.irecv, recv_blocks[src], src)]  # row blocks:
-    works = post_all(ring, ops)                                                           # contiguous
+    flights = post_exchanges(ring, [(send_blocks[dst], dst, recv_blocks[src], src)    # row blocks:
+                                    for dst, src in peers])                            # contiguous
     recv_blocks[r].copy_(send_blocks[r])                               # overlaps the transfers
-    for s, (dst, src) in enumerate(peers):
-        send, recv = works[2 * s], works[2 * s + 1]
-        for w in (send, recv):                 # in the order posted
-            if w is not None:
-                w.wait()
-        if tr.enabled:                         # (the arguments alone cost a few microseconds a step)
-            sent, received = (send_blocks[dst].numel() * send_blocks[dst].element_size(),
-                              recv_blocks[src].numel() * recv_blocks[src].element_size())
-            tr.comm(name, start=start, end=tr.now(), sent=sent, received=received,
-                    peer=ring.glob(dst) if sent else None, src=ring.glob(src) if received else None,
-                    step=s, call=call, size=size, world=n, send_block=dst, recv_block=src)
-
-
-def post_all(ring: Ring, ops) -> list:
-    """Post ``(isend or irecv, tensor, group rank)`` operations in order; empty tensors are skipped (None),
-    as both ends know their size. Under NCCL they go as one batch."""
-    live = [(fn, t, ring.glob(peer)) for fn, t, peer in ops if t.numel()]
-    if live and dist.get_backend(ring.group) == "nccl":
-        posted = iter(dist.batch_isend_irecv([dist.P2POp(fn, t, peer, ring.group) for fn, t, peer in live]))
-    else:
-        posted = iter([fn(t, peer, group=ring.group) for fn, t, peer in live])
-    return [next(posted) if t.numel() else None for _, t, _ in ops]
-
-
-def _exchange_sizes(ring: Ring, splits: list[int], device) -> list[int]:
-    """Every rank's row count for me: an all-to-all of one int64 per block."""
-    counts = torch.tensor(splits, dtype=torch.int64, device=device)
-    received = torch.empty_like(counts)
-    pairwise_steps(ring, "exchange_sizes", torch.split(counts, 1), torch.split(received, 1),
-                   call=new_call(), size=counts.numel() * counts.element_size())
-    return received.tolist()
+    for flight in flights:
+        flight.wait_all()
 
 
 def _check_splits(splits, n: int, rows: int, what: str, total: str) -> list[int]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .p2p import Ring, check_op, exchange, finish_avg, flat_view, new_call, scratch
+from .p2p import Ring, check_op, exchange, finish_avg, flat_view, scratch
 
 
 def naive_all_reduce(t: torch.Tensor, op: str = "sum", group=None, root: int = 0) -> torch.Tensor:
@@ -22,7 +22,6 @@ def naive_all_reduce(t: torch.Tensor, op: str = "sum", group=None, root: int = 0
 
     The root receives from each rank in rank order and reduces in that order, then sends the
     result to each rank in turn: (N-1) S bytes in and (N-1) S out at the root, S each way elsewhere.
-    Events are recorded as op ``"naive_all_reduce"`` with phase ``"reduce"`` or ``"broadcast"``.
     """
     check_op(op, t)
     ring = Ring.of(group)
@@ -31,22 +30,17 @@ def naive_all_reduce(t: torch.Tensor, op: str = "sum", group=None, root: int = 0
     if n == 1:
         return t
     flat = flat_view(t)
-    call, size = new_call(), flat.numel() * flat.element_size()
     peers = [p for p in range(n) if p != root_g]
     if ring.rank == root_g:
         incoming = scratch(flat.numel(), flat.dtype, flat.device)
-        for step, p in enumerate(peers):
-            exchange(ring, "naive_all_reduce", recv=incoming, src=p, reduce=(flat, incoming, op), step=step,
-                     call=call, size=size, phase="reduce")
+        for p in peers:                                  # reduce: every rank's data into mine
+            exchange(ring, recv=incoming, src=p, reduce=(flat, incoming, op))
         finish_avg(flat, op, n)
-        for step, p in enumerate(peers, start=n - 1):
-            exchange(ring, "naive_all_reduce", send=flat, dst=p, step=step, call=call, size=size,
-                     phase="broadcast")
+        for p in peers:                                  # broadcast: the result to every rank
+            exchange(ring, send=flat, dst=p)
     else:
-        exchange(ring, "naive_all_reduce", send=flat, dst=root_g, step=peers.index(ring.rank), call=call,
-                 size=size, phase="reduce")
-        exchange(ring, "naive_all_reduce", recv=flat, src=root_g, step=n - 1 + peers.index(ring.rank),
-                 call=call, size=size, phase="broadcast")
+        exchange(ring, send=flat, dst=root_g)
+        exchange(ring, recv=flat, src=root_g)
     if not t.is_contiguous():
         t.copy_(flat.view(t.shape))
     return t

@@ -1,25 +1,36 @@
-"""The one primitive every collective here is built from: a traced point-to-point exchange.
+"""The primitives every collective here is built from, and the one place dl.comm writes the trace.
 
-``exchange(send=..., dst=..., recv=..., src=...)`` posts the send and the receive *together* and
+``exchange(ring, send=..., dst=..., recv=..., src=...)`` posts the send and the receive *together* and
 waits for both. Posting both before waiting is what keeps a ring from deadlocking: if every rank
 first did a blocking send to its right neighbour, nobody would be receiving. (Under NCCL the pair
 goes through ``batch_isend_irecv`` so it lands in one NCCL group; under gloo plain
-``isend``/``irecv`` do the same job with less Python overhead.)
+``isend``/``irecv`` do the same job with less Python overhead.) Three more are built beside it:
 
-Each exchange records one comm event in ``dl.tracer()``:
+    ring_step(ring, chunks, send=i, recv=j, op)   chunk i to the right, chunk j in from the left
+                                                  (reduced into mine with op, or replacing it)
+    post_exchanges(ring, [(send, dst, recv, src), ...])   every pair posted at once, waited later
+    Flight(ring, pieces)                           one step posted piece by piece (the fast ring)
+    exchange_sizes(ring, counts, device)           what an uneven collective tells every rank first
 
-    name      the collective (``"ring_all_reduce"``, ``"broadcast"``, ...)
+Tracing attaches here, and only here: the algorithms pass data and addresses (which rank, which
+chunk), never labels. Each step records one comm event in ``dl.tracer()``, filled in from the
+`call` the public entry point (`distlab.comm.traced`) opened around the algorithm:
+
+    name      the collective (``"ring_all_reduce"``, ``"broadcast"``, ...): the call's
     sent      bytes sent in this step         received  bytes received in this step
     peer      global rank sent to (None if nothing was sent)
     src       global rank received from (None if nothing was received)
-    step      index of the step within the call  (plus any ``**info``: phase, chunk indices, ...)
+    step      this step's index in the call, counted as the rank takes them (0, 1, 2, ...)
     call      a per-process counter shared by every event of one collective call
     size      bytes of the whole message the collective was asked to move
     world     ranks taking part
+    + for a ``ring_step``: ``send_chunk``, ``recv_chunk`` and ``phase`` (``"reduce_scatter"`` when the
+      arriving chunk is reduced into mine, ``"all_gather"`` when it replaces it)
 """
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -106,8 +117,6 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1) if t.is_contiguous() else t.reshape(-1).contiguous()
 
 
-def new_call() -> int:
-    return next(_call_ids)
 
 
 _scratch: dict[tuple, torch.Tensor] = {}
@@ -145,9 +154,9 @@ def _segments(t: torch.Tensor | None) -> int:
     return max(1, min(MAX_SEGMENTS, (t.numel() * t.element_size()) // SEGMENT_BYTES))
 
 
-def exchange(ring: Ring, op_name: str, *, send: torch.Tensor | None = None, dst: int | None = None,
-             recv: torch.Tensor | None = None, src: int | None = None, reduce: tuple | None = None,
-             step: int = 0, call: int = 0, size: int = 0, **info) -> None:
+# -- the primitives -----------------------------------------------------------------------------
+def exchange(ring: Ring, *, send: torch.Tensor | None = None, dst: int | None = None,
+             recv: torch.Tensor | None = None, src: int | None = None, reduce: tuple | None = None) -> None:
     """Send ``send`` to group rank ``dst`` while receiving into ``recv`` from group rank ``src``.
 
     Either side may be None (or empty, when both ends know it is): then only the other happens.
@@ -155,12 +164,28 @@ def exchange(ring: Ring, op_name: str, *, send: torch.Tensor | None = None, dst:
     data has arrived, done segment by segment as each lands. Blocks until everything is complete,
     and records one comm event.
     """
+    _exchange(ring, send, dst, recv, src, reduce, {})
+
+
+def ring_step(ring: Ring, chunks, send: int, recv: int, op: str | None = None) -> None:
+    """One step round the ring: ``chunks[send]`` goes to the right neighbour while ``chunks[recv]``
+    comes in from the left, reduced into mine with ``op`` (reduce-scatter) or replacing it (``op``
+    None: all-gather). The event records both chunk indices and which of the two phases it was."""
+    mine = chunks[recv]
+    info = {"phase": "all_gather" if op is None else "reduce_scatter", "send_chunk": send, "recv_chunk": recv}
+    if op is None:
+        _exchange(ring, chunks[send], ring.next, mine, ring.prev, None, info)
+    else:
+        incoming = scratch(mine.numel(), mine.dtype, mine.device)
+        _exchange(ring, chunks[send], ring.next, incoming, ring.prev, (mine, incoming, op), info)
+
+
+def _exchange(ring: Ring, send, dst, recv, src, reduce, info: dict) -> None:
     if send is not None and send.numel() == 0:
         send = None
     if recv is not None and recv.numel() == 0:
         recv = None
-    tr = tracer()
-    start = tr.now()
+    step = _step(info)
     dst_g = ring.glob(dst) if send is not None else None
     src_g = ring.glob(src) if recv is not None else None
     recv_parts = torch.tensor_split(recv, _segments(recv)) if recv is not None else ()
@@ -184,78 +209,177 @@ def exchange(ring: Ring, op_name: str, *, send: torch.Tensor | None = None, dst:
             w.wait()
     for w in send_works:
         w.wait()
-    tr.comm(op_name, start=start, end=tr.now(),
-            sent=0 if send is None else send.numel() * send.element_size(),
-            received=0 if recv is None else recv.numel() * recv.element_size(),
-            peer=dst_g, src=src_g, step=step, call=call, size=size, world=ring.size, **info)
+    if step is not None:
+        step.done(ring, nbytes(send), nbytes(recv), dst_g, src_g)
 
 
-def ring_shift(t: torch.Tensor, group=None) -> torch.Tensor:
-    """Send ``t`` to the next rank of the ring and return what the previous rank sent (same shape, dtype).
+def exchange_sizes(ring: Ring, counts: list[int], device) -> list[int]:
+    """What every rank must know before an uneven collective: ``counts[i]`` goes to group rank i, and
+    ``result[j]`` is the count rank j sent here (``result[rank] = counts[rank]``). N-1 pairwise steps
+    of one int64 each, recorded as a call of its own, ``"exchange_sizes"``."""
+    n, r = ring.size, ring.rank
+    mine = torch.tensor(counts, dtype=torch.int64, device=device)
+    theirs = mine.clone()
+    with call("exchange_sizes", mine):
+        for s in range(1, n):
+            dst, src = (r + s) % n, (r - s) % n
+            exchange(ring, send=mine[dst:dst + 1], dst=dst, recv=theirs[src:src + 1], src=src)
+    return theirs.tolist()
 
-        r0 --t0--> r1 --t1--> r2 --t2--> r0         rank r returns t_(r-1)
 
-    One exchange, recorded as op ``"ring_shift"``; every rank passes the same shape. Ring attention
-    moves its K/V blocks (and their gradients) round the ring this way. One rank: returns ``t``.
+class Flight:
+    """One step whose transfers are posted ahead and waited for later, piece by piece.
+
+    ``pieces``: how many sends and receives the step is made of (empty ones included: they post
+    nothing and their wait is free). Posting goes through ``isend``/``irecv`` here; once the last
+    piece has been waited for, the step is recorded as one comm event, from its first post to its
+    last completion, with the bytes of all its pieces. ``chunks=(sent, received)``: the chunk indices
+    of a ring step; ``reduce``: whether the arriving data is reduced (as in `ring_step`)."""
+
+    def __init__(self, ring: Ring, pieces: int, chunks: tuple[int, int] | None = None, reduce: bool = False):
+        info = {} if chunks is None else {"phase": "reduce_scatter" if reduce else "all_gather",
+                                          "send_chunk": chunks[0], "recv_chunk": chunks[1]}
+        self.ring, self.left, self.step, self.works = ring, pieces, _step(info), []
+        self.sent = self.received = 0
+        self.dst = self.src = None
+        self.nccl = dist.get_backend(ring.group) == "nccl"
+
+    def isend(self, t: torch.Tensor, dst: int):
+        """Post ``t`` to group rank ``dst``; returns the Work (None for an empty tensor)."""
+        if not t.numel():
+            return None
+        self.sent, self.dst = self.sent + nbytes(t), self.ring.glob(dst)
+        return self._posted(self._post(dist.isend, t, self.dst))
+
+    def irecv(self, t: torch.Tensor, src: int):
+        """Post the receive of ``t`` from group rank ``src``; returns the Work (None for an empty tensor)."""
+        if not t.numel():
+            return None
+        self.received, self.src = self.received + nbytes(t), self.ring.glob(src)
+        return self._posted(self._post(dist.irecv, t, self.src))
+
+    def _post(self, fn, t: torch.Tensor, peer: int):
+        if self.nccl:
+            return dist.batch_isend_irecv([dist.P2POp(fn, t, peer, self.ring.group)])[0]
+        return fn(t, peer, group=self.ring.group)
+
+    def _posted(self, work):
+        self.works.append(work)
+        return work
+
+    def wait(self, work) -> None:
+        """Wait for one piece (``work`` from `isend`/`irecv`, or None); the last one records the step."""
+        if work is not None:
+            work.wait()                         # (a gloo Work must be waited on exactly once)
+        self.left -= 1
+        if self.left == 0 and self.step is not None:
+            self.step.done(self.ring, self.sent, self.received, self.dst, self.src)
+
+    def wait_all(self) -> None:
+        """Wait for every piece, in the order posted (empty ones, never posted, count as done)."""
+        works, self.works = self.works, []
+        for w in works:
+            self.wait(w)
+        while self.left > 0:
+            self.wait(None)
+
+
+def post_exchanges(ring: Ring, pairs) -> list[Flight]:
+    """Post every ``(send, dst, recv, src)`` pair at once, each pair's send before its receive (gloo's
+    own all-to-all order), as one batch under NCCL; returns one `Flight` per pair, to ``wait_all``.
+    Tensors must be contiguous; empty ones post nothing (both ends know their size)."""
+    flights = [Flight(ring, pieces=2) for _ in pairs]
+    posts = []
+    for f, (send, dst, recv, src) in zip(flights, pairs):
+        posts += [(f, dist.isend, send, dst), (f, dist.irecv, recv, src)]
+    live = [(f, fn, t, ring.glob(peer)) for f, fn, t, peer in posts if t.numel()]
+    if live and dist.get_backend(ring.group) == "nccl":
+        works = dist.batch_isend_irecv([dist.P2POp(fn, t, peer, ring.group) for _, fn, t, peer in live])
+    else:
+        works = [fn(t, peer, group=ring.group) for _, fn, t, peer in live]
+    for (f, fn, t, peer), work in zip(live, works):
+        if fn is dist.isend:
+            f.sent, f.dst = nbytes(t), peer
+        else:
+            f.received, f.src = nbytes(t), peer
+        f.works.append(work)
+    return flights
+
+
+# -- where the events come from: the call an entry point opened around the algorithm ---------------
+class call:
+    """``with call("ring_all_reduce", t): ...``: every step taken inside belongs to one call of that
+    collective. Opened by the public entry points (`distlab.comm.traced`), never by an algorithm.
+
+    ``message``: the tensor whose bytes are the call's ``size`` (it may be set on the object before
+    the block ends, e.g. to an all-gather's output). Events wait in the call until it ends, then go
+    to ``dl.tracer()``; a step still in flight when it ends (`start_ring_shift`) is written when done.
     """
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
-    ring = Ring.of(group)
-    if ring.size == 1:
-        return t
-    send = flat_view(t)
-    recv = torch.empty_like(send)
-    exchange(ring, "ring_shift", send=send, dst=ring.next, recv=recv, src=ring.prev, step=0,
-             call=new_call(), size=send.numel() * send.element_size())
-    return recv.view(t.shape)
+
+    _open = threading.local()                   # each thread its own stack of open calls
+
+    def __init__(self, name: str, message: torch.Tensor | None = None):
+        self.name, self.message, self.id, self.steps = name, message, next(_call_ids), 0
+        self.events: list | None = []
+
+    def __enter__(self) -> "call":
+        self._stack().append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack().pop()
+        events, self.events = self.events, None
+        for event in events:
+            self._write(*event)
+
+    @classmethod
+    def _stack(cls) -> list:
+        if not hasattr(cls._open, "calls"):
+            cls._open.calls = []
+        return cls._open.calls
+
+    @classmethod
+    def current(cls) -> "call":
+        """The innermost open call (a call of its own, ``"exchange"``, for a primitive used bare)."""
+        stack = cls._stack()
+        if stack:
+            return stack[-1]
+        bare = cls("exchange")
+        bare.events = None
+        return bare
+
+    def _write(self, start: float, end: float, step: "_Step", moved: tuple) -> None:
+        sent, received, dst, src, world = moved
+        tracer().comm(self.name, start=start, end=end, sent=sent, received=received, peer=dst, src=src,
+                      step=step.index, call=self.id, size=nbytes(self.message), world=world, **step.info)
 
 
-class PendingShift:
-    """A `ring_shift` posted but not finished: the block travels while the caller computes.
+@dataclass
+class _Step:
+    """A step being taken: which call it belongs to, its index there, when it began, what it is."""
 
-        shift = start_ring_shift(kv)     # isend to the next rank, irecv from the previous: posted now
-        ... compute on kv ...            # the transfer proceeds meanwhile (gloo's and NCCL's own threads)
-        kv = shift.wait()                # what the previous rank sent
+    owner: call
+    index: int
+    start: float
+    info: dict
 
-    The send buffer must not be written until ``wait`` returns. One comm event ``"ring_shift"``, recorded
-    by ``wait``, spans the whole flight: from posting to completion.
-    """
-
-    def __init__(self, t: torch.Tensor, group=None):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"expected a torch.Tensor, got {type(t).__name__}")
-        self.ring, self.shape, self.start = Ring.of(group), t.shape, tracer().now()
-        self.send = flat_view(t)
-        self.recv = torch.empty_like(self.send)
-        self.works, self.done = [], None
-        if self.ring.size > 1 and self.send.numel():
-            prev, nxt, g = self.ring.glob(self.ring.prev), self.ring.glob(self.ring.next), self.ring.group
-            if dist.get_backend(g) == "nccl":
-                self.works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, self.recv, prev, g),
-                                                     dist.P2POp(dist.isend, self.send, nxt, g)])
-            else:
-                self.works = [dist.irecv(self.recv, prev, group=g), dist.isend(self.send, nxt, group=g)]
-
-    def wait(self) -> torch.Tensor:
-        """Block until the block has arrived (and ours has left); returns it, shaped like the one sent.
-        Waiting again returns the same block."""
-        if self.done is not None:
-            return self.done
-        if not self.works:                                   # one rank, or nothing to move
-            self.done = self.send.view(self.shape)
-            return self.done
-        for w in self.works:
-            w.wait()
-        ring, nbytes = self.ring, self.send.numel() * self.send.element_size()
-        tr = tracer()
-        tr.comm("ring_shift", start=self.start, end=tr.now(), sent=nbytes, received=nbytes,
-                peer=ring.glob(ring.next), src=ring.glob(ring.prev), step=0, call=new_call(), size=nbytes,
-                world=ring.size)
-        self.works = []
-        self.done = self.recv.view(self.shape)
-        return self.done
+    def done(self, ring: Ring, sent: int, received: int, dst: int | None, src: int | None) -> None:
+        event = (self.start, tracer().now(), self, (sent, received, dst, src, ring.size))
+        if self.owner.events is not None:
+            self.owner.events.append(event)
+        else:
+            self.owner._write(*event)
 
 
-def start_ring_shift(t: torch.Tensor, group=None) -> PendingShift:
-    """`ring_shift` in two halves, to overlap it with compute: post now, ``.wait()`` for the result."""
-    return PendingShift(t, group)
+def _step(info: dict) -> _Step | None:
+    """Begin a step of the current call (None when the trace is off: nothing to count)."""
+    tr = tracer()
+    if not tr.enabled:
+        return None
+    owner = call.current()
+    owner.steps += 1
+    return _Step(owner, owner.steps - 1, tr.now(), info)
+
+
+def nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()

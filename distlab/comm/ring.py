@@ -27,8 +27,9 @@ Cost (alpha-beta model, latency alpha per step, bandwidth B per link):
 
 which, unlike the naive reduce-then-broadcast, stops growing with N for large S.
 
-Every step below is one ``p2p.exchange``: post the send to the right and the receive from the left,
-then wait for both (so the ring cannot deadlock), and record one comm event. ``ring_pipelined.py``
+Every step below is one ``p2p.ring_step``: post the send to the right and the receive from the left,
+then wait for both (so the ring cannot deadlock). The step is recorded in the trace there, not here:
+``dl.comm.ring_all_reduce`` runs this function inside a traced call (`traced.py`). ``ring_pipelined.py``
 is the same ring made fast (chunks streamed in segments, receives posted ahead); the tests check
 that both give bit-identical results.
 """
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from .p2p import Ring, check_op, exchange, finish_avg, flat_view, new_call
+from .p2p import Ring, check_op, exchange_sizes, finish_avg, flat_view, ring_step
 
 
 def ring_reduce_scatter(t: torch.Tensor, op: str = "sum", group=None, out: torch.Tensor | None = None
@@ -51,7 +52,7 @@ def ring_reduce_scatter(t: torch.Tensor, op: str = "sum", group=None, out: torch
     work = flat_view(t).clone()                          # (S,) reduced in place, chunk by chunk
     chunks = torch.tensor_split(work, ring.size)         # N views, |c_i| = S//N or S//N + 1
     out = check_out(out, chunks[ring.rank].numel(), t.dtype, t.device)
-    reduce_scatter_steps(ring, "ring_reduce_scatter", chunks, op, call=new_call(), size=nbytes(work))
+    reduce_scatter_steps(ring, chunks, op)
     out.view(-1).copy_(chunks[ring.rank])
     return out
 
@@ -61,7 +62,7 @@ def ring_all_gather(shard: torch.Tensor, group=None, sizes: list[int] | None = N
     """Concatenate every rank's flattened ``shard`` in rank order; every rank gets the whole.
 
     Shards may differ in size: ``sizes`` (element counts per group rank) when every rank knows them,
-    else they are all-gathered first (recorded as op ``"exchange_sizes"``). ``out``: contiguous, sum(sizes).
+    else every rank first tells every other its own (`p2p.exchange_sizes`). ``out``: contiguous, sum(sizes).
     """
     ring = Ring.of(group)
     flat = flat_view(shard)                              # (|shard|,)
@@ -69,7 +70,7 @@ def ring_all_gather(shard: torch.Tensor, group=None, sizes: list[int] | None = N
     out = check_out(out, sum(sizes), shard.dtype, shard.device)
     slots = torch.split(out.view(-1), sizes)             # slot i will hold rank i's shard
     slots[ring.rank].copy_(flat)
-    all_gather_steps(ring, "ring_all_gather", slots, call=new_call(), size=nbytes(out))
+    all_gather_steps(ring, slots)
     return out
 
 
@@ -83,44 +84,34 @@ def ring_all_reduce(t: torch.Tensor, op: str = "sum", group=None) -> torch.Tenso
     ring = Ring.of(group)
     flat = flat_view(t)                                  # (S,) t's own storage when t is contiguous
     chunks = torch.tensor_split(flat, ring.size)
-    call, size = new_call(), nbytes(flat)
-    reduce_scatter_steps(ring, "ring_all_reduce", chunks, op, call=call, size=size)   # chunks[r] is done
-    all_gather_steps(ring, "ring_all_reduce", chunks, call=call, size=size, first_step=ring.size - 1)
+    reduce_scatter_steps(ring, chunks, op)               # chunks[r] is now reduced over all ranks
+    all_gather_steps(ring, chunks)                       # ...and passed round to everyone
     if not t.is_contiguous():                            # we worked on a contiguous copy
         t.copy_(flat.view(t.shape))
     return t
 
 
-def reduce_scatter_steps(ring: Ring, name: str, chunks, op: str, *, call: int, size: int) -> None:
+def reduce_scatter_steps(ring: Ring, chunks, op: str) -> None:
     """N-1 steps, in place: send chunk r-s-1; receive chunk r-s-2 and reduce it into mine."""
     n, r = ring.size, ring.rank
-    incoming = torch.empty_like(chunks[0])               # chunk 0 is the largest of tensor_split
     for s in range(n - 1):
         c_send, c_recv = (r - s - 1) % n, (r - s - 2) % n   # c_send is what I reduced at step s-1
-        buf = incoming[: chunks[c_recv].numel()]
-        exchange(ring, name, send=chunks[c_send], dst=ring.next, recv=buf, src=ring.prev,
-                 reduce=(chunks[c_recv], buf, op), step=s, call=call, size=size,
-                 phase="reduce_scatter", send_chunk=c_send, recv_chunk=c_recv)
+        ring_step(ring, chunks, send=c_send, recv=c_recv, op=op)
     finish_avg(chunks[r], op, n)                         # avg: chunk r, now the sum, divided by N
 
 
-def all_gather_steps(ring: Ring, name: str, slots, *, call: int, size: int, first_step: int = 0) -> None:
+def all_gather_steps(ring: Ring, slots) -> None:
     """N-1 steps in place, ``slots[r]`` holding mine: send slot r-s, receive slot r-s-1 where it belongs."""
     n, r = ring.size, ring.rank
     for s in range(n - 1):
         c_send, c_recv = (r - s) % n, (r - s - 1) % n
-        exchange(ring, name, send=slots[c_send], dst=ring.next, recv=slots[c_recv], src=ring.prev,
-                 step=first_step + s, call=call, size=size,
-                 phase="all_gather", send_chunk=c_send, recv_chunk=c_recv)
+        ring_step(ring, slots, send=c_send, recv=c_recv)
 
 
 def gather_sizes(ring: Ring, flat: torch.Tensor, sizes: list[int] | None) -> list[int]:
-    """Every rank's shard length: ``sizes`` checked, or all-gathered (one int64 per rank) when None."""
+    """Every rank's shard length: ``sizes`` checked, or exchanged (one int64 to each rank) when None."""
     if sizes is None:
-        counts = torch.zeros(ring.size, dtype=torch.int64, device=flat.device)
-        counts[ring.rank] = flat.numel()
-        all_gather_steps(ring, "exchange_sizes", torch.split(counts, 1), call=new_call(), size=nbytes(counts))
-        sizes = counts.tolist()
+        sizes = exchange_sizes(ring, [flat.numel()] * ring.size, flat.device)
     sizes = [int(x) for x in sizes]
     if len(sizes) != ring.size or sizes[ring.rank] != flat.numel():
         raise ValueError(f"sizes must list {ring.size} element counts with sizes[{ring.rank}] == "
@@ -136,10 +127,6 @@ def check_out(out: torch.Tensor | None, numel: int, dtype: torch.dtype, device) 
         raise ValueError(f"out must hold {numel} elements of {dtype} (contiguous), got {out.numel()} "
                          f"of {out.dtype}{'' if out.is_contiguous() else ' (not contiguous)'}")
     return out
-
-
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def ring_bytes(numel: int, element_size: int, n: int, rank: int, op: str = "all_reduce") -> tuple[int, int]:

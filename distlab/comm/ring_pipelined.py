@@ -37,19 +37,18 @@ once item i - WINDOW is finished):
     posted (j+1: chunks differ by up to one element, so segment j of one step may reach one element
     into segment j+1 of another).
 
-Each step still records one comm event (its first post to its last completion), with the
-bytes of its whole chunk, so the trace reads exactly as the textbook steps do.
+Each step's pieces are posted and waited for through one `p2p.Flight`, which records the step as
+one comm event (its first post to its last completion) with the bytes of its whole chunk, so the
+trace reads exactly as the textbook steps do.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from ..runtime import tracer
-from .p2p import Ring, check_op, flat_view, new_call, reduce_into, scratch
-from .ring import check_out, gather_sizes, nbytes
+from .p2p import Flight, Ring, check_op, flat_view, reduce_into, scratch
+from .ring import check_out, gather_sizes
 
 SEGMENT_BYTES = 1 << 22
 """Target segment size. Small enough to overlap reduction with transfer, large enough that the
@@ -86,9 +85,9 @@ def pipelined_reduce_scatter(t: torch.Tensor, op: str = "sum", group=None, out: 
         incoming = out_flat if s == n - 2 else buffers[s % rotating][: chunks[c_in].numel()]
         steps.append(Step(send=sending, recv=incoming, local=chunks[c_in],   # arriving partial (op)= mine
                           divide=n if op == "avg" and s == n - 2 else 0,
-                          info=dict(phase="reduce_scatter", send_chunk=(r - s - 1) % n, recv_chunk=c_in)))
+                          chunks=((r - s - 1) % n, c_in)))
         sending = incoming                              # ...and pass it on at the next step
-    run_ring(ring, "ring_reduce_scatter", steps, op, call=new_call(), size=nbytes(flat))
+    run_ring(ring, steps, op)
     return out
 
 
@@ -104,8 +103,7 @@ def pipelined_all_gather(shard: torch.Tensor, group=None, sizes: list[int] | Non
     out = check_out(out, sum(sizes), shard.dtype, shard.device)
     slots = torch.split(out.view(-1), sizes)            # slot i will hold rank i's shard
     slots[ring.rank].copy_(flat)
-    run_ring(ring, "ring_all_gather", _gather_steps(slots, ring.rank, ring.size), "sum", call=new_call(),
-             size=nbytes(out))
+    run_ring(ring, _gather_steps(slots, ring.rank, ring.size), "sum")
     return out
 
 
@@ -127,9 +125,9 @@ def pipelined_all_reduce(t: torch.Tensor, op: str = "sum", group=None) -> torch.
         c_out, c_in = (r - s - 1) % n, (r - s - 2) % n
         steps.append(Step(send=chunks[c_out], into=chunks[c_in],
                           divide=n if op == "avg" and s == n - 2 else 0,
-                          info=dict(phase="reduce_scatter", send_chunk=c_out, recv_chunk=c_in)))
+                          chunks=(c_out, c_in)))
     steps += _gather_steps(chunks, r, n)                # then pass the reduced chunks around
-    run_ring(ring, "ring_all_reduce", steps, op, call=new_call(), size=nbytes(flat))
+    run_ring(ring, steps, op)
     if not t.is_contiguous():                           # we worked on a contiguous copy
         t.copy_(flat.view(t.shape))
     return t
@@ -137,8 +135,7 @@ def pipelined_all_reduce(t: torch.Tensor, op: str = "sum", group=None) -> torch.
 
 def _gather_steps(slots, r: int, n: int) -> list[Step]:
     """All-gather: ``slots[r]`` holds my piece; at step s send slot r-s, receive slot r-s-1 in place."""
-    return [Step(send=slots[(r - s) % n], recv=slots[(r - s - 1) % n],
-                 info=dict(phase="all_gather", send_chunk=(r - s) % n, recv_chunk=(r - s - 1) % n))
+    return [Step(send=slots[(r - s) % n], recv=slots[(r - s - 1) % n], chunks=((r - s) % n, (r - s - 1) % n))
             for s in range(n - 1)]
 
 
@@ -151,6 +148,7 @@ class Step:
       * ``recv`` given, ``local`` given: into ``recv``, then ``recv op= local`` (out-of-place reduce)
       * ``recv`` None, ``into`` given:   into a scratch segment, then ``into op= scratch`` (in place)
     ``divide`` > 0 divides the reduced result by it (the mean of op="avg") as each segment lands.
+    ``chunks``: the indices of the chunk sent and of the chunk received, as in ``ring.py``.
     """
 
     send: torch.Tensor
@@ -158,14 +156,18 @@ class Step:
     local: torch.Tensor | None = None
     into: torch.Tensor | None = None
     divide: int = 0
-    info: dict | None = None
+    chunks: tuple[int, int] = (0, 0)
 
     @property
     def target(self) -> torch.Tensor:
         return self.recv if self.recv is not None else self.into
 
+    @property
+    def reduces(self) -> bool:
+        return self.recv is None or self.local is not None
 
-def run_ring(ring: Ring, name: str, steps: list[Step], op: str, *, call: int, size: int) -> None:
+
+def run_ring(ring: Ring, steps: list[Step], op: str) -> None:
     """Run ``steps`` around the ring (send to ``ring.next``, receive from ``ring.prev``), streamed.
 
     Items (step, segment) are finished in order. Up to ``WINDOW`` receives are posted ahead of the
@@ -174,7 +176,7 @@ def run_ring(ring: Ring, name: str, steps: list[Step], op: str, *, call: int, si
     """
     if not steps:
         return
-    stream = _Stream(ring, name, steps, op, call=call, size=size)
+    stream = _Stream(ring, steps, op)
     k, total = stream.k, stream.total
     posted_recv = posted_send = 0
     for done in range(total):                           # items 0 .. done-1 are finished
@@ -190,8 +192,8 @@ def run_ring(ring: Ring, name: str, steps: list[Step], op: str, *, call: int, si
 class _Stream:
     """The items of one ``run_ring`` call, and the receives and sends posted for them but not yet finished."""
 
-    def __init__(self, ring: Ring, name: str, steps: list[Step], op: str, *, call: int, size: int):
-        self.ring, self.name, self.steps, self.op, self.call, self.size = ring, name, steps, op, call, size
+    def __init__(self, ring: Ring, steps: list[Step], op: str):
+        self.ring, self.steps, self.op = ring, steps, op
         width = max(max(s.send.numel(), s.target.numel()) for s in steps)
         example = steps[0].send
         self.k = _segments(width, example)
@@ -200,37 +202,35 @@ class _Stream:
         self.parts = [_split(s, self.k) for s in steps]
         self.slots = [scratch(-(-width // self.k), example.dtype, example.device, slot)
                       for slot in range(self.window)] if any(s.recv is None for s in steps) else []
-        self.dst, self.src = ring.glob(ring.next), ring.glob(ring.prev)
-        self.nccl = dist.get_backend(ring.group) == "nccl"
-        self.tracer = tracer()
-        self.began: dict[int, float] = {}               # step -> time its first receive was posted
+        self.flights: dict[int, Flight] = {}            # step -> its sends and receives (2k pieces)
         self.recvs: dict[int, tuple] = {}               # item -> (receive buffer, Work or None)
         self.sends: dict[int, object] = {}              # item -> Work or None
 
-    def _post(self, fn, tensor: torch.Tensor, peer: int):
-        if self.nccl:
-            return dist.batch_isend_irecv([dist.P2POp(fn, tensor, peer, self.ring.group)])[0]
-        return fn(tensor, peer, group=self.ring.group)
+    def flight(self, s: int) -> Flight:
+        """Step s's flight, begun by the first of its pieces to be posted."""
+        if s not in self.flights:
+            step = self.steps[s]
+            self.flights[s] = Flight(self.ring, pieces=2 * self.k, chunks=step.chunks, reduce=step.reduces)
+        return self.flights[s]
 
     def post_recv(self, i: int) -> None:
         s, j = divmod(i, self.k)
         _, recv, into, _ = self.parts[s][j]
         if recv is None:                                # in place: land in a scratch segment, free since
             recv = self.slots[i % self.window][: into.numel()]   # item i - window (its last user) finished
-        if j == 0:
-            self.began[s] = self.tracer.now()
-        self.recvs[i] = (recv, self._post(dist.irecv, recv, self.src) if recv.numel() else None)
+        self.recvs[i] = (recv, self.flight(s).irecv(recv, self.ring.prev))
 
     def post_send(self, i: int) -> None:
-        send = self.parts[i // self.k][i % self.k][0]
-        self.sends[i] = self._post(dist.isend, send, self.dst) if send.numel() else None
+        s, j = divmod(i, self.k)
+        self.sends[i] = self.flight(s).isend(self.parts[s][j][0], self.ring.next)
 
     def finish(self, i: int) -> None:
-        """Wait for item i's receive, reduce it where it belongs, wait for its send; record a done step."""
+        """Wait for item i's receive, reduce it where it belongs, wait for its send (the step's last
+        piece completes its flight)."""
         s, j = divmod(i, self.k)
+        flight = self.flights[s]
         recv, work = self.recvs.pop(i)
-        if work is not None:                            # each gloo Work is waited on exactly once
-            work.wait()
+        flight.wait(work)
         step, (_, _, into, local) = self.steps[s], self.parts[s][j]
         result = None
         if step.recv is None:
@@ -241,18 +241,9 @@ class _Stream:
             result = recv
         if step.divide and result is not None:
             result.div_(step.divide)
-        work = self.sends.pop(i)
-        if work is not None:
-            work.wait()
+        flight.wait(self.sends.pop(i))
         if j == self.k - 1:
-            self._record(s)
-
-    def _record(self, s: int) -> None:
-        step = self.steps[s]
-        self.tracer.comm(self.name, start=self.began.pop(s), end=self.tracer.now(), sent=nbytes(step.send),
-                         received=nbytes(step.target), peer=self.dst if step.send.numel() else None,
-                         src=self.src if step.target.numel() else None, step=s, call=self.call,
-                         size=self.size, world=self.ring.size, **(step.info or {}))
+            del self.flights[s]
 
 
 def _segments(numel: int, example: torch.Tensor) -> int:

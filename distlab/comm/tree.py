@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import torch
 
-from .p2p import Ring, exchange, flat_view, new_call
+from .p2p import Ring, exchange, flat_view
 
 
 def broadcast(t: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
     """Copy ``t`` from global rank ``src`` into ``t`` on every rank of ``group``, in place; returns t.
 
     ``src`` is a *global* rank, as in ``torch.distributed.broadcast``. Binomial tree,
-    ceil(log2 N) steps; every event is recorded as op ``"broadcast"``.
+    ceil(log2 N) rounds; a rank receives once (from its parent), then sends to each of its children.
     """
     ring = Ring.of(group)
     n = ring.size
@@ -34,21 +34,17 @@ def broadcast(t: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
     if n == 1:
         return t
     flat = flat_view(t)
-    call, size = new_call(), flat.numel() * flat.element_size()
-    levels = (n - 1).bit_length()
     vr = (ring.rank - root) % n                     # my rank counted from the source
     mask = 1
     while mask < n:                                 # find my parent: the lowest set bit of vr
         if vr & mask:
-            exchange(ring, "broadcast", recv=flat, src=(vr - mask + root) % n,
-                     step=levels - mask.bit_length(), call=call, size=size, phase="broadcast")
+            exchange(ring, recv=flat, src=(vr - mask + root) % n)
             break
         mask <<= 1
     mask >>= 1
     while mask > 0:                                 # then serve my children, farthest first
         if vr + mask < n:
-            exchange(ring, "broadcast", send=flat, dst=(vr + mask + root) % n,
-                     step=levels - mask.bit_length(), call=call, size=size, phase="broadcast")
+            exchange(ring, send=flat, dst=(vr + mask + root) % n)
         mask >>= 1
     if not t.is_contiguous():
         t.copy_(flat.view(t.shape))

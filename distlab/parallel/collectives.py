@@ -4,7 +4,7 @@ Every collective a parallelism issues goes through this file, and this file alon
 ``dl.tracer()``: algorithms call ``all_reduce``/``all_gather``/``reduce_scatter`` and carry no
 labels, byte counters or timers themselves.
 
-Two surfaces:
+Three surfaces:
 
 * ``Collectives(comm, group)``: the flat-buffer collectives data parallelism needs (DDP, ZeRO),
   asynchronous, through torch.distributed (``comm="torch"``) or distlab's ring (``comm="ring"``: the
@@ -15,6 +15,8 @@ Two surfaces:
 * ``all_reduce(t, group)``, ``all_gather(shard, dim, group)``, ``reduce_scatter(t, dim, group)``,
   ``split``, ``all_to_all(t, send, recv, group)``: the shaped collectives (tensor and expert
   parallelism), synchronous, torch.distributed.
+
+* ``Transfer(send, tensor, peer, group, tag, **address)``: a pipeline's isend or irecv, ``.wait()``.
 
 Bytes: torch does not say what its backend put on the wire, so a ``comm="torch"`` call is recorded as
 one event with the bytes the *ring algorithm* moves per rank (`dl.comm.ring_bytes`, marked
@@ -253,6 +255,44 @@ class Collectives:
 def _without_grad(call):
     with torch.no_grad():                 # grad mode is per thread: the worker's own is on by default
         return call()
+
+
+# -- point-to-point (pipeline stages) ------------------------------------------------------------
+class Transfer:
+    """An ``isend`` (``send=True``) or ``irecv`` of ``tensor`` to or from global rank ``peer``, recorded here:
+    a send as an instant when posted (a rank never waits for its sends mid-step), a receive from its post
+    to the data's arrival (a long one is a rank waiting on its neighbour). ``address``: the message's
+    own, what its ``tag`` is made of (a pipeline's what, stage, microbatch). ``grouped``: posted later,
+    by `start_together` (NCCL matches point-to-point in issue order)."""
+
+    def __init__(self, send: bool, tensor: torch.Tensor, peer: int, group=None, tag: int = 0,
+                 grouped: bool = False, **address):
+        self.send, self.tensor, self.peer, self.group, self.tag = send, tensor, peer, group, tag
+        self.address, self.work, self.start = address, None, now()
+        if not grouped:
+            self.work = (dist.isend if send else dist.irecv)(tensor, peer, group=group, tag=tag)
+        if send:
+            self._record(end=self.start)
+
+    def wait(self) -> torch.Tensor:
+        """Block until the transfer is complete; returns the tensor (received into, for a receive)."""
+        self.work.wait()
+        if not self.send:
+            self._record(end=now())
+        return self.tensor
+
+    def _record(self, end: float) -> None:
+        nbytes = self.tensor.numel() * self.tensor.element_size()
+        record("send" if self.send else "recv", start=self.start, end=end, sent=nbytes if self.send else 0,
+               received=0 if self.send else nbytes, group=self.group, peer=self.peer, **self.address)
+
+
+def start_together(transfers: list[Transfer]) -> None:
+    """Issue grouped transfers as one ``batch_isend_irecv`` (one NCCL group)."""
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend if t.send else dist.irecv, t.tensor, t.peer,
+                                               t.group, t.tag) for t in transfers])
+    for i, t in enumerate(transfers):
+        t.work = works[i] if len(works) == len(transfers) else works[-1]
 
 
 # -- tensor-parallel collectives ----------------------------------------------------------------

@@ -1,5 +1,6 @@
 """``dl.pp``: pipeline parallelism -- schedules, stage splitting and the executor.
 
+    loss = dl.pp.one_f_one_b(stage, x, target, microbatches=8)       # 1F1B by hand: three plain loops
     actions = dl.pp.schedule("1f1b", stages=4, microbatches=8)     # pure: per-rank action lists
     dl.pp.simulate(actions).bubble                                   # replayed on a clock
     stage = dl.pp.stage_module(gpt, stage_id=r, num_stages=4)        # this rank's slice of the model
@@ -11,6 +12,8 @@
 
 Reading order:
 
+    one_f_one_b.py   1F1B for one stage per rank as three loops (warm-up, steady, cool-down), sends and
+                     receives inline: the textbook version of what the executor runs from a list
     schedule.py      the schedules as pure lists of actions, and a simulator that raises on deadlock
     split.py         cutting a model into contiguous stages
     named.py         stages of your own model by module names (chain, cut, named_stage)
@@ -27,12 +30,13 @@ from __future__ import annotations
 from .executor import Observer, Pipeline, Stash, default_loss
 from .schedule import SCHEDULES, Action, DeadlockError, Timeline, peak_activations, schedule, simulate
 from .named import NamedStage, chain, check_stages, cut, named_stage
+from .one_f_one_b import one_f_one_b
 from .measure import ActionTrace, Bubble, executed, in_flight, measured_bubble, peak_in_flight
 from .split import (GPTStage, MLPStage, SequentialStage, TimedStage, boundaries, partition, split,
                     stage_module, stage_names)
 
-__all__ = ["schedule", "simulate", "Action", "Timeline", "DeadlockError", "peak_activations", "SCHEDULES",
-           "Pipeline", "Observer", "Stash", "default_loss", "split", "stage_module", "stage_names",
-           "boundaries", "partition", "GPTStage", "MLPStage", "SequentialStage", "TimedStage",
+__all__ = ["one_f_one_b", "schedule", "simulate", "Action", "Timeline", "DeadlockError", "peak_activations",
+           "SCHEDULES", "Pipeline", "Observer", "Stash", "default_loss", "split", "stage_module",
+           "stage_names", "boundaries", "partition", "GPTStage", "MLPStage", "SequentialStage", "TimedStage",
            "ActionTrace", "measured_bubble", "Bubble", "executed", "in_flight", "peak_in_flight",
            "NamedStage", "named_stage", "chain", "cut", "check_stages"]

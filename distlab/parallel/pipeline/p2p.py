@@ -21,13 +21,10 @@ Sends are never waited for in the middle of a step (``isend`` then carry on): a 
 blocks on a receive it needs, exactly the rule `distlab.parallel.pipeline.schedule.simulate` replays, so a
 schedule that simulates without deadlock also runs without one.
 
-Every transfer is recorded through `distlab.parallel.collectives.record` (on the pipeline's group):
-a send as an instant when posted (``sent`` bytes, ``peer``); a receive from its post to the data's
-arrival (``received`` bytes, ``peer``), so a long receive is a rank waiting on its neighbour. Its
-args are the message's own address, the same (``what``: "activation", "grad" or "shape";
-``stage``: the sending stage; ``microbatch``) its tag is made of, since a receive is posted ahead and
-completes during another action; anything else (the ``step``) comes from the caller's
-`collectives.scope`.
+Every transfer goes through `distlab.parallel.collectives.Transfer`, the traced wrapper's point-to-point,
+addressed by what its tag is made of (``what``: "activation", "grad" or "shape"; ``stage``: the sending
+stage; ``microbatch``); the wrapper records it (bytes, ``peer`` and that address; anything else, such
+as the ``step``, from the caller's `collectives.scope`). This file records nothing itself.
 """
 from __future__ import annotations
 
@@ -35,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ...comm.p2p import Ring
-from .. import collectives
+from ..collectives import Transfer, start_together
 
 ACT_HEADER, ACT, GRAD = 0, 1, 2
 WHAT = {ACT_HEADER: "shape", ACT: "activation", GRAD: "grad"}
@@ -44,18 +41,8 @@ _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.in
 _HEADER_LEN = 10
 
 
-class Transfer:
-    """One posted isend or irecv (its ``work`` appears when the transfer is issued)."""
-
-    __slots__ = ("send", "tensor", "peer", "tag", "work", "start", "info")
-
-    def __init__(self, send: bool, tensor: torch.Tensor, peer: int, tag: int, info: dict):
-        self.send, self.tensor, self.peer, self.tag, self.info = send, tensor, peer, tag, info
-        self.work, self.start = None, 0.0
-
-
 class Links:
-    """The transfers of one pipeline rank, with shape caching and one comm event per transfer."""
+    """The transfers of one pipeline rank, with shape caching."""
 
     def __init__(self, group, num_stages: int, device: torch.device, static_shapes: bool = True):
         self.group, self.num_stages, self.device = group, num_stages, device
@@ -74,42 +61,27 @@ class Links:
         return (microbatch * self.num_stages + stage) * 3 + what
 
     # -- posting ---------------------------------------------------------------------------
-    def _post(self, t: Transfer) -> Transfer:
-        t.start = collectives.now()
+    def _post(self, send: bool, tensor: torch.Tensor, peer: int, what: int, stage: int, mb: int) -> Transfer:
+        """Post (under NCCL: queue until `flush`) message (what, stage, mb) to or from ``peer``; a send is
+        never waited for mid-step."""
+        t = Transfer(send, tensor, peer, self.group, self.tag(what, stage, mb), grouped=self.grouped,
+                     what=WHAT[what], stage=stage, microbatch=mb)
         if self.grouped:
             self._queue.append(t)
-        else:
-            fn = dist.isend if t.send else dist.irecv
-            t.work = fn(t.tensor, t.peer, group=self.group, tag=t.tag)
-        if t.send:                  # a send is a post: recorded as an instant, never waited mid-step
+        if send:
             self._sends.append(t)
-            self._record(t, end=t.start)
         return t
 
     def flush(self) -> None:
         """Issue queued transfers as one group (NCCL); a no-op under gloo, where posts are immediate."""
-        if not self._queue:
-            return
-        ops = [dist.P2POp(dist.isend if t.send else dist.irecv, t.tensor, t.peer, self.group, t.tag)
-               for t in self._queue]
-        works = dist.batch_isend_irecv(ops)
-        for i, t in enumerate(self._queue):
-            t.work = works[i] if len(works) == len(ops) else works[-1]
-        self._queue.clear()
+        if self._queue:
+            start_together(self._queue)
+            self._queue = []
 
     def _wait(self, t: Transfer) -> torch.Tensor:
         if t.work is None:
             self.flush()
-        t.work.wait()
-        if not t.send:
-            self._record(t, end=collectives.now())
-        return t.tensor
-
-    def _record(self, t: Transfer, end: float) -> None:
-        nbytes = t.tensor.numel() * t.tensor.element_size()
-        collectives.record("send" if t.send else "recv", start=t.start, end=end, sent=nbytes if t.send else 0,
-                           received=0 if t.send else nbytes, group=self.group, peer=t.peer,
-                           what=WHAT[t.info["what"]], stage=t.info["stage"], microbatch=t.info["microbatch"])
+        return t.wait()
 
     # -- activations -----------------------------------------------------------------------
     def send_activation(self, stage: int, mb: int, act: torch.Tensor) -> None:
@@ -117,41 +89,34 @@ class Links:
         peer, key = self.owner(stage + 1), (stage, mb)
         known = self.shapes.get(key)
         if known is None or not self.static_shapes:
-            self._post(Transfer(True, _header(act, self.device), peer, self.tag(ACT_HEADER, stage, mb),
-                                {"what": ACT_HEADER, "stage": stage, "microbatch": mb}))
+            self._post(True, _header(act, self.device), peer, ACT_HEADER, stage, mb)
         elif known != (act.shape, act.dtype):
             raise RuntimeError(f"stage {stage} output for microbatch {mb} changed shape from "
                                f"{tuple(known[0])} to {tuple(act.shape)} between steps: build the Pipeline "
                                "with static_shapes=False to send shapes every step")
         self.shapes[key] = (act.shape, act.dtype)
-        self._post(Transfer(True, act.contiguous(), peer, self.tag(ACT, stage, mb),
-                            {"what": ACT, "stage": stage, "microbatch": mb}))
+        self._post(True, act.contiguous(), peer, ACT, stage, mb)
 
     def recv_activation(self, stage: int, mb: int) -> "Incoming":
         """Post the receive of stage ``stage - 1``'s output for microbatch ``mb``."""
         src, key = self.owner(stage - 1), (stage - 1, mb)
-        info = {"stage": stage - 1, "microbatch": mb}
         if key in self.shapes and self.static_shapes:
             shape, dtype = self.shapes[key]
             buf = torch.empty(shape, dtype=dtype, device=self.device)
-            payload = Transfer(False, buf, src, self.tag(ACT, *key), {"what": ACT, **info})
-            return Incoming(self, self._post(payload))
+            return Incoming(self, self._post(False, buf, src, ACT, *key))
         header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-        return Incoming(self, self._post(Transfer(False, header, src, self.tag(ACT_HEADER, *key),
-                                                  {"what": ACT_HEADER, **info})), key=key)
+        return Incoming(self, self._post(False, header, src, ACT_HEADER, *key), key=key)
 
     # -- gradients -------------------------------------------------------------------------
     def send_grad(self, stage: int, mb: int, grad: torch.Tensor) -> None:
         """Send d loss / d (input of ``stage``) for microbatch ``mb`` to stage ``stage - 1``."""
-        self._post(Transfer(True, grad.contiguous(), self.owner(stage - 1), self.tag(GRAD, stage, mb),
-                            {"what": GRAD, "stage": stage, "microbatch": mb}))
+        self._post(True, grad.contiguous(), self.owner(stage - 1), GRAD, stage, mb)
 
     def recv_grad(self, stage: int, mb: int) -> "Incoming":
         """Post the receive of the gradient of stage ``stage``'s output (sent by stage ``stage + 1``)."""
         shape, dtype = self.shapes[(stage, mb)]
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        tag, info = self.tag(GRAD, stage + 1, mb), {"what": GRAD, "stage": stage + 1, "microbatch": mb}
-        return Incoming(self, self._post(Transfer(False, buf, self.owner(stage + 1), tag, info)))
+        return Incoming(self, self._post(False, buf, self.owner(stage + 1), GRAD, stage + 1, mb))
 
     # -- completion ------------------------------------------------------------------------
     def wait_sends(self) -> None:
@@ -176,9 +141,7 @@ class Incoming:
         shape, dtype = _parse_header(data)
         links.shapes[self.key] = (shape, dtype)
         buf = torch.empty(shape, dtype=dtype, device=links.device)
-        payload = links._post(Transfer(False, buf, t.peer, links.tag(ACT, *self.key),
-                                       {"what": ACT, "stage": self.key[0], "microbatch": self.key[1]}))
-        return links._wait(payload)
+        return links._wait(links._post(False, buf, t.peer, ACT, *self.key))
 
 
 def _header(t: torch.Tensor, device) -> torch.Tensor:
