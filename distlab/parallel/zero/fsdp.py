@@ -137,12 +137,13 @@ def _refuse_sharded(module: nn.Module) -> None:
 
 def _in_an_optimizer(params: list) -> bool:
     """Whether some torch optimizer's param group lists one of ``params`` (``group["params"]`` is a list
-    held by the group's dict): found through the garbage collector's referrers, no registry needed."""
-    for ref in gc.get_referrers(*params):
-        if isinstance(ref, list) and any(isinstance(d, dict) and d.get("params") is ref
-                                         for d in gc.get_referrers(ref)):
-            return True
-    return False
+    held by the group's dict): found through the garbage collector's referrers, no registry needed (two
+    scans of the heap at most: the lists holding a parameter, then the dicts holding one of those)."""
+    lists = [ref for ref in gc.get_referrers(*params) if isinstance(ref, list) and ref is not params]
+    if not lists:
+        return False
+    ids = {id(ref) for ref in lists}
+    return any(isinstance(d, dict) and id(d.get("params")) in ids for d in gc.get_referrers(*lists))
 
 
 def _comms(module: nn.Module, group, mesh) -> tuple:
