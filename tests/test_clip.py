@@ -2,11 +2,11 @@
 wrapper and layout, equal to ``torch.nn.utils.clip_grad_norm_`` on one process over the same global batch
 (the returned norm, and every clipped gradient, each rank checking the pieces it holds).
 
-Wrappers: DDP, ZeRO 1-3 (through their model: the gradients are the optimizer's shards), fully_shard (the
-model, or its parameters: the shards carry their layout; a norm kept whole by replicate=), HSDP, tensor
-parallelism by a plan, pipeline stages, and DDP over a tensor-parallel model (a 2 x 2 mesh); p = 2 and
-p = inf. torch's own clipper on the
-shards (fully_shard, tp) computes this rank's norm: a regression to it is caught here.
+Wrappers: DDP, ZeRO 1-3 (the model or its parameters: the gradients are the optimizer's shards; ZeRO-1 on
+its own beside DDP), fully_shard (the model or its parameters: the shards carry their layout; a norm kept
+whole by replicate=), HSDP, tensor parallelism by a plan, pipeline stages, and DDP over a tensor-parallel
+model (a 2 x 2 mesh); p = 2 and p = inf. torch's own clipper on the shards (fully_shard, tp) computes this
+rank's norm: a regression to it is caught here.
 """
 from __future__ import annotations
 
@@ -59,18 +59,31 @@ def _ddp(norm_type, max_norm):
     return norm, None, {n: p.grad for n, p in model.module.named_parameters()}
 
 
-def _zero(stage):
+def _zero(stage, as_params=False):
     def run(norm_type, max_norm):
         model = dl.ZeRO(_model(), stage=stage, optim=torch.optim.SGD, lr=0.1)
         _backward(model, _rows(dl.world_size(), dl.rank()))
-        norm = dl.clip_grad_norm_(model, max_norm, norm_type)
-        opt, names = model.optimizer, {id(p): n for n, p in model.module.named_parameters()}
-        pieces = {}                                  # the slices of each parameter this rank's shards hold
-        for bucket, g in zip(opt.buckets, opt.grad_shards):
-            for i, flat, piece in bucket.owner_slices(opt.comm.rank):
-                pieces[(names[id(bucket.params[i])], flat.start, flat.stop)] = g[piece]
-        return norm, None, pieces
+        norm = dl.clip_grad_norm_(model.parameters() if as_params else model, max_norm, norm_type)
+        return norm, None, _pieces(model.optimizer, model.module)
     return run
+
+
+def _sharded_optimizer_under_ddp(norm_type, max_norm):
+    """ZeRO-1 on its own beside DDP (average_grads=False): the norm of the optimizer's shards, once."""
+    model = dl.DDP(_model())
+    opt = dl.ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, average_grads=False)
+    _backward(model, _rows(dl.world_size(), dl.rank()))
+    norm = dl.clip_grad_norm_(model, max_norm, norm_type)
+    return norm, None, _pieces(opt, model.module)
+
+
+def _pieces(opt, module) -> dict:
+    """{(name, first, last element): gradient}: the slices of each parameter this rank's shards hold."""
+    names, pieces = {id(p): n for n, p in module.named_parameters()}, {}
+    for bucket, g in zip(opt.buckets, opt.grad_shards):
+        for i, flat, piece in bucket.owner_slices(opt.comm.rank):
+            pieces[(names[id(bucket.params[i])], flat.start, flat.stop)] = g[piece]
+    return pieces
 
 
 def _fully_shard(mesh=None, as_params=False):
@@ -125,6 +138,7 @@ def _pipeline(norm_type, max_norm):
 
 
 LAYOUTS = {2: {"ddp": _ddp, "zero1": _zero(1), "zero2": _zero(2), "zero3": _zero(3), "fsdp": _fully_shard(),
+               "zero3-params": _zero(3, as_params=True), "zero-beside-ddp": _sharded_optimizer_under_ddp,
                "fsdp-params": _fully_shard(as_params=True), "tp": _tp, "pipeline": _pipeline},
            4: {"hsdp": _fully_shard(mesh=(2, 2)), "ddp-over-tp": _ddp_over_tp}}
 
@@ -140,7 +154,7 @@ def _rank(world: int) -> dict:
             for key, g in grads.items():
                 full = ref[key[0] if isinstance(key, tuple) else key]
                 w = full if not isinstance(key, tuple) else full.flatten()[key[1]:key[2]] \
-                    if name.startswith("zero") else full[key[1]:key[2]]
+                    if name.startswith("zero") else full[key[1]:key[2]]      # flat slices, or rows
                 err = max(err, ((g.reshape(w.shape) - w).norm() / (w.norm() + 1e-12)).item())
             out[(name, norm_type)] = (float(norm), want, err, None if local is None else float(local))
     return out

@@ -24,7 +24,7 @@ wrappers in ``model`` (`layout`):
     fully_shard                 a shard (a parameter marker)     distinct (HSDP: a replica over the replicas)
                                 kept whole (replicate=)          a replica over the data-parallel group
     dl.tp layers (shard_dims)   the parameters they cut          distinct; the others: a replica over it
-    ZeRO(stage=1, 2, 3)         the optimizer's gradient shards  distinct (reduce-scattered first)
+    ZeRO, ShardedOptimizer      its gradient shards (a marker)   distinct over its group (reduced first)
     dl.pp.Pipeline              its stages' parameters           distinct
 
 A plain module, or parameters no wrapper marked, keep torch's rule on this rank alone. The explicit form
@@ -94,27 +94,40 @@ def layout(model_or_params) -> tuple[list, list, bool]:
     model over ranks): what `clip_grad_norm_` adds up, read from the wrappers and parameter markers."""
     roots, spread = _roots(model_or_params)
     if roots is None:                                  # parameters: only their markers say anything
-        params, first = list(model_or_params), {}
+        params, copies = list(model_or_params), {}
     else:
         params = list({id(p): p for r in roots for p in r.parameters()}.values())
-        first, wrapped = _first_copies(roots, params)
+        copies, wrapped = _replicas(roots, params)
         spread |= wrapped
-    zeros = [m.optimizer for r in roots or [] for m in r.modules()   # ZeRO's model: its optimizer holds
-             if hasattr(getattr(m, "optimizer", None), "grad_shards")]  # the gradients, in shards
+    zeros = list({id(o): o for p in params if (o := _zero_optimizer(p)) is not None}.values())
     managed = {id(p) for opt in zeros for p in opt.params}
     pieces, grads = [], []
     for p in params:
-        spread |= _marked(p, first)
+        if hasattr(p, "_fsdp_copies"):                 # fully_shard's marker: the ranks holding a copy
+            spread = True
+            if p._fsdp_copies is not None:
+                copies.setdefault(id(p), []).append(p._fsdp_copies.group)
         if p.grad is not None and id(p) not in managed:
-            pieces.append((p.grad, first.get(id(p), True)))
+            pieces.append((p.grad, _first(copies.get(id(p), ()))))
             grads.append(p.grad)
-    for opt in zeros:                                  # reduce-scattered first (ZeRO-1: at the step)
-        opt.reduce_grads()
-        for bucket, g in zip(opt.buckets, opt.grad_shards):
-            pieces += [(g[piece], first.get(id(bucket.params[i]), True))
+    for opt in zeros:                                  # ZeRO: the gradients are the optimizer's shards,
+        opt.reduce_grads()                             # reduce-scattered first (ZeRO-1: else at the step),
+        for bucket, g in zip(opt.buckets, opt.grad_shards):   # distinct over its group (DDP's too)
+            pieces += [(g[piece], _first(copies.get(id(bucket.params[i]), ()), but=opt.comm.group))
                        for i, _, piece in bucket.owner_slices(opt.comm.rank)]
             grads.append(g)
     return pieces, grads, spread or bool(zeros)
+
+
+def _zero_optimizer(p: torch.Tensor):
+    """The `ShardedOptimizer` (ZeRO 1-3) holding ``p``'s gradient in shards (a weak reference), or None."""
+    ref = getattr(p, "_zero_optimizer", None)
+    return ref() if ref is not None else None
+
+
+def _first(groups, but=()) -> bool:
+    """Whether this rank holds the first copy of a piece replicated over ``groups`` (``but`` excepted)."""
+    return all(group_rank(g) == 0 for g in groups if g is not but)
 
 
 def _roots(obj) -> tuple[list[nn.Module] | None, bool]:
@@ -128,11 +141,11 @@ def _roots(obj) -> tuple[list[nn.Module] | None, bool]:
     return None, False
 
 
-def _first_copies(roots: list[nn.Module], params: list) -> tuple[dict, bool]:
-    """{id(parameter): False} where this rank holds a replica that is not the first copy; and whether a
-    wrapper spreads the model (a Pipeline's stages always do)."""
+def _replicas(roots: list[nn.Module], params: list) -> tuple[dict, bool]:
+    """{id(parameter): [the groups over which it is replicated]}, from DDP and the tensor-parallel layers in
+    ``roots``; and whether one of them spreads the model over ranks."""
     from .data.ddp import DDP, NaiveDDP
-    first: dict[int, bool] = {}
+    copies: dict[int, list] = {}
     spread = False
     cut: dict[int, tuple] = {}                          # id(tp group) -> (group, ids of what it cuts)
     for root in roots:
@@ -140,28 +153,17 @@ def _first_copies(roots: list[nn.Module], params: list) -> tuple[dict, bool]:
             if isinstance(m, (DDP, NaiveDDP)):         # every parameter a replica over its group
                 spread = True
                 for p in m.module.parameters():
-                    first[id(p)] = first.get(id(p), True) and m.comm.rank == 0
+                    copies.setdefault(id(p), []).append(m.comm.group)
             dims = getattr(m, "shard_dims", None)
             if dims and hasattr(m, "group") and group_size(m.group) > 1:   # a tensor/expert-parallel layer
                 spread = True
                 _, ids = cut.setdefault(id(m.group), (m.group, set()))
                 ids.update(id(p) for name, p in m.named_parameters(recurse=False) if name in dims)
     for grp, ids in cut.values():                      # what a layer did not cut is a replica over its group
-        here = group_rank(grp) == 0
         for p in params:
             if id(p) not in ids:
-                first[id(p)] = first.get(id(p), True) and here
-    return first, spread
-
-
-def _marked(p: torch.Tensor, first: dict) -> bool:
-    """fully_shard's markers: ``_fsdp_copies`` is the `Collectives` over which the tensor is replicated
-    (None: a shard, distinct on every rank). Returns whether ``p`` carries one."""
-    if not hasattr(p, "_fsdp_copies"):
-        return False
-    if p._fsdp_copies is not None:
-        first[id(p)] = first.get(id(p), True) and p._fsdp_copies.rank == 0
-    return True
+                copies.setdefault(id(p), []).append(grp)
+    return copies, spread
 
 
 def scale_by(grads, norm: torch.Tensor, max_norm: float) -> torch.Tensor:
