@@ -28,7 +28,7 @@ D, HIDDEN, B, STEPS = 10, 14, 12, 4     # 10 and 14 rows: uneven over 3 ranks
 SETUPS = ("checkpoint", "reentrant", "no_early_stop", "checkpoint_wrapper", "no_grad")
 # (wrapper, setup) run at each world size; keep: reshard_after_forward=False; torch's FSDP2 at 2 ranks
 RUNS = {2: [(w, s) for w in ("fully_shard", "zero3", "torch") for s in SETUPS]
-        + [("fully_shard_keep", "checkpoint"), ("fully_shard_keep", "no_grad")],
+        + [("fully_shard_keep", s) for s in ("checkpoint", "reentrant", "no_grad")],
         3: [(w, s) for w in ("fully_shard", "zero3") for s in SETUPS]}
 
 
