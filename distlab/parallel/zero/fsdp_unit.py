@@ -181,6 +181,7 @@ class FSDPUnit:
             nxt.prepare_forward()
         if training and self.trainable:
             self._connect()
+        self.graph |= training
         self._install(full=True)
         if self.cast_inputs:                            # FSDP2 casts floating inputs to the compute dtype
             args, kwargs = _cast((args, kwargs), self.param_dtype)
@@ -198,7 +199,6 @@ class FSDPUnit:
         fulls = _Unshard.apply(self, *[p.shard for p in self.trainable])
         for p, full in zip(self.trainable, fulls):
             p.full = full
-        self.graph = True
 
     def _recompute(self, args, kwargs):
         """The forward again, inside backward (`torch.utils.checkpoint`; Chen et al. 2016): gathered now
@@ -208,6 +208,7 @@ class FSDPUnit:
         self.unshard()
         if torch.is_grad_enabled() and self.trainable and not self.graph:
             self._connect()
+            self.graph = True
         self._install(full=True)
         if self.cast_inputs:
             args, kwargs = _cast((args, kwargs), self.param_dtype)
