@@ -40,6 +40,8 @@ _LAZY = {
     "ShardedOptimizer": (".parallel.zero", "ShardedOptimizer"),
     "fully_shard": (".parallel.zero", "fully_shard"),
     "full_state_dict": (".parallel.zero", "full_state_dict"),
+    "clip_grad_norm_": (".parallel.clip", "clip_grad_norm_"),
+    "recompute": (".recomputation", "recompute"),     # (a module named "recompute" would shadow it)
 }
 
 __all__ = ["launch", "Run", "LaunchError", "rank", "world_size", "local_rank", "device", "backend",

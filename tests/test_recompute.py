@@ -9,6 +9,10 @@ blocks the activation peak about halves, and a memory limit between the two trip
 because its units put the gathered parameters back into the modules before their backward, where the
 recomputation runs. Refused: models without blocks, pipelines (their stash cannot see it yet), full
 with mixtures of experts (the balance loss would count twice), selective with context parallelism.
+
+``dl.recompute(module)`` does it for any module of a user's model (its forward under the checkpoint, its
+hooks outside): the same weights under DDP, ZeRO-3, fully_shard, tp by a plan and pipeline stages, and
+the ledger counts what backward rebuilds.
 """
 from __future__ import annotations
 
@@ -140,3 +144,102 @@ def test_selective_recomputation_trains_bit_for_bit(strategy, world, model):
     assert again.losses == plain.losses
     assert all(torch.equal(again.params[k], plain.params[k]) for k in plain.params)
     assert _activation_peak(again) < _activation_peak(plain)
+
+
+# -- dl.recompute: any module, under any wrapper ------------------------------------------------------
+def _user_lm_run(wrapper: str, recompute: bool, order: str = "before") -> tuple[dict, int]:
+    """A user's TinyLM (tests/test_user_models.py) with ``dl.recompute`` on each block (before or after the
+    wrapper), 2 AdamW steps on this rank's share of the batch; (full parameters, block forwards counted)."""
+    import torch.nn.functional as F
+    from test_user_models import LM_PLAN, TinyLM, _data
+    torch.manual_seed(0)
+    model, n, r = TinyLM(layers=2, tied=False), dl.world_size(), dl.rank()
+    runs = []
+    for block in model.blocks:
+        block.ln2.register_forward_hook(lambda m, a, o: runs.append(1))      # inside: runs again
+        if recompute and order == "before":
+            dl.recompute(block)
+    rows, step_model = slice(r * 8 // n, (r + 1) * 8 // n), model
+    if wrapper == "pipeline":                        # 2 stages, 1F1B over 4 microbatches
+        return _pipeline_run(model), len(runs)
+    if wrapper == "ddp":
+        step_model = dl.DDP(model)
+    elif wrapper == "zero3":
+        step_model = dl.ZeRO(model, stage=3, optim=torch.optim.AdamW, lr=1e-2)
+    elif wrapper == "fsdp":
+        for block in model.blocks:
+            dl.fully_shard(block)
+        dl.fully_shard(model)
+    elif wrapper == "tp":
+        dl.tp.parallelize(model, plan=LM_PLAN)
+        rows = slice(None)
+    if recompute and order == "after":
+        for block in model.blocks:
+            dl.recompute(block)
+    opt = getattr(step_model, "optimizer", None) or torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        x, y = _data("lm", step)
+        F.cross_entropy(step_model(x[rows]).flatten(0, 1), y[rows].flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    full = {"ddp": lambda: model.state_dict(), "zero3": lambda: step_model.full_state_dict(),
+            "fsdp": lambda: dl.full_state_dict(model), "tp": lambda: dl.tp.full_state_dict(model)}[wrapper]()
+    return {k: v.detach().clone() for k, v in full.items()}, len(runs)
+
+
+def _pipeline_run(model) -> dict:
+    from test_user_models import _data
+    stage = dl.pp.named_stage(model, dl.pp.cut(dl.pp.chain(model), at=["blocks.1"])[dl.rank()])
+    pipe = dl.pp.Pipeline(stage, dl.rank(), 2, schedule="1f1b", microbatches=4)
+    opt = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+    for step in range(2):
+        x, y = _data("lm", step)
+        pipe.step(x if pipe.first else None, y if pipe.last else None)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in stage.named_parameters()}
+
+
+def _user_lm_runs() -> dict:
+    cases = [("ddp", "before"), ("zero3", "before"), ("fsdp", "before"), ("fsdp", "after"), ("tp", "after"),
+             ("pipeline", "before")]
+    return {(w, o): (_user_lm_run(w, False), _user_lm_run(w, True, o)) for w, o in cases}
+
+
+def test_dl_recompute_on_a_user_model_trains_the_same_under_every_wrapper():
+    """DDP, ZeRO-3, fully_shard (dl.recompute before or after it), tp by plan, pipeline stages: the same
+    weights with and without recomputation, and each block's modules ran twice (forward, then again in
+    backward: 2 blocks x 2 steps; a stage's one block x 4 microbatches x 2 steps)."""
+    for r, res in enumerate(dl.launch(_user_lm_runs, world_size=2, output="quiet").results):
+        for case, ((plain, runs), (again, reruns)) in res.items():
+            worst = max(((again[k] - v).norm() / v.norm()).item() for k, v in plain.items())
+            assert worst <= 1e-6, (case, r, worst)
+            assert reruns == 2 * runs == 2 * (8 if case[0] == "pipeline" else 4), (case, runs, reruns)
+
+
+def test_dl_recompute_keeps_only_the_inputs_and_the_ledger_counts_what_backward_rebuilds():
+    """One process: forward keeps about the blocks' inputs only; backward's rebuilt activations are
+    counted by the memory ledger of the run in progress (`memory.recompute_context`)."""
+    import copy
+
+    import torch.nn.functional as F
+    from test_user_models import TinyLM, _data
+    torch.manual_seed(0)
+    plain = TinyLM(layers=2, tied=False)
+    again = copy.deepcopy(plain)
+    for block in again.blocks:
+        assert dl.recompute(dl.recompute(block)) is block                 # twice: still once
+    x, y = _data("lm", 0)
+    kept, rebuilt, grads = {}, {}, {}
+    for name, model in (("plain", plain), ("again", again)):
+        ledger = dl.memory.Ledger()
+        with ledger.activations():
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        kept[name] = ledger.saved.current
+        loss.backward()
+        rebuilt[name] = ledger.saved.take_rebuilt()
+        grads[name] = [p.grad for p in model.parameters()]
+    assert kept["again"] < 0.6 * kept["plain"] and rebuilt["plain"] == 0 < rebuilt["again"]
+    assert all(torch.equal(a, b) for a, b in zip(grads["plain"], grads["again"]))
+    with pytest.raises(TypeError, match="nn.Module"):
+        dl.recompute(lambda x: x)

@@ -2,29 +2,182 @@
 
 ``torch.nn.utils.clip_grad_norm_`` scales every gradient by
 
-    coef = min(1, max_norm / (||g|| + 1e-6)),     ||g||^2 = sum over every parameter p of ||g_p||^2
+    coef = min(1, max_norm / (||g||_p + 1e-6)),     ||g||_p^p = sum over every parameter of ||g_param||_p^p
 
-(Pascanu et al. 2013, "On the difficulty of training recurrent neural networks"). Under model
-parallelism ||g||^2 is still the norm of the *whole* model's gradient, but its terms live on
-different ranks, so each rank sums the squares it holds and the sums are all-reduced::
+(Pascanu et al. 2013, "On the difficulty of training recurrent neural networks"; p = inf: the largest
+|g|). Under data, tensor, pipeline or sharded data parallelism ||g|| is still the norm of the *whole*
+model's gradient, but its pieces live on different ranks, some of them on several ranks at once
+(replicas). So each rank adds up |g|^p over the pieces it holds, a replicated piece only where it is the
+first copy (rank 0 of the group it is replicated over), and one all-reduce over the ranks sums them::
 
-    tensor parallel (group of T)       pipeline (group of P stages)
-    rank 0: [W_0] [ln]                 stage 0: [embed, block 0]
-    rank 1: [W_1] [ln]   <- same ln    stage 1: [block 1, head]
+    2 x 2 mesh, tensor parallel over rows, data parallel over columns (DDP)
+    rank 0: [W shard 0] [ln]     rank 1: [W shard 1] [ln]        W: cut over tp, ln: a tp replica
+    rank 2: [W shard 0] [ln]     rank 3: [W shard 1] [ln]        every piece: a dp replica of the row above
 
-    ||g||^2 = (sum over the group of ||g_W shard||^2) + ||g_ln||^2      (replicated: counted once)
-            then summed over the pipeline stages, which hold different parameters
+    counted on rank 0: W shard 0, ln     rank 1: W shard 1     ranks 2, 3: nothing (copies of the row above)
+    ||g||^2 = all_reduce_sum(what each rank counted)            (p = inf: all_reduce_max of every |g|)
 
-``clip_grad_norm_(params, max_norm, sharded=..., groups=[tp_group, pp_group])`` does exactly that:
-over ``groups[0]`` only the ``sharded`` parameters' squares are summed (the others are replicated
-there and counted once); every later group holds different parameters on each rank, so the whole
-sum adds over it. With no groups it is torch's rule on one process.
+`clip_grad_norm_(model, max_norm, norm_type)` (``dl.clip_grad_norm_``) reads which piece is which from the
+wrappers in ``model`` (`layout`):
+
+    DDP(module, group)          every parameter of module        a replica over group
+    fully_shard                 a shard (a parameter marker)     distinct (HSDP: a replica over the replicas)
+                                kept whole (replicate=)          a replica over the data-parallel group
+    dl.tp layers (shard_dims)   the parameters they cut          distinct; the others: a replica over it
+    ZeRO, ShardedOptimizer      its gradient shards (a marker)   distinct over its group (reduced first)
+    dl.pp.Pipeline              its stages' parameters           distinct
+
+A plain module, or parameters no wrapper marked, keep torch's rule on this rank alone. The explicit form
+``clip_grad_norm_(params, max_norm, sharded=..., groups=[tp_group, pp_group])`` (what the strategies call)
+names the groups instead: over ``groups[0]`` only the ``sharded`` parameters are summed (the others are
+replicated there and counted once); every later group holds different parameters on each rank.
 """
 from __future__ import annotations
 
-import torch
+import math
 
+import torch
+import torch.nn as nn
+
+from ..runtime import device, group_rank, group_size
 from . import collectives as C
+
+
+@torch.no_grad()
+def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0, *, group=None, sharded=None,
+                    groups=None) -> torch.Tensor:
+    """Scale the gradients so the whole model's gradient norm is at most ``max_norm``; returns that norm
+    (before clipping, a 0-dim tensor), the same on every rank, as torch's does on one process.
+
+    ``model_or_params``: a model (any distlab wrapper, or a module holding them), a ``dl.pp.Pipeline``, or
+    parameters (fully_shard's shards carry their layout; unmarked ones are clipped by this rank's norm);
+    ``norm_type``: p of the p-norm, or ``math.inf``; ``group``: the ranks that hold the model between
+    them (default: every rank, once a wrapper spreads it). ``sharded``/``groups``: the explicit form.
+    """
+    if groups is not None:
+        pieces, grads, group = _explicit(list(model_or_params), sharded, list(groups))
+    else:
+        pieces, grads, spread = layout(model_or_params)
+        group = group if group is not None or spread else False
+    total = _norm(pieces, norm_type, group)
+    return scale_by(grads, total, max_norm)
+
+
+def _norm(pieces: list, norm_type: float, group) -> torch.Tensor:
+    """||g||_p from [(tensor, counted here)], summed (or maxed) over ``group`` (``False``: this rank only;
+    a list: over each group in turn)."""
+    inf = math.isinf(norm_type)
+    dev = pieces[0][0].device if pieces else device()
+    acc = torch.zeros(1, device=dev)                  # (1,): all-reduced as a one-element tensor
+    for g, counted in pieces:
+        if inf:
+            acc = torch.maximum(acc, g.detach().abs().max().float().reshape(1)) if g.numel() else acc
+        elif counted:
+            acc += g.detach().float().abs().pow(norm_type).sum()
+    for grp in ([] if group is False else group if isinstance(group, list) else [group]):
+        C.all_reduce(acc, grp, op="max" if inf else "sum")
+    return (acc if inf else acc.pow(1.0 / norm_type)).reshape(())
+
+
+def _explicit(params: list, sharded, groups: list) -> tuple[list, list, list]:
+    """The explicit form as pieces: over ``groups[0]`` the non-``sharded`` parameters count on its rank 0
+    only (a replica there); then every group sums what its ranks counted."""
+    ids = None if sharded is None else {id(p) for p in sharded}
+    first = not groups or group_rank(groups[0]) == 0
+    held = [p for p in params if p.grad is not None]
+    pieces = [(p.grad, ids is None or id(p) in ids or first) for p in held]
+    return pieces, [p.grad for p in held], groups
+
+
+def layout(model_or_params) -> tuple[list, list, bool]:
+    """([(gradient piece, counted on this rank)], the gradients to scale, whether any wrapper spreads the
+    model over ranks): what `clip_grad_norm_` adds up, read from the wrappers and parameter markers."""
+    roots, spread = _roots(model_or_params)
+    if roots is None:                                  # parameters: only their markers say anything
+        params, copies = list(model_or_params), {}
+    else:
+        params = list({id(p): p for r in roots for p in r.parameters()}.values())
+        copies, wrapped = _replicas(roots, params)
+        spread |= wrapped
+    zeros = list({id(o): o for p in params if (o := _zero_optimizer(p)) is not None}.values())
+    managed = {id(p) for opt in zeros for p in opt.params}
+    pieces, grads = [], []
+    for p in params:
+        if hasattr(p, "_fsdp_copies"):                 # fully_shard's marker: the ranks holding a copy
+            spread = True
+            if p._fsdp_copies is not None:
+                copies.setdefault(id(p), []).append(p._fsdp_copies.group)
+        if p.grad is not None and id(p) not in managed:
+            pieces.append((p.grad, _first(copies.get(id(p), ()))))
+            grads.append(p.grad)
+    for opt in zeros:                                  # ZeRO: the gradients are the optimizer's shards,
+        opt.reduce_grads()                             # reduce-scattered first (ZeRO-1: else at the step),
+        for bucket, g in zip(opt.buckets, opt.grad_shards):   # distinct over its group (DDP's too)
+            pieces += [(g[piece], _first(copies.get(id(bucket.params[i]), ()), but=opt.comm.group))
+                       for i, _, piece in bucket.owner_slices(opt.comm.rank)]
+            grads.append(g)
+    return pieces, grads, spread or bool(zeros)
+
+
+def _zero_optimizer(p: torch.Tensor):
+    """The `ShardedOptimizer` (ZeRO 1-3) holding ``p``'s gradient in shards (a weak reference), or None."""
+    ref = getattr(p, "_zero_optimizer", None)
+    return ref() if ref is not None else None
+
+
+def _first(groups, but=()) -> bool:
+    """Whether this rank holds the first copy of a piece replicated over ``groups`` (``but`` excepted)."""
+    return all(group_rank(g) == 0 for g in groups if g is not but)
+
+
+def _roots(obj) -> tuple[list[nn.Module] | None, bool]:
+    """(the modules to read: the model, or a Pipeline's stages, which other ranks' stages complete; None
+    for an iterable of parameters), and whether that already spreads the model over ranks."""
+    if isinstance(obj, nn.Module):
+        return [obj], False
+    stages = getattr(obj, "modules", None)
+    if isinstance(stages, dict):                       # dl.pp.Pipeline: {stage id: module}
+        return list(stages.values()), True
+    return None, False
+
+
+def _replicas(roots: list[nn.Module], params: list) -> tuple[dict, bool]:
+    """{id(parameter): [the groups over which it is replicated]}, from DDP and the tensor-parallel layers in
+    ``roots``; and whether one of them spreads the model over ranks."""
+    from .data.ddp import DDP, NaiveDDP
+    copies: dict[int, list] = {}
+    spread = False
+    cut: dict[int, tuple] = {}                          # id(tp group) -> (group, ids of what it cuts)
+    for root in roots:
+        for m in root.modules():
+            if isinstance(m, (DDP, NaiveDDP)):         # every parameter a replica over its group
+                spread = True
+                for p in m.module.parameters():
+                    copies.setdefault(id(p), []).append(m.comm.group)
+            dims = getattr(m, "shard_dims", None)
+            if dims and hasattr(m, "group") and group_size(m.group) > 1:   # a tensor/expert-parallel layer
+                spread = True
+                _, ids = cut.setdefault(id(m.group), (m.group, set()))
+                ids.update(id(p) for name, p in m.named_parameters(recurse=False) if name in dims)
+    for grp, ids in cut.values():                      # what a layer did not cut is a replica over its group
+        for p in params:
+            if id(p) not in ids:
+                copies.setdefault(id(p), []).append(grp)
+    return copies, spread
+
+
+def scale_by(grads, norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch's rule once the whole model's ``norm`` is known (equal on every rank): scale every tensor
+    of ``grads`` by min(1, max_norm / (norm + 1e-6)); returns ``norm``."""
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return norm
+
+
+def scale_to_norm(grads, squared_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """`scale_by` from the squared 2-norm (a one-element tensor); ZeRO's `ShardedOptimizer` ends here."""
+    return scale_by(grads, squared_norm.reshape(-1).sqrt()[0], max_norm)
 
 
 def grad_square_sum(params, sharded=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,9 +186,8 @@ def grad_square_sum(params, sharded=None) -> tuple[torch.Tensor, torch.Tensor]:
     ``sharded``: a collection of parameters (compared by identity); None means every parameter."""
     ids = None if sharded is None else {id(p) for p in sharded}
     grads = [p for p in params if p.grad is not None]
-    device = grads[0].grad.device if grads else torch.device("cpu")
-    sq_sharded = torch.zeros(1, device=device)          # (1,): all-reduced as a one-element tensor
-    sq_replicated = torch.zeros(1, device=device)
+    dev = grads[0].grad.device if grads else torch.device("cpu")
+    sq_sharded, sq_replicated = torch.zeros(1, device=dev), torch.zeros(1, device=dev)
     for p in grads:
         (sq_sharded if ids is None or id(p) in ids else sq_replicated).add_(p.grad.float().pow(2).sum())
     return sq_sharded, sq_replicated
@@ -46,31 +198,3 @@ def sum_over(sq: torch.Tensor, groups) -> torch.Tensor:
     for group in groups:
         sq = C.all_reduce(sq, group)
     return sq
-
-
-@torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, *, sharded=None, groups=()) -> torch.Tensor:
-    """Scale the gradients of ``params`` so the whole model's gradient norm is at most ``max_norm``;
-    returns that norm (before clipping), the same on every rank.
-
-    ``sharded``: the parameters split over ``groups[0]`` (None: all of them, e.g. pipeline stages);
-    ``groups``: the process groups to sum over, innermost first (e.g. ``[tp_group, pp_group]``).
-    """
-    params = list(params)
-    groups = list(groups)
-    sq_sharded, sq_replicated = grad_square_sum(params, sharded)
-    if groups:
-        sq_sharded = C.all_reduce(sq_sharded, groups[0])
-    sq = sum_over(sq_sharded + sq_replicated, groups[1:])
-    return scale_to_norm([p.grad for p in params if p.grad is not None], sq, max_norm)
-
-
-def scale_to_norm(grads, squared_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """torch's rule, once the whole model's ``squared_norm`` is known (a one-element tensor, equal on
-    every rank): scale every tensor of ``grads`` by min(1, max_norm / (||g|| + 1e-6)); returns ||g||.
-    Every clipper of distlab ends here (ZeRO's `ShardedOptimizer.clip_grad_norm_` on its shards too)."""
-    norm = squared_norm.reshape(-1).sqrt()[0]
-    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
-    return norm

@@ -39,6 +39,10 @@ all-gather and compute (the shards stay fp32 masters), ``reduce_dtype`` for the 
 Gradient accumulation: ``no_sync(module)`` (FSDP2's ``set_requires_gradient_sync(False)``) keeps the
 unsharded gradients of each unit summed locally (fp32), reduce-scattered by the next synced backward.
 
+Clipping: ``torch.nn.utils.clip_grad_norm_`` on the shards would compute this rank's norm; each shard (and
+each whole parameter) carries ``_fsdp_copies``, the ranks holding a copy of it, which `dl.clip_grad_norm_`
+reads to sum the squares of the whole model, replicas once (`parallel/clip.py`).
+
 Scalars (0-dim parameters) are kept whole, like ``replicate=``. Tied parameters must sit in one unit
 (a common parent): one shard then fills every slot. A unit's module is called once per forward.
 """
@@ -74,7 +78,9 @@ def fully_shard(module: nn.Module, *, group=None, mesh=None, param_dtype=None, r
     params = [ShardedParam(p, slots, shard_comm.size, shard_comm.rank) for p, slots in fresh]
     for _, _, p in replicated:
         p._fsdp_whole = True                          # this unit all-reduces it; outer units leave it
+        p._fsdp_copies = dp                           # a replica on every rank (`dl.clip_grad_norm_`)
     for (p, _), sp in zip(fresh, params):
+        sp.shard._fsdp_copies = replica_comm          # distinct on every rank; under HSDP, a replica
         sp.install(sp.shard)
         p._fsdp_moved = True                          # the original: gone from the module
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
@@ -137,12 +143,13 @@ def _refuse_sharded(module: nn.Module) -> None:
 
 def _in_an_optimizer(params: list) -> bool:
     """Whether some torch optimizer's param group lists one of ``params`` (``group["params"]`` is a list
-    held by the group's dict): found through the garbage collector's referrers, no registry needed."""
-    for ref in gc.get_referrers(*params):
-        if isinstance(ref, list) and any(isinstance(d, dict) and d.get("params") is ref
-                                         for d in gc.get_referrers(ref)):
-            return True
-    return False
+    held by the group's dict): found through the garbage collector's referrers, no registry needed (two
+    scans of the heap at most: the lists holding a parameter, then the dicts holding one of those)."""
+    lists = [ref for ref in gc.get_referrers(*params) if isinstance(ref, list) and ref is not params]
+    if not lists:
+        return False
+    ids = {id(ref) for ref in lists}
+    return any(isinstance(d, dict) and id(d.get("params")) in ids for d in gc.get_referrers(*lists))
 
 
 def _comms(module: nn.Module, group, mesh) -> tuple:

@@ -11,6 +11,14 @@ One unit's all-gather, with S the padded elements per rank of the unit (sum of i
 
 The reduce-scatter runs the same picture backwards on the gradients (packed into (N, S), averaged,
 rank r keeps row r), through `reducer.GradReducer`: ZeRO's bounded queue of reduce-scatters.
+
+Activation recomputation (Chen et al. 2016; ``torch.utils.checkpoint``) runs a forward again inside
+backward. Around a unit (``checkpoint(block, x)``) the unit's own hooks run again: `FSDPUnit._recompute`
+shows the module its gathered tensors, prefetches nothing (no forward is coming: a prefetch there would
+be consumed by the next step's forward, with the pre-step weights) and keeps them until the gradients
+are reduced. Inside a unit (``fully_shard(checkpoint_wrapper(block))``) only its modules run again:
+the pre-backward hook has put the gathered tensors in them. A forward without grad between a forward
+and its backward refills the tensors that backward saved instead of replacing them.
 """
 from __future__ import annotations
 
@@ -22,7 +30,7 @@ from torch.autograd import Variable
 
 from ..collectives import Collectives
 from .reducer import GradReducer
-from .zero3 import _alloc, _free, _tensors
+from .zero3 import _alloc, _free, _tensors, in_recomputation
 
 
 class ShardedParam:
@@ -110,6 +118,7 @@ class FSDPUnit:
         self.trainable_offsets = [o for o, p in zip(self.offsets, params) if p.shard.requires_grad]
         self.total = sum(p.chunk for p in params)                     # S: elements per rank, padded
         self._pending = None                                          # (buffer, handle) in flight
+        self.graph = False                  # a forward with grad ran: its backward (and p.full) still to come
         self.family = Family(self.shard_comm)
         self.family.units.append(self)
 
@@ -160,37 +169,61 @@ class FSDPUnit:
 
     # -- hooks ------------------------------------------------------------------------------
     def pre_forward(self, module, args, kwargs):
-        if torch.is_grad_enabled() and self not in self.family.order:
+        if in_recomputation():
+            return self._recompute(args, kwargs)
+        training = torch.is_grad_enabled()
+        if training and self not in self.family.order:
             self.family.order.append(self)
-        if self._pending is None:
-            for p in self.params:
-                p.full = None                           # last step's graph is gone: new tensors
+        self._fresh()
         self.unshard()
         nxt = self.family.neighbour(self, +1)
         if nxt is not None:
             nxt.prepare_forward()
-        fulls = _Unshard.apply(self, *[p.shard for p in self.trainable]) if self.trainable else ()
+        if training and self.trainable:
+            self._connect()
+        self.graph |= training
+        self._install(full=True)
+        if self.cast_inputs:                            # FSDP2 casts floating inputs to the compute dtype
+            args, kwargs = _cast((args, kwargs), self.param_dtype)
+        return args, kwargs
+
+    def _fresh(self) -> None:
+        """New tensors for a forward with grad (the last step's graph is gone). A forward without grad
+        (a metric between forward and backward) refills the tensors a pending backward has saved."""
+        if self._pending is None and (torch.is_grad_enabled() or not self.graph):
+            for p in self.params:
+                p.full = None
+
+    def _connect(self) -> None:
+        """Hand the gathered tensors to the module through `_Unshard`: their gradients come back to it."""
+        fulls = _Unshard.apply(self, *[p.shard for p in self.trainable])
         for p, full in zip(self.trainable, fulls):
             p.full = full
-        for p in self.params:
-            p.install(p.full)
-        for m, name, p in self.replicated:              # whole, cast (differentiably) to the compute dtype
-            m._parameters[name] = p.to(self.param_dtype)
-        if self.cast_inputs:                            # FSDP2 casts floating inputs to the compute dtype
+
+    def _recompute(self, args, kwargs):
+        """The forward again, inside backward (`torch.utils.checkpoint`; Chen et al. 2016): gathered now
+        (its pre-backward hook usually did it), nothing prefetched, kept until its gradients are reduced.
+        A reentrant checkpoint ran the first forward without grad: this forward's graph is the one its
+        backward runs, so it connects the parameters to `_Unshard` here."""
+        self.unshard()
+        if torch.is_grad_enabled() and self.trainable and not self.graph:
+            self._connect()
+            self.graph = True
+        self._install(full=True)
+        if self.cast_inputs:
             args, kwargs = _cast((args, kwargs), self.param_dtype)
         return args, kwargs
 
     def prepare_forward(self) -> None:
         """Prefetch: start this unit's all-gather for its coming forward."""
-        if self._pending is None:
-            for p in self.params:
-                p.full = None
-            self.unshard(async_op=True)
+        self._fresh()
+        self.unshard(async_op=True)
 
     def post_forward(self, module, args, out):
-        self._install(full=False)
-        if self.reshard:
-            self.free()
+        if not in_recomputation():                     # recomputed: backward needs them now
+            self._install(full=False)
+            if self.reshard:
+                self.free()
         if torch.is_grad_enabled():
             for t in _tensors(out):
                 if t.requires_grad:
@@ -203,9 +236,8 @@ class FSDPUnit:
             fam.in_backward = True
             Variable._execution_engine.queue_callback(fam.backward_done)
         self.unshard()
-        if any(getattr(m, "recompute", False) for m in self.module.modules()):
-            self._install(full=True)      # its blocks rerun their forward in backward: show them the gathered
-        prev = fam.neighbour(self, -1)
+        self._install(full=True)       # a recomputation inside the unit (checkpoint_wrapper, dl.recompute)
+        prev = fam.neighbour(self, -1)  # reruns its modules without the unit's hooks: they see these tensors
         if prev is not None:
             prev.unshard(async_op=True)
 
@@ -250,8 +282,12 @@ class FSDPUnit:
             p.shard.grad = g if p.shard.grad is None else p.shard.grad.add_(g)
 
     def finish_backward(self) -> None:
+        if self._pending is not None:                  # a prefetch nothing used: its values are pre-step
+            self._pending[1].wait()
+            self._pending = None
         self._install(full=False)
         self.free()
+        self.graph = False
         if not self.family.sync:
             return
         for p in {id(p): p for _, _, p in self.replicated}.values():   # DDP for what stays whole (tied: once)

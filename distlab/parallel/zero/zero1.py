@@ -18,6 +18,8 @@ sharded at rest, no all-gather after the step, `zero3.py`). `ZeRO1` wraps a modu
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
 
@@ -62,6 +64,8 @@ class ShardedOptimizer:
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._reduced = [False] * len(self.buckets)       # local p.grad already folded into grad_shards
         self.reducer = GradReducer(self.comm, self._add_shard, max_inflight)   # ZeRO-2/3: during backward
+        for p in self.params:               # its gradient lives here, in shards (`dl.clip_grad_norm_`)
+            p._zero_optimizer = weakref.ref(self)
         self.optimizer = optim(self.masters, **optim_kwargs)
 
     # -- the torch.optim surface -------------------------------------------------------------

@@ -28,7 +28,10 @@ backward, and any prefetched unit), never a whole gradient:
               grads ready           root               unit 1
 
 Autograd's saved references to the parameters are views into the same storage, so they see the
-re-gathered values.
+re-gathered values. Activation recomputation (``torch.utils.checkpoint`` around a unit, reentrant or
+not) re-runs the unit's forward, hooks included, *inside* backward (`in_recomputation`): the unit is
+gathered and stays gathered until its gradients are ready, and nothing is prefetched for a forward
+that is not coming.
 ``prefetch=True`` starts the next unit's all-gather (in forward, or backward, order) early.
 
 Under ``no_sync()`` a unit's gradients are *not* reduce-scattered: they stay
@@ -153,6 +156,9 @@ class ZeRO3(ZeROModule):
 
     # -- hooks -------------------------------------------------------------------------------
     def _pre_forward(self, i: int) -> None:
+        if in_recomputation():                      # checkpoint re-running the unit: gather, prefetch nothing
+            self.gather(i)
+            return
         if torch.is_grad_enabled() and i not in self._fwd_order:
             self._fwd_order.append(i)
         self.gather(i)
@@ -162,7 +168,8 @@ class ZeRO3(ZeROModule):
                 self.gather(nxt, async_op=True)
 
     def _post_forward(self, i: int, out) -> None:
-        self.free(i)
+        if not in_recomputation():                  # recomputed: backward needs them (freed in _grads_ready)
+            self.free(i)
         if torch.is_grad_enabled():
             for t in _tensors(out):
                 if t.requires_grad:
@@ -192,6 +199,14 @@ class ZeRO3(ZeROModule):
     def _backward_done(self) -> None:
         self.reducer.drain()
         self.free_all()
+
+
+def in_recomputation() -> bool:
+    """Whether a forward running now is an activation recomputation: autograd's engine is running a
+    backward on this thread (``torch.utils.checkpoint`` re-runs a module's forward, hooks included,
+    inside backward; torch's FSDP2 asks the same through its PRE_BACKWARD state). Such a forward needs
+    its parameters at once and until its gradients are in, and no next unit's forward is coming."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _tensors(out):

@@ -1,0 +1,57 @@
+"""Activation recomputation for any module (Chen et al. 2016, "Training Deep Nets with Sublinear Memory
+Cost"; Korthikanti et al. 2022, Sec. 4, Megatron's "full" recomputation):
+
+    for block in model.blocks:
+        dl.recompute(block)       # forward keeps only each block's inputs; backward runs the block again
+
+    forward                      backward of the block
+    x ──[block]──> y             rebuild: y' = block(x) (its activations saved again, for this block only)
+    keeps x                      then its backward as usual, and the rebuilt activations are freed
+
+Activation memory per block falls from everything its forward saves to its inputs, for one more forward
+of compute. The module's ``forward`` runs under ``torch.utils.checkpoint`` (non-reentrant) whenever grad
+is enabled; the module's own hooks stay outside the checkpoint (torchtitan's order,
+``fully_shard(checkpoint_wrapper(block))``), so a wrapper that gathers parameters in its hooks (`fully_shard`,
+``ZeRO(stage=3)``) does it once before forward and once before backward, whichever of ``dl.recompute``
+and the wrapper came first. The memory ledger counts what the recomputation saves again
+(`memory.recompute_context`, the checkpoint's ``context_fn``).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from .memory import recompute_context
+
+
+def recompute(module: nn.Module) -> nn.Module:
+    """Mark ``module`` for activation recomputation, in place (its ``forward`` replaced on the instance);
+    returns it. Calling it again changes nothing."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"dl.recompute takes an nn.Module (a block of a model), got {type(module).__name__}")
+    if not isinstance(module.__dict__.get("forward"), Recomputed):
+        module.forward = Recomputed(module)
+    return module
+
+
+class Recomputed:
+    """A module's forward under ``torch.utils.checkpoint``: the module's class forward (or the forward it
+    had on the instance before), run again in backward. Holds the module, not a bound method, so a
+    ``copy.deepcopy`` of the module recomputes its own copy."""
+
+    def __init__(self, module: nn.Module):
+        self.module, self.inner = module, module.__dict__.get("forward")
+
+    def run(self, *args, **kwargs):
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        if not torch.is_grad_enabled():                 # no backward coming: nothing to save or rebuild
+            return self.run(*args, **kwargs)
+        return checkpoint(partial(self.run, **kwargs), *args, use_reentrant=False,
+                          context_fn=recompute_context)

@@ -1,0 +1,173 @@
+"""`dl.clip_grad_norm_(model_or_params, max_norm, norm_type)`: the whole model's gradient norm under every
+wrapper and layout, equal to ``torch.nn.utils.clip_grad_norm_`` on one process over the same global batch
+(the returned norm, and every clipped gradient, each rank checking the pieces it holds).
+
+Wrappers: DDP, ZeRO 1-3 (the model or its parameters: the gradients are the optimizer's shards; ZeRO-1 on
+its own beside DDP), fully_shard (the model or its parameters: the shards carry their layout; a norm kept
+whole by replicate=), HSDP, tensor parallelism by a plan, pipeline stages, and DDP over a tensor-parallel
+model (a 2 x 2 mesh); p = 2 and p = inf. torch's own clipper on the shards (fully_shard, tp) computes this
+rank's norm: a regression to it is caught here.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_user_models import LM_PLAN, TinyLM, _data
+
+import distlab as dl
+from distlab.parallel.zero import fsdp
+
+NORMS = (2.0, math.inf)
+
+
+def _reference(norm_type: float) -> tuple[float, float, dict]:
+    """One process, the whole batch: (torch's norm, the max_norm used: half of it, {name: clipped grad})."""
+    model = _model()
+    x, y = _data("lm", 0)
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    grads = [p.grad for p in model.parameters()]
+    max_norm = torch.nn.utils.get_total_norm(grads, norm_type).item() / 2       # clipping changes the grads
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+    return norm.item(), max_norm, {n: p.grad for n, p in model.named_parameters()}
+
+
+def _model() -> TinyLM:
+    torch.manual_seed(0)
+    return TinyLM(layers=2, tied=False)
+
+
+def _backward(model, rows: slice | None = None) -> None:
+    """This rank's share of the mean loss over ``rows`` of the batch (data parallel: equal rows per rank)."""
+    x, y = _data("lm", 0)
+    x, y = (x, y) if rows is None else (x[rows], y[rows])
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+
+
+def _rows(n: int, r: int) -> slice:
+    k = 8 // n                                  # B = 8
+    return slice(r * k, (r + 1) * k)
+
+
+# -- each layout: build, backward, clip; returns (norm, torch's local norm before, {name: (mine, want)}) --
+def _ddp(norm_type, max_norm):
+    model = dl.DDP(_model())
+    _backward(model, _rows(dl.world_size(), dl.rank()))
+    norm = dl.clip_grad_norm_(model, max_norm, norm_type)
+    return norm, None, {n: p.grad for n, p in model.module.named_parameters()}
+
+
+def _zero(stage, as_params=False):
+    def run(norm_type, max_norm):
+        model = dl.ZeRO(_model(), stage=stage, optim=torch.optim.SGD, lr=0.1)
+        _backward(model, _rows(dl.world_size(), dl.rank()))
+        norm = dl.clip_grad_norm_(model.parameters() if as_params else model, max_norm, norm_type)
+        return norm, None, _pieces(model.optimizer, model.module)
+    return run
+
+
+def _sharded_optimizer_under_ddp(norm_type, max_norm):
+    """ZeRO-1 on its own beside DDP (average_grads=False): the norm of the optimizer's shards, once."""
+    model = dl.DDP(_model())
+    opt = dl.ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, average_grads=False)
+    _backward(model, _rows(dl.world_size(), dl.rank()))
+    norm = dl.clip_grad_norm_(model, max_norm, norm_type)
+    return norm, None, _pieces(opt, model.module)
+
+
+def _pieces(opt, module) -> dict:
+    """{(name, first, last element): gradient}: the slices of each parameter this rank's shards hold."""
+    names, pieces = {id(p): n for n, p in module.named_parameters()}, {}
+    for bucket, g in zip(opt.buckets, opt.grad_shards):
+        for i, flat, piece in bucket.owner_slices(opt.comm.rank):
+            pieces[(names[id(bucket.params[i])], flat.start, flat.stop)] = g[piece]
+    return pieces
+
+
+def _fully_shard(mesh=None, as_params=False):
+    def run(norm_type, max_norm):
+        model = _model()
+        for block in model.blocks:                   # each block's first norm kept whole (replicate=)
+            dl.fully_shard(block, mesh=mesh, replicate=[block.ln1.weight, block.ln1.bias])
+        dl.fully_shard(model, mesh=mesh)
+        units = fsdp.units(model)
+        n, r = units[0].dp.size, units[0].dp.rank
+        _backward(model, _rows(n, r))
+        local = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], norm_type)
+        norm = dl.clip_grad_norm_(model.parameters() if as_params else model, max_norm, norm_type)
+        where = {id(sp.shard): (sp, u.shard_comm.rank) for u in units for sp in u.params}
+        pieces = {}
+        for name, p in model.named_parameters():
+            if id(p) not in where:                   # kept whole
+                pieces[name] = p.grad
+                continue
+            sp, k = where[id(p)]
+            pieces[(name, k * sp.rows, k * sp.rows + sp.local_rows)] = p.grad
+        return norm, local, pieces
+    return run
+
+
+def _tp(norm_type, max_norm):
+    model = dl.tp.parallelize(_model(), plan=LM_PLAN)
+    _backward(model)
+    local = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], norm_type)
+    norm = dl.clip_grad_norm_(model, max_norm, norm_type)
+    return norm, local, dl.tp.full_grads(model)
+
+
+def _ddp_over_tp(norm_type, max_norm):
+    from distlab.parallel.mesh import Mesh
+    mesh = Mesh(dp=2, tp=2)
+    model = dl.DDP(dl.tp.parallelize(_model(), plan=LM_PLAN, group=mesh.tp_group), group=mesh.dp_group)
+    _backward(model, _rows(2, mesh.dp_rank))
+    norm = dl.clip_grad_norm_(model, max_norm, norm_type)
+    return norm, None, dl.tp.full_grads(model.module)
+
+
+def _pipeline(norm_type, max_norm):
+    model, r = _model(), dl.rank()
+    stages = dl.pp.cut(dl.pp.chain(model), at=["blocks.1"])
+    stage = dl.pp.named_stage(model, stages[r])
+    pipe = dl.pp.Pipeline(stage, r, 2, schedule="1f1b", microbatches=4)
+    x, y = _data("lm", 0)
+    pipe.step(x if pipe.first else None, y if pipe.last else None)
+    norm = dl.clip_grad_norm_(pipe, max_norm, norm_type)
+    return norm, None, {n: p.grad for n, p in stage.named_parameters()}
+
+
+LAYOUTS = {2: {"ddp": _ddp, "zero1": _zero(1), "zero2": _zero(2), "zero3": _zero(3), "fsdp": _fully_shard(),
+               "zero3-params": _zero(3, as_params=True), "zero-beside-ddp": _sharded_optimizer_under_ddp,
+               "fsdp-params": _fully_shard(as_params=True), "tp": _tp, "pipeline": _pipeline},
+           4: {"hsdp": _fully_shard(mesh=(2, 2)), "ddp-over-tp": _ddp_over_tp}}
+
+
+def _rank(world: int) -> dict:
+    """Every layout of this world size, both norms: (norm, want, worst clipped-gradient error, local)."""
+    out = {}
+    for norm_type in NORMS:
+        want, max_norm, ref = _reference(norm_type)
+        for name, run in LAYOUTS[world].items():
+            norm, local, grads = run(norm_type, max_norm)
+            err = 0.0
+            for key, g in grads.items():
+                full = ref[key[0] if isinstance(key, tuple) else key]
+                w = full if not isinstance(key, tuple) else full.flatten()[key[1]:key[2]] \
+                    if name.startswith("zero") else full[key[1]:key[2]]      # flat slices, or rows
+                err = max(err, ((g.reshape(w.shape) - w).norm() / (w.norm() + 1e-12)).item())
+            out[(name, norm_type)] = (float(norm), want, err, None if local is None else float(local))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_clip_grad_norm_is_the_whole_models_under_every_layout(world):
+    results = dl.launch(_rank, world_size=world, args=(world,), output="quiet").results
+    wrong = []
+    for r, res in enumerate(results):
+        for (name, p), (norm, want, err, local) in res.items():
+            if norm != pytest.approx(want, rel=1e-5) or err > 1e-5:
+                wrong.append(f"rank {r} {name} p={p}: norm {norm} (one process: {want}), grads {err:.1e}")
+            if local is not None and p == 2.0 and local == pytest.approx(want, rel=1e-3):
+                wrong.append(f"rank {r} {name}: torch's clipper on this rank's shards found the global norm")
+    assert not wrong, "\n".join(wrong)
