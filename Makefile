@@ -24,6 +24,12 @@ TORCH := $(shell if command -v $(NVIDIA_SMI) >/dev/null 2>&1; then echo "torch==
 	else echo "torch==$(TORCH_VERSION)"; fi)
 endif
 BIN     = $(VENV)/bin
+# Lessons store their outputs and nbval compares them digit for digit, so the arithmetic must not depend on the
+# CPU: MKL picks its kernels by processor (an AMD EPYC and an Intel Xeon round a matmul differently, and a loss
+# printed to 6 digits then differs), unless told to take its one code path that every x86 processor runs alike
+# (MKL's "conditional numerical reproducibility"). One thread per process for the same reason. Lessons are
+# executed (`make notebooks`) and checked (`make test`) under the same setting.
+REPRODUCIBLE = OMP_NUM_THREADS=1 MKL_CBWR=COMPATIBLE
 STAMP   = $(VENV)/.installed
 
 .PHONY: lab test test-slow test-fast lint notebooks sources student bench browser clean
@@ -41,7 +47,7 @@ lab: $(STAMP)
 # `make test` leaves out the tests marked slow (spawn and forkserver variants, larger worlds: a few minutes
 # more); `make test-slow` runs exactly those. CI (.ci/run) runs both.
 test: $(STAMP) lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest --nbval -m "not slow" tests notebooks
+	$(REPRODUCIBLE) $(BIN)/python -m pytest --nbval -m "not slow" tests notebooks
 
 test-slow: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m slow tests
@@ -61,7 +67,7 @@ LESSONS ?= notebooks/[0-9]*.py
 notebooks: $(STAMP)
 	for py in $(LESSONS); do \
 	  $(BIN)/jupytext --quiet --update --to ipynb $$py || exit 1; \
-	  $(BIN)/jupyter nbconvert --to notebook --execute --inplace $${py%.py}.ipynb || exit 1; done
+	  $(REPRODUCIBLE) $(BIN)/jupyter nbconvert --to notebook --execute --inplace $${py%.py}.ipynb || exit 1; done
 
 # The other way, .ipynb -> .py: a lesson that arrived as a notebook only (or was edited in Jupyter without
 # jupytext) gets its source written from its cells.  make sources NOTEBOOKS=notebooks/12_*.ipynb
