@@ -126,7 +126,7 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _check_inputs(fn, world_size, output, timeout) -> None:
+def _check_inputs(fn, world_size, output, timeout, host) -> None:
     if not callable(fn):
         raise TypeError(f"fn must be callable (a function to run on every rank), got {type(fn).__name__}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -137,6 +137,9 @@ def _check_inputs(fn, world_size, output, timeout) -> None:
             or timeout <= 0):
         raise ValueError(f"timeout must be a positive, finite number of seconds (e.g. 300.0), "
                          f"got {timeout!r}")
+    if not isinstance(host, str) or not host.strip():       # "" would listen on every interface
+        raise ValueError(f"host={host!r}: pass the address the rendezvous listens on, e.g. '127.0.0.1' "
+                         f"(this machine only)")
     _check_limits(world_size)
 
 
@@ -179,23 +182,18 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
     where the rendezvous listens: loopback unless you give an address other machines can reach.
     ``progress``: a bar for what ranks report with ``dl.progress`` (None: if a person watches).
     """
-    _check_inputs(fn, world_size, output, timeout)
-    if not isinstance(host, str) or not host.strip():       # "" would listen on every interface
-        raise ValueError(f"host={host!r}: pass the address the rendezvous listens on, e.g. '127.0.0.1' "
-                         f"(this machine only)")
+    _check_inputs(fn, world_size, output, timeout, host)
     kwargs = dict(kwargs or {})
     if _child.INSIDE_A_LAUNCH in os.environ:
         raise RuntimeError(f"dl.launch was called inside rank {os.environ[_child.INSIDE_A_LAUNCH]} of "
                            "another launch (already inside a launch): launches do not nest. Call the "
-                           "function directly here (this rank is already one of the world), or launch "
-                           "it from the notebook.")
+                           "function here (this rank is one of the world), or launch it from the notebook.")
     if _under_torchrun():
         launched = int(os.environ["WORLD_SIZE"])
         if world_size != launched:
-            raise ValueError(f"running under torchrun with WORLD_SIZE={launched}, but "
-                             f"world_size={world_size}: pass world_size={launched} (torchrun decides how "
-                             f"many processes run), or "
-                             f"change torchrun's --nproc-per-node / --nnodes")
+            raise ValueError(f"running under torchrun with WORLD_SIZE={launched}, but world_size="
+                             f"{world_size}: pass world_size={launched} (torchrun decides how many processes "
+                             f"run), or change torchrun's --nproc-per-node / --nnodes")
         return _launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout, progress)
 
     backend = resolve_backend(backend, world_size)

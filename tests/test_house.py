@@ -31,6 +31,8 @@ INSTRUMENTATION = {
     "train.py": "runs a strategy and reports what its trace measured",
     "checkpoint/training.py": "the training run around checkpoints: times its saves",
     "viz/": "draws traces and memory records; runs no algorithm",
+    "recomputation.py": "hands the ledger's counting context to torch's checkpoint (its context_fn): the "
+                        "ledger measures what backward rebuilds from outside the recomputed module",
 }
 
 

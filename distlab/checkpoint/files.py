@@ -40,7 +40,7 @@ class CheckpointError(RuntimeError):
 
 
 # -- the folders a save made -----------------------------------------------------------------------
-def mark(folder: Path) -> None:
+def put_marker(folder: Path) -> None:
     """Mark ``folder`` as distlab's: a save may delete it once its name ends in ``.tmp``."""
     (folder / MARKER).write_text("made by distlab.checkpoint: a step_N.tmp folder holding this file is an "
                                  "unfinished or discarded save, which the next save removes\n")

@@ -226,7 +226,7 @@ def _prepare(directory: Path, tmp: Path) -> str | None:
         if tmp.exists():                  # distlab's, and removing it above failed: now say why
             shutil.rmtree(tmp)
         tmp.mkdir()
-        files.mark(tmp)
+        files.put_marker(tmp)
     except OSError as err:
         return f"{type(err).__name__}: {err}"
     return None
@@ -264,7 +264,7 @@ def _move_aside(folder: Path, aside: Path) -> None:
     """Rename a complete checkpoint to the ``.tmp`` name ``aside``, marked as distlab's first (one saved
     before the marker existed has none), so that a crash before its deletion leaves a folder the next
     save removes, never a half-deleted "complete" checkpoint."""
-    files.mark(folder)
+    files.put_marker(folder)
     os.replace(folder, aside)
 
 
