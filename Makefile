@@ -26,12 +26,13 @@ endif
 BIN     = $(VENV)/bin
 # Lessons store their outputs and nbval compares them digit for digit, so the arithmetic must not depend on the
 # CPU: MKL picks its kernels by processor (an AMD EPYC and an Intel Xeon round a matmul differently, and a loss
-# printed to 6 digits then differs), unless told to take its one code path that every x86 processor runs alike
-# (MKL's "conditional numerical reproducibility"); torch's own vectorised kernels (sums, softmax, layer norm)
-# group their additions by vector width, so they are pinned to AVX2, which every x86-64 of the last decade has.
+# printed to 6 digits then differs), unless told to take one code path that every processor with it runs alike
+# (MKL's "conditional numerical reproducibility", the AVX2 branch: every x86-64 of the last decade has AVX2, and
+# it is the path MKL already takes on AMD processors); torch's own vectorised kernels (sums, softmax, layer norm)
+# group their additions by vector width, so they are pinned to AVX2 too.
 # One thread per process for the same reason. Lessons are executed (`make notebooks`) and checked (`make test`)
 # under the same setting.
-REPRODUCIBLE = OMP_NUM_THREADS=1 MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=avx2
+REPRODUCIBLE = OMP_NUM_THREADS=1 MKL_CBWR=AVX2 ATEN_CPU_CAPABILITY=avx2
 STAMP   = $(VENV)/.installed
 
 .PHONY: lab test test-slow test-fast lint notebooks sources student bench browser clean
