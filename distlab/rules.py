@@ -28,12 +28,13 @@ from __future__ import annotations
 import math
 import numbers
 import os
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
 
 
 @dataclass(frozen=True, kw_only=True)
-class Rule:
+class Rule(ABC):
     """A rule: ``accepts(value)`` (True or False) and ``what()`` it takes, in words.
     ``example``: a value to suggest; ``none``: when set, None is accepted and means that (e.g. "no
     clipping")."""
@@ -49,11 +50,13 @@ class Rule:
             none = f", or None ({self.none})" if self.none is not None else ""
             raise ValueError(f"{name}={value!r}: {name} must be {self.what()}{hint}{none}")
 
+    @abstractmethod
     def what(self) -> str:
-        raise NotImplementedError
+        """What the option takes, in words ("a positive integer")."""
 
+    @abstractmethod
     def accepts(self, value) -> bool:
-        raise NotImplementedError
+        """Whether ``value`` is one the option takes."""
 
 
 def _is_number(value) -> bool:
