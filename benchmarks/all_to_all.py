@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import distlab as dl  # noqa: E402
-from distlab import flight  # noqa: E402
+from distlab.launch import flight  # noqa: E402
 from _results import default_out, machine_facts, slowest_rank_rows, write  # noqa: E402
 from allreduce import _sync, human, parse_size  # noqa: E402
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import importlib
 
-from .launch import LaunchError, Run, launch
+from .launch import LaunchError, Run, launch   # the package distlab.launch is imported, then `launch` here
+                                               # is its function (as for `train` below)
 from .progress import progress
 from .runtime import backend, barrier, device, local_rank, rank, tracer, world_size
 from .trace import Event, Trace, Tracer

@@ -1,4 +1,5 @@
-"""Inside a rank: who am I, how many are we, which device do I compute on, where do I record.
+"""Inside a rank: who am I, how many are we, which device do I compute on, where do I record, and what
+the groups I am in are called.
 
 `distlab.launch` (or torchrun) initialises the process group and calls `_enter`; everything
 else asks these functions. Outside any launch they describe a world of one process on the CPU
@@ -109,3 +110,18 @@ def barrier(group=None) -> None:
     """A barrier that is a no-op in a world of one process."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier(group=group)
+
+
+# -- group names: what a mesh calls its groups ("dp", "tp", ...), read by whoever records a collective --
+_group_names: dict[int, str] = {}
+
+
+def name_group(group, name: str) -> None:
+    """Call ``group`` by ``name`` (e.g. a mesh axis): the traced collectives on it (`parallel.collectives`)
+    and the flight recorder's records (`launch.flight`) say so."""
+    _group_names[id(group)] = name
+
+
+def group_name(group) -> str | None:
+    """The name given to ``group`` by `name_group`, if any."""
+    return _group_names.get(id(group))

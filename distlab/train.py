@@ -146,7 +146,7 @@ def check_machine(world_size: int) -> None:
     least `RANK_BYTES` of its own memory, and each takes open files and a process of this user's
     (`distlab.launch`'s limits). The deadline or the kernel's out-of-memory killer would end such a run
     halfway, after minutes, with no word on why."""
-    from .launch import _check_limits, _under_torchrun
+    from .launch.parent import _check_limits, _under_torchrun
     if _under_torchrun():                         # torchrun's processes, maybe on many machines
         return
     _check_limits(world_size)                     # open files and processes: what `ulimit` allows

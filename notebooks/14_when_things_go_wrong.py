@@ -30,7 +30,7 @@
 # | 7 | checkpoints that stall training | the stall per save | async saves, and Young/Daly's cadence |
 #
 # The code this lesson explains:
-# [distlab/flight.py](../distlab/flight.py) (each rank's last collectives, and the diagnosis of a hang),
+# [distlab/launch/flight.py](../distlab/launch/flight.py) (each rank's last collectives, and the diagnosis of a hang),
 # [distlab/stragglers.py](../distlab/stragglers.py) (per-step skew between ranks),
 # [distlab/strategies/numerics.py](../distlab/strategies/numerics.py) (loss scaling, non-finite steps agreed across
 # ranks), [distlab/memory_budget.py](../distlab/memory_budget.py) and [distlab/memory.py](../distlab/memory.py)

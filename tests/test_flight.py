@@ -1,4 +1,4 @@
-"""The flight recorder (`distlab.flight`): a hang's LaunchError says what every rank was doing.
+"""The flight recorder (`distlab.launch.flight`): a hang's LaunchError says what every rank was doing.
 
 Planted hangs: a rank that never enters a collective of a named group (through the traced wrapper
 `parallel.collectives`), a rank stuck in a receive nobody sends; a launch that does not hang keeps
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import distlab as dl
-from distlab import flight
+from distlab.launch import flight
 from distlab.parallel import collectives as C
 
 pytestmark = pytest.mark.usefixtures("no_leaks")

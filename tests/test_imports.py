@@ -3,7 +3,9 @@
 
     theory imports no torch; parallel imports no matplotlib, ipywidgets, strategies or checkpoint;
     models imports nothing from parallel (nor strategies, checkpoint or the launcher);
-    checkpoint knows no strategy names; parallel and memory.py do not import each other.
+    checkpoint knows no strategy names; parallel and memory.py do not import each other;
+    the launcher (`distlab.launch`) reaches nothing of parallel, strategies, checkpoint or models;
+    top-level distlab/ keeps the few modules a learner meets first (`TOP_LEVEL`).
 
 The graph is read statically from the source (`ast`, relative imports resolved), with the imports
 inside functions too: a lazy import is a dependency all the same, and a cycle hidden in a function
@@ -156,13 +158,40 @@ def test_models_sit_below_the_parallelisms():
     the strategies, the checkpoints or the launcher, directly or through another module: the parallel
     wrappers take models, never the reverse (`dl.ep` splits the experts of `models.moe.MoE`)."""
     banned = ("distlab.parallel", "distlab.strategies", "distlab.checkpoint", "distlab.launch",
-              "distlab._child", "distlab._supervisor", "distlab.train", "distlab.cli")
+              "distlab.train", "distlab.cli")
     models = [m for m in MODULES if _under(m, "distlab.models")]
     assert "distlab.models.moe" in GRAPH["distlab.models.gpt"][0]            # the reader sees inside models
     assert "distlab.models.moe" in GRAPH["distlab.parallel.expert.moe"][0]   # the arrow that points down
     reached = sorted(f"{m} (from {t})" for t in models for m in _reachable(t)
                      if any(_under(m, b) for b in banned))
     assert reached == []
+
+
+def test_the_launcher_runs_any_function():
+    """`distlab.launch` (parent side, rank side, supervisor, lifeline, torchrun, flight recorder) reaches
+    nothing of the parallelisms, the strategies, the checkpoints or the models, directly or through another
+    module: it runs whatever function it is given. The flight recorder takes group names from `runtime`."""
+    banned = ("distlab.parallel", "distlab.strategies", "distlab.checkpoint", "distlab.models")
+    room = [m for m in MODULES if _under(m, "distlab.launch")]
+    assert {"distlab.launch.parent", "distlab.launch.rank", "distlab.launch.flight"} <= set(room)
+    assert "distlab.runtime" in GRAPH["distlab.launch.flight"][0]            # the reader sees the lazy import
+    reached = sorted(f"{m} (from {t})" for t in room for m in _reachable(t)
+                     if any(_under(m, b) for b in banned))
+    assert reached == []
+
+
+#: The modules directly in distlab/ (packages aside): the few a learner meets first. Everything else lives in
+#: a room of its own (launch/, parallel/, strategies/, checkpoint/, ...). Adding one here is a decision.
+TOP_LEVEL = {"__init__",
+             "runtime", "trace", "memory", "memory_budget", "recomputation",    # inside a rank, measured
+             "train", "cli", "rules", "progress", "stragglers", "restart",     # dl.train and its report
+             "lessons"}                                                        # `distlab lessons DIR`
+
+
+def test_top_level_holds_the_few_modules_a_learner_meets_first():
+    found = {p.stem for p in ROOT.glob("*.py")}
+    assert found <= TOP_LEVEL, f"new modules in distlab/: {sorted(found - TOP_LEVEL)} (give them a room)"
+    assert len(found - {"__init__"}) <= 12, sorted(found)
 
 
 def test_parallel_and_memory_do_not_import_each_other():
@@ -205,3 +234,15 @@ def test_dl_train_stays_the_function_after_its_module_is_imported():
     import sys
     code = "import distlab.train, distlab as dl, sys; sys.exit(0 if callable(dl.train) else 1)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_dl_launch_stays_the_function_beside_its_package():
+    # distlab.launch is a package (the launcher room) and dl.launch its function: importing the package
+    # or any of its modules, before or after distlab, leaves dl.launch the function
+    import subprocess
+    import sys
+    for first in ("distlab.launch", "distlab.launch.flight", "distlab.launch.rank", "distlab"):
+        code = (f"import {first}; import distlab.launch.parent, distlab as dl, sys, inspect; "
+                "sys.exit(0 if inspect.isfunction(dl.launch) and dl.launch.__module__.endswith('.parent')"
+                " and sys.modules['distlab.launch'].launch is dl.launch else 1)")
+        assert subprocess.run([sys.executable, "-c", code]).returncode == 0, first

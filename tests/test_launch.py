@@ -16,7 +16,7 @@ import torch.distributed as dist
 import distlab as dl
 from _processes import child_pids
 
-launch_module = importlib.import_module("distlab.launch")   # the module, not dl.launch the function
+launch_module = importlib.import_module("distlab.launch.parent")   # the parent side (dl.launch: the function)
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
@@ -278,7 +278,9 @@ def test_under_torchrun_launch_runs_in_place_and_gathers_results(tmp_path):
         "line = f'RESULTS {dl.rank()} {run.results} {run.start_method}\\n'\n"
         "os.write(1, line.encode())   # one write: the two ranks share this pipe\n")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",          # the script in tmp_path imports this checkout
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(dl.__file__)),
+                                          os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(script)],
                           capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]

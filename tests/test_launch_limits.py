@@ -54,7 +54,7 @@ def test_starting_the_ranks_counts_against_the_deadline(monkeypatch):
     import importlib
     import time
     import types
-    launch_module = importlib.import_module("distlab.launch")
+    launch_module = importlib.import_module("distlab.launch.parent")
     clock = iter(range(0, 10**6, 100))                       # every look at the clock: 100 s later
     monkeypatch.setattr(launch_module, "time", types.SimpleNamespace(
         perf_counter=time.perf_counter, monotonic=lambda: float(next(clock))))
@@ -101,7 +101,9 @@ def test_under_torchrun_a_different_world_size_is_refused(tmp_path):
     script.write_text("import distlab as dl\n"
                       "dl.launch(lambda: 0, world_size=3)\n")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",          # the script in tmp_path imports this checkout
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(dl.__file__)),
+                                          os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(script)],
                           capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode != 0

@@ -107,23 +107,23 @@ def test_what_a_rank_started_ends_when_the_launch_does(then, tmp_path):
 
 _TREE = r"""
 import importlib.util, os, subprocess, sys
-spec = importlib.util.spec_from_file_location("_lifeline", sys.argv[1])     # alone: no torch to import
-_lifeline = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(_lifeline)
+spec = importlib.util.spec_from_file_location("lifeline", sys.argv[1])     # alone: no torch to import
+lifeline = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(lifeline)
 DAEMON = "import subprocess; subprocess.Popen(['sleep', '30'], start_new_session=True)"
-assert _lifeline.become_subreaper()
+assert lifeline.become_subreaper()
 subprocess.Popen(["sleep", "30"])
 subprocess.run([sys.executable, "-c", DAEMON])            # its sleep is re-parented to this subreaper
-walked = sorted(_lifeline.descendants())
-_lifeline.os.path.exists = lambda path: False          # as on a kernel without per-thread children lists
-scanned = sorted(_lifeline.descendants())
-_lifeline.end_descendants()
-print(len(walked), walked == scanned, _lifeline.descendants())
+walked = sorted(lifeline.descendants())
+lifeline.os.path.exists = lambda path: False          # as on a kernel without per-thread children lists
+scanned = sorted(lifeline.descendants())
+lifeline.end_descendants()
+print(len(walked), walked == scanned, lifeline.descendants())
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a subreaper and /proc")
 def test_a_subreaper_keeps_a_daemon_in_its_tree_and_ends_it():
-    done = subprocess.run([sys.executable, "-c", _TREE, str(ROOT / "distlab" / "_lifeline.py")],
+    done = subprocess.run([sys.executable, "-c", _TREE, str(ROOT / "distlab" / "launch" / "lifeline.py")],
                           capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["2", "True", "[]"], done.stderr[-3000:]

@@ -68,7 +68,7 @@ def test_the_probe_sees_a_socket_on_every_interface():
 def test_gloo_is_pinned_to_loopback_only_for_a_loopback_rendezvous(monkeypatch):
     # (this machine's hostname may already resolve to loopback, which hides the gloo half of the
     # end-to-end test above: check the rule itself)
-    from distlab._child import _pin_gloo_to_loopback
+    from distlab.launch.rank import _pin_gloo_to_loopback
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     _pin_gloo_to_loopback("10.1.2.3")
     assert "GLOO_SOCKET_IFNAME" not in os.environ           # a multi-node address: the user's network

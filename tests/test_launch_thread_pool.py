@@ -21,7 +21,7 @@ import importlib, json, sys, time
 import torch
 import distlab as dl
 
-launch_module = importlib.import_module("distlab.launch")
+launch_module = importlib.import_module("distlab.launch.parent")
 
 def matmul():
     b = torch.randn(256, 256)

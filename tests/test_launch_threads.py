@@ -10,9 +10,9 @@ import time
 
 import distlab as dl
 from _processes import child_pids
-from distlab._supervisor import LINE_LIMIT, OUTPUT_LIMIT, RankStatus, Supervisor
+from distlab.launch.supervisor import LINE_LIMIT, OUTPUT_LIMIT, RankStatus, Supervisor
 
-launch_module = importlib.import_module("distlab.launch")
+launch_module = importlib.import_module("distlab.launch.parent")
 
 
 def _pipe_inodes() -> dict[int, str]:

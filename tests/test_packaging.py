@@ -58,6 +58,7 @@ def test_wheel_carries_license_py_typed_and_metadata(built):
         license_file = next(n for n in names if n.endswith(".dist-info/licenses/LICENSE"))
         assert z.read(license_file).decode() == (ROOT / "LICENSE").read_text()
     assert "distlab/py.typed" in names and "distlab/progress.py" in names
+    assert "distlab/launch/parent.py" in names and "distlab/launch/rank.py" in names     # the launcher room
     assert "distlab/theory/data/published_runs.json" in names          # dl.theory.published reads it
     assert "License-Expression: Apache-2.0" in meta and "License-File: LICENSE" in meta
     assert "Classifier: Typing :: Typed" in meta and re.search(r"Requires-Dist: tqdm", meta)

@@ -116,7 +116,7 @@ def test_a_launch_after_a_dead_rank_forgets_its_descriptors(no_leaks):
     """A rank killed mid-launch closes its result pipe early; its descriptor number must still be forgotten,
     or the next launch's ranks close whatever reuses that number (once, rank 0's own result pipe: the
     restarted run hung sending its result)."""
-    launch_module = importlib.import_module("distlab.launch")
+    launch_module = importlib.import_module("distlab.launch.parent")
     for _ in range(2):
         with pytest.raises(dl.LaunchError, match="SIGKILL"):
             dl.launch(_die_on_rank_1, world_size=2, output="quiet", timeout=60)

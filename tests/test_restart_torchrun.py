@@ -2,7 +2,7 @@
 (``fail_at_step``, first attempt only) is restarted by torchrun, resumes from its newest checkpoint
 (``--resume``) and ends exactly where an uninterrupted run ends.
 
-Without a store prefix per attempt (`distlab._torchrun`) the second attempt read the dead attempt's
+Without a store prefix per attempt (`distlab.launch.torchrun`) the second attempt read the dead attempt's
 gloo addresses from torchrun's one store and failed ("connect refused") or hung, about one time in two.
 """
 import json

@@ -206,7 +206,7 @@ def _launch(exercise: Exercise, fn: Callable, n: int, timeout: float) -> list | 
 class P2PLog(contextlib.ContextDecorator):
     """Inside a rank, log every send/recv/isend/irecv as posted and finished, one JSON line each, to
     a file the parent reads if the ranks hang (a killed rank's file survives it). It listens to the
-    flight recorder's tap on torch.distributed (`distlab.flight.listening`), which every launch
+    flight recorder's tap on torch.distributed (`distlab.launch.flight.listening`), which every launch
     installs; this log adds the per-check file and the peers of the sends."""
 
     current: "P2PLog | None" = None        # the log of this rank, for exercises that count messages
@@ -216,7 +216,7 @@ class P2PLog(contextlib.ContextDecorator):
         self.sends: list[int] = []             # the peer of every send and isend, in order
 
     def __enter__(self):
-        from .. import flight
+        from ..launch import flight
         P2PLog.current = self
         self.file = open(self.path, "w", buffering=1)
         self._listening = flight.listening(self)
@@ -231,7 +231,7 @@ class P2PLog(contextlib.ContextDecorator):
 
     def entered(self, op: str, group: str, ranks, peer: int | None, nbytes: int):
         """Called by the tap as an operation starts; returns the token `finished` gets back."""
-        from ..flight import P2P
+        from ..launch.flight import P2P
         if op not in P2P:
             return None
         if op in ("send", "isend"):
@@ -251,11 +251,11 @@ class P2PLog(contextlib.ContextDecorator):
 
 def explain_hang(logs: Path, n: int, flight: dict | None = None, returned=()) -> str:
     """Each rank's unfinished operations, matched against its peers' sends: "rank 2 never received
-    from rank 1 (rank 1 posted no send to rank 2)"; when no rank waits in a send or receive, the
-    flight recorder's account of the collectives (`distlab.flight.diagnose`), if ``flight`` is given."""
+    from rank 1 (rank 1 posted no send to rank 2)"; when no rank waits in a send or receive, the flight
+    recorder's account of the collectives (`distlab.launch.flight.diagnose`), if ``flight`` is given."""
     events = {r: _read(logs / f"rank{r}.jsonl") for r in range(n)}
     if flight and not any(_unfinished(events[r]) for r in range(n)):
-        from ..flight import diagnose
+        from ..launch.flight import diagnose
         return diagnose(flight, returned=returned).replace("\n", "; ")
     sent: dict[tuple[int, int], int] = {}
     for r in range(n):

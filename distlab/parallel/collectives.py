@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import ring_bytes
-from ..runtime import group_rank, group_size, tracer
+from ..runtime import group_name, group_rank, group_size, tracer
+from ..runtime import name_group  # noqa: F401  (re-exported; the flight recorder reads the names too)
 
 COMMS = ("torch", "ring")
 
@@ -51,10 +52,10 @@ COMMS = ("torch", "ring")
 # -- what every recorded event is tagged with --------------------------------------------------
 # Algorithms never label their own communication. The caller that knows the context says it once:
 #   with collectives.scope(phase="backward", microbatch=3): ...      (a strategy, a hook, a lesson)
-#   collectives.name_group(mesh.dp_group, "dp")                       (the mesh, once per group)
+#   collectives.name_group(mesh.dp_group, "dp")                       (the mesh, once per group;
+#                                                                       kept in `runtime`)
 # and every event recorded meanwhile carries those tags, plus ``group=<name>`` for named groups.
 _scopes: list[dict] = []
-_group_names: dict[int, str] = {}
 
 
 @contextlib.contextmanager
@@ -73,16 +74,6 @@ def current_tags() -> dict:
     for tags in _scopes:
         merged.update(tags)
     return merged
-
-
-def name_group(group, name: str) -> None:
-    """Call every event recorded on ``group`` by ``name`` (its ``group`` tag): e.g. a mesh axis."""
-    _group_names[id(group)] = name
-
-
-def group_name(group) -> str | None:
-    """The name given to ``group`` by `name_group`, if any."""
-    return _group_names.get(id(group))
 
 
 def record(op: str, *, start: float, end: float, sent: int, received: int, group=None,

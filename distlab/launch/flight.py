@@ -60,7 +60,7 @@ class Recorder:
     """This rank's last `SLOTS` operations, written to ``path`` as they enter and finish.
 
     A record: ``n`` (this rank's operation count), ``op``, ``group`` (its name: "world", a name
-    given by `collectives.name_group`, else "ranks[0,2]"), ``ranks`` (the group's global ranks),
+    given by `runtime.name_group`, else "ranks[0,2]"), ``ranks`` (the group's global ranks),
     ``seq`` (per group, or per direction and peer for point-to-point), ``peer``, ``bytes`` (of the
     first tensor argument: the buffer), ``entered`` and ``finished`` (wall-clock seconds, ``None``
     while it runs). Thread-safe: the ring of `dl.comm` and the backends' callbacks write too.
@@ -252,7 +252,7 @@ class _WaitedWork:
 def _group(group) -> tuple[str, list | None]:
     import torch.distributed as dist
 
-    from .parallel.collectives import group_name
+    from ..runtime import group_name
     if group is None or group is dist.GroupMember.WORLD:
         return group_name(group) or "world", list(range(dist.get_world_size()))
     try:

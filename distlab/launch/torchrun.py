@@ -1,4 +1,11 @@
-"""Joining a torchrun job's process group so that ``torchrun --max-restarts`` works with gloo.
+"""torchrun's path: with RANK and WORLD_SIZE in the environment, `launch` runs ``fn`` in this process.
+
+    torchrun --nproc-per-node 4 train.py        # each of the 4 processes calls dl.launch(fn, 4)
+      -> `launch_here`: join (or reuse) the job's process group, run fn here, all-gather every
+         rank's result and trace, so each process gets the same `Run` a notebook would
+
+Joining the job's process group so that ``torchrun --max-restarts`` works with gloo
+(`init_process_group`):
 
 torchrun's agent serves one TCPStore for the whole job: every restart of the workers finds it at the
 same MASTER_ADDR:MASTER_PORT, with what the dead attempt wrote still in it. ``init_process_group``
@@ -24,8 +31,12 @@ the same refused connections on restart with NCCL.)
 """
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
+
+from ..progress import bar_here, shown_by_default
+from ..trace import Trace
 
 
 def init_process_group(backend: str, timeout: float) -> None:
@@ -40,3 +51,43 @@ def init_process_group(backend: str, timeout: float) -> None:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(backend, store=dist.PrefixStore(f"distlab/attempt_{attempt}/", store),
                             rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
+
+
+def _leave_process_group() -> None:
+    """At exit, leave together and tear the group down: a process that exits with a live gloo group
+    while a peer already closed its end can abort ("terminate called without an active exception")."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def launch_here(fn, args, kwargs, backend, timeout, progress=None) -> dict:
+    """Already one of N processes (torchrun): run here, gather every rank's result to all. Returns the
+    fields of the `Run` (`distlab.launch.parent`)."""
+    import torch
+    import torch.distributed as dist
+
+    from .. import runtime
+
+    if not dist.is_initialized():
+        if backend == "auto":
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        if backend == "nccl":
+            torch.cuda.set_device(local)
+        init_process_group(backend, timeout)               # a store prefix per attempt: --max-restarts
+        atexit.register(_leave_process_group)
+    n, me = dist.get_world_size(), dist.get_rank()
+    tracer = runtime._enter(me, n, int(os.environ.get("LOCAL_RANK", 0)), dist.get_backend())
+    dist.barrier()
+    tracer.reset_epoch()
+    with bar_here(me == 0 and (shown_by_default() if progress is None else progress)):
+        value = fn(*args, **kwargs)
+    gathered: list = [None] * n
+    dist.all_gather_object(gathered, (value, tracer.export()))
+    return dict(results=[g[0] for g in gathered], trace=Trace.merge([g[1] for g in gathered]),
+                outputs=[""] * n, world_size=n, backend=dist.get_backend(), start_method="torchrun")

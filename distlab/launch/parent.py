@@ -1,11 +1,11 @@
-"""`launch(fn, world_size)`: run a function on N ranks from a notebook cell, and get everything back.
+"""The parent side of `launch(fn, world_size)`: check, start every rank, supervise, collect the `Run`.
 
     run = dl.launch(train_step, world_size=4)
     run.results[2]      # what train_step returned on rank 2
     run.outputs[2]      # what rank 2 printed
     run.trace           # every rank's compute spans, comm events and memory samples, one clock
 
-How it works (see `_child` for what happens inside a rank, `_supervisor` for the parent's loop):
+How it works (`rank` for what happens inside a rank, `supervisor` for the parent's loop):
 
 * **fork** by default on Linux (4 ranks start in well under 0.1 s); **spawn** or **forkserver**
   when asked, where fork is unsafe (macOS, Windows), or when CUDA is already initialised in this
@@ -18,18 +18,17 @@ How it works (see `_child` for what happens inside a rank, `_supervisor` for the
   progress bar drawn with carriage returns, the last frame; at most 2 MB per rank (a cell is no log).
 * **Ctrl-C** is held back while ranks start or stop, so it never orphans one. No process outlives a
   launch: a rank kills what it started when its function returns or raises, and ends with all of it as
-  soon as the parent dies or the launch ends (a pipe only the parent holds open: `distlab._lifeline`).
+  soon as the parent dies or the launch ends (a pipe only the parent holds open: `lifeline`).
 * **Threads**: ranks fork from a fresh thread, never one that ran torch's (uncopied) thread pool.
 * **Errors**: any failing rank raises `LaunchError` naming the root cause, the earliest rank to
   fail of its own accord, not the peers that then lost their connection to it. A hang (the
-  deadline) says what each rank was doing, from its flight recorder (`distlab.flight`).
+  deadline) says what each rank was doing, from its flight recorder (`flight`).
 * **Torchrun**: with RANK and WORLD_SIZE in the environment, `launch` runs ``fn`` right here on
-  the existing (or env-initialised) group and all-gathers the results, so code written for a
-  notebook runs unchanged on a cluster.
+  the existing (or env-initialised) group and all-gathers the results (`torchrun`), so code written
+  for a notebook runs unchanged on a cluster.
 """
 from __future__ import annotations
 
-import atexit
 import math
 import os
 import socket
@@ -47,11 +46,12 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 import cloudpickle
 import multiprocessing as mp
 
-from . import _child, _torchrun, flight
-from ._supervisor import (EXIT_SECONDS, LaunchError, RankStatus, Supervisor, interrupts_deferred,
-                          raise_if_failed, shutdown)
-from .progress import ProgressBar, bar_here, shown_by_default
-from .trace import Trace
+from ..progress import ProgressBar, shown_by_default
+from ..trace import Trace
+from . import flight, torchrun
+from . import rank as rank_side
+from .supervisor import (EXIT_SECONDS, LaunchError, RankStatus, Supervisor, interrupts_deferred,
+                         raise_if_failed, shutdown)
 
 BACKENDS = ("auto", "gloo", "nccl")
 START_METHODS = ("auto", "fork", "spawn", "forkserver")
@@ -184,8 +184,8 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
     """
     _check_inputs(fn, world_size, output, timeout, host)
     kwargs = dict(kwargs or {})
-    if _child.INSIDE_A_LAUNCH in os.environ:
-        raise RuntimeError(f"dl.launch was called inside rank {os.environ[_child.INSIDE_A_LAUNCH]} of "
+    if rank_side.INSIDE_A_LAUNCH in os.environ:
+        raise RuntimeError(f"dl.launch was called inside rank {os.environ[rank_side.INSIDE_A_LAUNCH]} of "
                            "another launch (already inside a launch): launches do not nest. Call the "
                            "function here (this rank is one of the world), or launch it from the notebook.")
     if _under_torchrun():
@@ -194,7 +194,7 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
             raise ValueError(f"running under torchrun with WORLD_SIZE={launched}, but world_size="
                              f"{world_size}: pass world_size={launched} (torchrun decides how many processes "
                              f"run), or change torchrun's --nproc-per-node / --nnodes")
-        return _launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout, progress)
+        return Run(**torchrun.launch_here(fn, args, kwargs, backend, timeout, progress))
 
     backend = resolve_backend(backend, world_size)
     method = resolve_start_method(start_method)
@@ -206,7 +206,7 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
         with interrupts_deferred():                       # Ctrl-C lands once every rank is tracked
             box = flight.Box()                            # each rank's flight recorder writes in here
             rendezvous = _Rendezvous(method, host, world_size, timeout)
-            spec = _child.RankSpec(
+            spec = rank_side.RankSpec(
                 world_size=world_size, backend=backend, host=host, port=rendezvous.port,
                 rank0_listen_fd=rendezvous.fd_for_rank0, threads=threads_per_rank(world_size),
                 pg_timeout=float(timeout), local_world_size=world_size, flight_dir=box.path,
@@ -290,11 +290,11 @@ _STARTING = threading.Lock()
 _LIVE_FDS: dict[int, int] = {}       # descriptor -> id() of the launch's list of RankStatus
 
 
-def _start_ranks(ctx, spec: _child.RankSpec, rendezvous: _Rendezvous, ranks: list[RankStatus],
+def _start_ranks(ctx, spec: rank_side.RankSpec, rendezvous: _Rendezvous, ranks: list[RankStatus],
                  deadline: float) -> None:
     """Start every rank, each with its own output and result pipes (appended to ``ranks`` *before* it
     starts, so that whatever was forked is shut down if a later start fails), and all with the read end
-    of one lifeline (`distlab._lifeline`), whose write end only this process keeps: in every RankStatus,
+    of one lifeline (`lifeline`), whose write end only this process keeps: in every RankStatus,
     for `shutdown` to close."""
     with _STARTING:
         lifeline_r, lifeline_w = ctx.Pipe(duplex=False)
@@ -312,7 +312,7 @@ def _start_ranks(ctx, spec: _child.RankSpec, rendezvous: _Rendezvous, ranks: lis
                 close_in_child = [fd for fd in all_fds + sorted(_LIVE_FDS) if fd not in keep] if fork else []
                 if fork and rank != 0:
                     close_in_child.append(rendezvous.fd_for_rank0)
-                proc = ctx.Process(target=_child.main, name=f"distlab-rank-{rank}",
+                proc = ctx.Process(target=rank_side.main, name=f"distlab-rank-{rank}",
                                    args=(rank, spec, out_w, res_w, lifeline_r, close_in_child))
                 ranks.append(RankStatus(rank, proc, out_r, res_r, lifeline=lifeline_w))
                 proc.start()
@@ -359,42 +359,3 @@ def _print_ordered(ranks: list[RankStatus]) -> None:
         for line in r.lines:
             print(f"[rank {r.rank}] {line}")
     sys.stdout.flush()
-
-
-def _leave_process_group() -> None:
-    """At exit, leave together and tear the group down: a process that exits with a live gloo group
-    while a peer already closed its end can abort ("terminate called without an active exception")."""
-    import torch.distributed as dist
-    if dist.is_initialized():
-        try:
-            dist.barrier()
-            dist.destroy_process_group()
-        except Exception:
-            pass
-
-
-def _launch_under_torchrun(fn, world_size, args, kwargs, backend, timeout, progress=None) -> Run:
-    """Already one of N processes (torchrun): run here, gather every rank's result to all."""
-    import torch
-    import torch.distributed as dist
-
-    from . import runtime
-
-    if not dist.is_initialized():
-        if backend == "auto":
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        if backend == "nccl":
-            torch.cuda.set_device(local)
-        _torchrun.init_process_group(backend, timeout)      # a store prefix per attempt: --max-restarts
-        atexit.register(_leave_process_group)
-    n, me = dist.get_world_size(), dist.get_rank()
-    tracer = runtime._enter(me, n, int(os.environ.get("LOCAL_RANK", 0)), dist.get_backend())
-    dist.barrier()
-    tracer.reset_epoch()
-    with bar_here(me == 0 and (shown_by_default() if progress is None else progress)):
-        value = fn(*args, **kwargs)
-    gathered: list = [None] * n
-    dist.all_gather_object(gathered, (value, tracer.export()))
-    return Run(results=[g[0] for g in gathered], trace=Trace.merge([g[1] for g in gathered]),
-               outputs=[""] * n, world_size=n, backend=dist.get_backend(), start_method="torchrun")

@@ -1,10 +1,10 @@
-"""What runs inside each rank started by `distlab.launch`.
+"""The rank side: what runs inside each rank started by `distlab.launch` (the parent side: `parent`).
 
 Order matters here, each step for a reason found the hard way:
 
 1. leave the parent's process group, so the notebook's stop button reaches the parent alone; become a
    subreaper and watch the lifeline, so that when the parent dies (or its launch ends) this rank ends
-   with every process it started, under any start method (`distlab._lifeline`);
+   with every process it started, under any start method (`lifeline`);
 2. close every inherited descriptor that belongs to another rank, so each rank's output pipe
    reaches end-of-file exactly when that rank exits;
 3. point file descriptors 1 and 2 (and Python's sys.stdout/sys.stderr, which in a Jupyter kernel
@@ -16,7 +16,7 @@ Order matters here, each step for a reason found the hard way:
    a peer is still connecting to it;
 6. set torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT),
    run the user's function (its torch.distributed calls recorded by the flight recorder,
-   `distlab.flight`), send back its result (or the traceback) and the trace, then a final
+   `flight`), send back its result (or the traceback) and the trace, then a final
    barrier so that no rank tears its connections down while a peer still reads from them;
 7. kill whatever the function started and left running (returned or raised alike), then exit.
 """
@@ -34,7 +34,7 @@ from datetime import timedelta
 
 import cloudpickle
 
-from . import _lifeline
+from . import lifeline
 
 
 @dataclass
@@ -53,10 +53,10 @@ class RankSpec:
     flight_dir: str | None = None  # where this rank's flight recorder keeps its last operations
 
 
-def _leave_parent(lifeline) -> None:
+def _leave_parent(lifeline_end) -> None:
     """Step 1: Ctrl-C handled as usual (not by the handler the parent holds while starting ranks), a
     process group of our own (the notebook's stop button reaches the parent alone; the parent can kill
-    the group, with whatever this rank starts), and an end tied to the parent's through ``lifeline``,
+    the group, with whatever this rank starts), and an end tied to the parent's through ``lifeline_end``,
     with every process this rank starts (a subreaper keeps even daemons among them)."""
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -66,8 +66,8 @@ def _leave_parent(lifeline) -> None:
         os.setpgrp()
     except OSError:
         pass
-    _lifeline.become_subreaper()
-    _lifeline.watch(lifeline)
+    lifeline.become_subreaper()
+    lifeline.watch(lifeline_end)
 
 
 def _pin_gloo_to_loopback(host: str) -> None:
@@ -126,8 +126,8 @@ def _encode_result(rank: int, value: object) -> bytes:
             "return plain data instead (numbers, strings, lists, dicts, tensors)") from None
 
 
-def main(rank: int, spec: RankSpec, out_conn, result_conn, lifeline, fds_to_close: list[int]) -> None:
-    _leave_parent(lifeline)
+def main(rank: int, spec: RankSpec, out_conn, result_conn, lifeline_end, fds_to_close: list[int]) -> None:
+    _leave_parent(lifeline_end)
     for fd in fds_to_close:
         try:
             os.close(fd)
@@ -139,8 +139,9 @@ def main(rank: int, spec: RankSpec, out_conn, result_conn, lifeline, fds_to_clos
     import torch
     import torch.distributed as dist
 
-    from . import flight, runtime
-    from .progress import _attach as attach_progress
+    from .. import runtime
+    from ..progress import _attach as attach_progress
+    from . import flight
 
     torch.set_num_threads(spec.threads)
     attach_progress(result_conn)
@@ -183,5 +184,5 @@ def main(rank: int, spec: RankSpec, out_conn, result_conn, lifeline, fds_to_clos
             pass
     sys.stdout.flush()
     sys.stderr.flush()
-    _lifeline.end_descendants()
+    lifeline.end_descendants()
     os._exit(0 if message[0] == "ok" else 1)

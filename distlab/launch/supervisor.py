@@ -4,7 +4,7 @@ One loop in the calling thread waits on every rank's output pipe, result pipe an
 sentinel at once (no helper threads: a Jupyter kernel has enough of those). It ends when every
 rank has exited, when the first failure's grace window closes, or when the deadline passes; in
 every case `shutdown` ends whatever is left: it closes the lifeline, on which each rank kills every
-process it started and then itself (`distlab._lifeline`), then terminates, kills and reaps what still
+process it started and then itself (`lifeline`), then terminates, kills and reaps what still
 runs, each rank with its process group, with Ctrl-C held back until it is done (`interrupts_deferred`).
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ class LaunchError(RuntimeError):
     ``.rank``: the root-cause rank (None when the deadline passed with nobody failing);
     ``.failures``: {rank: traceback text} for every rank that failed; ``.unfinished``: ranks that
     never finished; ``.outputs``: what each rank printed; ``.flight``: {rank: its last operations}
-    from the flight recorder (`distlab.flight`), oldest first, which a hang's message reads out.
+    from the flight recorder (`flight`), oldest first, which a hang's message reads out.
     """
 
     def __init__(self, message: str, rank: int | None = None, failures: dict | None = None,
@@ -294,7 +294,7 @@ LIFELINE_SECONDS = 0.5    # how long ranks may take to end themselves (and their
 def shutdown(ranks: list[RankStatus], grace: float = 2.0) -> None:
     """End every rank and every process it started, reap the ranks, close every pipe.
 
-    First the lifeline ends: each live rank kills the processes below it, then itself (`distlab._lifeline`),
+    First the lifeline ends: each live rank kills the processes below it, then itself (`lifeline`),
     within milliseconds. A rank that cannot (still booting, or its main thread holding the GIL in C code)
     then gets SIGTERM, with its process group, and SIGKILL after ``grace``. Safe to call twice, and
     Ctrl-C cannot cut it short (it is delivered when everything is gone)."""
