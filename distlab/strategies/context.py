@@ -22,10 +22,14 @@ Megatron-LM); `dl.tp.parallelize` splits heads, MLP and vocabulary over each row
 ``dl.cp.parallelize`` the sequence over ``grid[d, :, t]`` (attention on this rank's a/T heads), the
 loss is the vocabulary-parallel cross-entropy, and the gradients are averaged over the D x C ranks
 holding the same shards, ``grid[:, :, t]`` (the "replicas"); clipping uses the whole model's norm.
+
+The grid is a `dl.Mesh(dp=D, cp=C, tp=T)`, and the model is laid out on it by THE composition function,
+`distlab.strategies.compose.parallelize`: TP, then CP, then DDP over the replicas.
 """
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 import torch
 
@@ -37,11 +41,11 @@ from ..parallel import context as cp_lib
 from ..parallel import tensor as tp_lib
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.context.layout import check_length
-from ..parallel.data import DDP
-from ..parallel.mesh import grid_groups
+from ..parallel.mesh import Mesh
 from ..runtime import rank, world_size
 from .base import (RankResult, TrainSpec, autocast, build_model, global_batch, loss_fn, rank0_copy,
                    require_rows)
+from .compose import parallelize
 from .data_parallel import LocalOptimizer
 from .loop import Plan, run, sum_losses
 from .tensor import sharded_params
@@ -78,36 +82,17 @@ def check(spec: TrainSpec, world: int) -> tuple[int, int, bool]:
     return dp, n, zigzag
 
 
-def cp_group(dp: int, cp: int):
-    """(this rank's replica index, its context-parallel group): row d of arange(world).view(dp, cp)."""
-    if dp == 1:
-        return 0, None
-    return rank() // cp, grid_groups({"dp": dp, "cp": cp}, {"cp": ("cp",)})["cp"]
-
-
-def mesh_groups(dp: int, cp: int, tp: int) -> tuple[int, dict]:
-    """cp x tp: (replica index d, this rank's groups) on ``grid = arange(world).view(dp, cp, tp)``:
-    "tp" ``grid[d, c, :]``, "cp" ``grid[d, :, t]``, "dp" ``grid[:, :, t]`` (the replicas of its shards)."""
-    groups = grid_groups({"dp": dp, "cp": cp, "tp": tp}, {"tp": ("tp",), "cp": ("cp",), "dp": ("dp", "cp")})
-    return rank() // (cp * tp), groups
-
-
 def train_rank(spec: TrainSpec) -> RankResult:
     world, r = world_size(), rank()
     dp, n, zigzag = check(spec, world)
     tp = spec.layout.tp
-    if tp > 1:
-        d, groups = mesh_groups(dp, n, tp)
-    else:
-        d, group = cp_group(dp, n)
-        groups = {"tp": None, "cp": group, "dp": None}                      # replicas: the whole world
-    model = build_model(spec)
-    if tp > 1:
-        model = tp_lib.parallelize(model, group=groups["tp"])
-    model = cp_lib.parallelize(model, attention=spec.layout.attention, group=groups["cp"], zigzag=zigzag)
-    wrapped = DDP(model, bucket_mb=spec.data_parallel.bucket_mb, group=groups["dp"])
+    mesh = Mesh(dp=dp, cp=n, tp=tp)                          # arange(world).view(dp, cp, tp), tp fastest
+    layout = replace(spec.layout, zigzag=zigzag)
+    par = parallelize(build_model(spec), layout, mesh, bucket_mb=spec.data_parallel.bucket_mb)  # TP->CP->DP
+    model, d = par.model, mesh.coords().dp
+    groups = {"tp": mesh.group("tp") if tp > 1 else None, "cp": mesh.group("cp"), "dp": par.replicas}
     opt = LocalOptimizer(model.parameters(), spec)
-    criterion = _criterion(spec, model, groups["tp"] if tp > 1 else None)
+    criterion = _criterion(spec, model, groups["tp"])
 
     def forward(step: int, micro: int) -> torch.Tensor:
         ids, targets = global_batch(spec, step, micro)                     # (B, s) on every rank
@@ -115,10 +100,10 @@ def train_rank(spec: TrainSpec) -> RankResult:
         weight = dp * ids.shape[0] / spec.micro_batch / spec.grad_accum    # D n_d / (B k)
         ids, targets = (cp_lib.split(t, dim=1, group=groups["cp"], zigzag=zigzag) for t in (ids, targets))
         with autocast(spec):                                               # (B/dp, s/cp) tokens
-            return criterion(wrapped(ids), targets) * weight
+            return criterion(model(ids), targets) * weight                 # DDP averages in backward
 
     plan = Plan(forward, opt, _state(model, opt, groups, tp), loss_share=1 / (dp * n),
-                no_sync=wrapped.no_sync, clip=_clip(model, opt, groups, tp),
+                no_sync=par.ddp.no_sync if par.ddp is not None else None, clip=_clip(model, opt, groups, tp),
                 memory=replica_memory(model, opt.optimizer, ()))
     trained = run(spec, plan)
     losses = sum_losses(trained.losses, groups["dp"])
