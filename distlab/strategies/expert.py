@@ -43,7 +43,7 @@ from ..memory import replica_memory
 from ..parallel import expert as ep
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.data.buckets import grad_summer
-from ..parallel.mesh import grid_groups
+from ..parallel.mesh import Mesh
 from ..runtime import rank, world_size
 from .base import (RankResult, TrainSpec, autocast, build_model, global_batch, loss_fn, make_optimizer,
                    require_rows)
@@ -75,8 +75,8 @@ def groups(dp: int, n: int):
     (dp == 1: the world, None)."""
     if dp == 1:
         return None, None
-    mine = grid_groups({"dp": dp, "ep": n // dp}, {"ep": ("ep",), "dp": ("dp",)})
-    return mine["ep"], mine["dp"]
+    mesh = Mesh(dp=dp, ep=n // dp, world_size=n)
+    return mesh.group("ep"), mesh.group("dp")
 
 
 def replicated(spec: TrainSpec) -> bool:
