@@ -78,7 +78,8 @@ def parallelize(model: nn.Module, layout: Layout, mesh: Mesh, *, bucket_mb: floa
                                    plan=plan)
     # 2. CP next: it swaps each attention core for ring attention or Ulysses over the cp group, on the
     #    heads TP left this rank, and makes the embedding place this rank's positions. It only rewires
-    #    attention, so it composes with TP's shards; it must precede PP, whose stages it rewires through.
+    #    attention, so it composes with TP's shards; and it comes before PP, because a stage runs the
+    #    model's own embed and blocks (`GPTStage` calls ``gpt.embed``): cut afterwards, it carries them.
     if mesh.cp > 1:
         from ..parallel import context as cp_lib
         zigzag = layout.zigzag if layout.zigzag is not None else layout.attention == "ring"
