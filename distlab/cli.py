@@ -102,39 +102,28 @@ def _train_parser(sub) -> None:
     p.add_argument("--traceback", action="store_true", help="on an error, show the full traceback")
 
 
-def _options(args) -> dict:
-    opts = {}
-    if args.comm:
-        opts["comm"] = args.comm
-    if args.bucket_mb is not None:
-        opts["bucket_mb"] = args.bucket_mb
-    if args.no_overlap:
-        opts["overlap"] = False
-    if args.prefetch:
-        opts["prefetch"] = True
-    if args.recompute:
-        opts["recompute"] = args.recompute
-    for key in ("hsdp", "param_dtype"):
-        if getattr(args, key) is not None:
-            opts[key] = getattr(args, key)
-    if args.no_reshard_after_forward:
-        opts["reshard_after_forward"] = False
-    for key in ("checkpoint_dir", "checkpoint_every", "keep_last"):
-        if getattr(args, key) is not None:
-            opts[key] = getattr(args, key)
-    if args.resume:
-        opts["resume"] = True
-    if args.async_save:
-        opts["async_save"] = True
+def train_keywords(args) -> dict:
+    """``distlab train``'s flags as `dl.train`'s keywords (the strategy aside): the same keywords a
+    notebook would pass, parsed into the same typed spec (`distlab.strategies.parse`)."""
+    kw = dict(model=args.model, steps=args.steps, seed=args.seed, global_batch=args.global_batch, lr=args.lr,
+              optimizer=args.optimizer, weight_decay=args.weight_decay, grad_accum=args.grad_accum,
+              precision=args.precision, clip=args.clip)
+    flags = {"comm": args.comm, "bucket_mb": args.bucket_mb, "recompute": args.recompute, "hsdp": args.hsdp,
+             "param_dtype": args.param_dtype, "checkpoint_dir": args.checkpoint_dir,
+             "checkpoint_every": args.checkpoint_every, "keep_last": args.keep_last,
+             "overlap": False if args.no_overlap else None, "prefetch": True if args.prefetch else None,
+             "reshard_after_forward": False if args.no_reshard_after_forward else None,
+             "resume": True if args.resume else None, "async_save": True if args.async_save else None}
+    kw.update({k: v for k, v in flags.items() if v is not None})      # a flag not given: not a keyword
     for item in args.option:
         if "=" not in item:
             raise ValueError(f"--option expects KEY=VALUE (e.g. --option microbatches=4), got {item!r}")
         key, value = item.split("=", 1)
         try:
-            opts[key] = json.loads(value)
+            kw[key] = json.loads(value)
         except json.JSONDecodeError:
-            opts[key] = value
-    return opts
+            kw[key] = value
+    return {**kw, **_restart_args(args)}
 
 
 def _restart_args(args) -> dict:
@@ -174,10 +163,7 @@ def _run_train(args) -> int:
     from .train import train
     world = args.world_size if args.world_size is not None else (
         1 if args.strategy == "single" else int(os.environ.get("WORLD_SIZE", 1)))
-    kwargs = dict(world_size=world, model=args.model, steps=args.steps, seed=args.seed,
-                  global_batch=args.global_batch, lr=args.lr, optimizer=args.optimizer,
-                  weight_decay=args.weight_decay, grad_accum=args.grad_accum, precision=args.precision,
-                  clip=args.clip, options=_options(args), progress=args.progress, **_restart_args(args))
+    kwargs = dict(world_size=world, progress=args.progress, **train_keywords(args))
     train(args.strategy, check_only=True, **kwargs)       # bad input: one line, exit 2, no rank started
     _check_writable(args.json)
     try:
@@ -221,10 +207,16 @@ def _as_json(args, report, times: dict[int, float]) -> dict:
     return {"version": __version__, "strategy": spec.strategy, "world_size": report.world_size,
             "model": spec.model, "steps": spec.steps, "seed": spec.seed, "global_batch": spec.global_batch,
             "grad_accum": spec.grad_accum, "precision": spec.precision, "optimizer": spec.optimizer,
-            "lr": spec.lr, "options": spec.options, "losses": report.losses,
+            "lr": spec.lr, "options": _options(spec), "losses": report.losses,
             "step_seconds": [times.get(step) for step in range(len(report.losses))],
             "seconds": report.seconds, "comm": report.comm,
             "memory": [{k: v for k, v in m.items() if k != "timeline"} for m in report.memory]}
+
+
+def _options(spec) -> dict:
+    """The spec's options that were set (not at their defaults), beside its own parameters, as keywords."""
+    from .strategies.parse import TOP, keywords_of
+    return {k: (str(v) if k == "checkpoint_dir" else v) for k, v in keywords_of(spec).items() if k not in TOP}
 
 
 def step_seconds(report) -> dict[int, float]:
@@ -239,13 +231,13 @@ def step_seconds(report) -> dict[int, float]:
 
 
 def _strategies() -> int:
-    from .strategies import CHECKPOINT_OPTIONS, names, options
+    from .strategies.parse import NAMED, SHARED, key, names
     for name in names():
-        own = [o for o in options(name) if o not in CHECKPOINT_OPTIONS]
+        own = NAMED[key(name)].reads
         note = "  (ddp's, read and ignored: one process)" if name == "single" else ""
         print(f"{name:<20} {', '.join(own) or '-'}{note}")
-    print(f"\nevery strategy also takes {', '.join(CHECKPOINT_OPTIONS)}; pass options as "
-          "--option KEY=VALUE (or the flags of `distlab train --help`)")
+    print(f"\nevery strategy also takes {', '.join(SHARED)} (and the numerics' options where fp16 runs); "
+          "pass options as --option KEY=VALUE (or the flags of `distlab train --help`)")
     return 0
 
 

@@ -33,16 +33,14 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint import store
 from .checkpoint import training as checkpointing
 from .launch import LaunchError
-from .rules import Whole
 
 FAULTS = ("fail_at_step", "fail_in", "fail_rank")
-MAX_RESTARTS = Whole(0, example=2)        # what max_restarts takes (`distlab.rules`)
 
 
 @dataclass
@@ -67,36 +65,34 @@ class Restart:
                 f"{self.resumed_from}: {lost} and {self.lost_seconds:.2f} s lost")
 
 
-def plan(spec, world_size: int, max_restarts, shrink) -> list[int]:
-    """The world size of every attempt, ``[world_size, ...]`` (1 + ``max_restarts`` of them); refuses
-    what cannot restart, before any rank starts."""
-    MAX_RESTARTS.check("max_restarts", max_restarts)
+def plan(spec, world_size: int) -> list[int]:
+    """The world size of every attempt, ``[world_size, ...]`` (1 + ``spec.restart.max_restarts`` of them,
+    where ``spec.restart.shrink`` says); refuses what cannot restart, before any rank starts (each
+    value's type: its field's rule, `distlab.strategies.spec.Restart`)."""
+    max_restarts, shrink = spec.restart.max_restarts, spec.restart.shrink
     if spec.strategy == "single":
         raise ValueError("max_restarts relaunches ranks: use a launched strategy (ddp, zero1, ...), not "
                          "'single', which runs in this process")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         raise ValueError("under torchrun, torchrun restarts the processes: use torchrun --max-restarts K "
                          "with resume=True (--resume), not max_restarts")
-    o = spec.options
-    if o.get("checkpoint_dir") is None or not o.get("checkpoint_every"):
+    o = spec.checkpoint
+    if o.checkpoint_dir is None or not o.checkpoint_every:
         raise ValueError("max_restarts relaunches from the newest checkpoint: pass checkpoint_dir=... and "
                          "checkpoint_every=k (dl.theory.daly_interval suggests k)")
     if shrink is not False and shrink is not None and max_restarts < 1:
         raise ValueError(f"shrink={shrink!r} says where to restart, but max_restarts=0 never restarts: pass "
                          "max_restarts=k >= 1 (--max-restarts K)")
-    earlier = store.step_folders(o["checkpoint_dir"])
-    if earlier and o.get("resume") in (None, False):
-        raise ValueError(f"checkpoint_dir={o['checkpoint_dir']!r} already holds {earlier} from an earlier "
+    earlier = store.step_folders(o.checkpoint_dir)
+    if earlier and o.resume in (None, False):
+        raise ValueError(f"checkpoint_dir={o.checkpoint_dir!r} already holds {earlier} from an earlier "
                          "run: a restart would resume from them as if they were this run's. Pass "
                          "resume=True to continue that run, or use an empty checkpoint_dir")
     if shrink is True:
         return [max(1, world_size - i) for i in range(max_restarts + 1)]
     if shrink is False or shrink is None:
         return [world_size] * (max_restarts + 1)
-    sizes = list(shrink) if isinstance(shrink, (list, tuple)) else None
-    if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
-        raise ValueError(f"shrink must be True (one rank fewer per restart), False, or a list of world sizes "
-                         f"for the restarts (e.g. [3, 2]), got {shrink!r}")
+    sizes = list(shrink)
     grows = next((n for n, before in zip(sizes, [world_size, *sizes]) if n > before), None)
     if grows is not None:
         raise ValueError(f"shrink={shrink!r} would grow the run to {grows} ranks: a restart runs on the "
@@ -115,13 +111,13 @@ def run(spec, sizes: list[int], launch_once):
     try:
         return _attempts(spec, sizes, launch_once)
     finally:
-        checkpointing.clear_heartbeat(spec.options["checkpoint_dir"])
+        checkpointing.clear_heartbeat(spec.checkpoint.checkpoint_dir)
 
 
 def _attempts(spec, sizes: list[int], launch_once):
     restarts: list[Restart] = []
     first_start = time.time()
-    current = replace(spec, options={**spec.options, "heartbeat": True})
+    current = spec.replace(heartbeat=True)
     for attempt, n in enumerate(sizes, 1):
         started = time.time()
         try:
@@ -137,8 +133,7 @@ def _attempts(spec, sizes: list[int], launch_once):
             record, resume = _after_failure(err, spec, attempt, n, sizes[attempt], started, first_start)
             restarts.append(record)
             print(f"distlab: {record}", file=sys.stderr, flush=True)
-            options = {k: v for k, v in current.options.items() if k not in FAULTS}
-            current = replace(current, options={**options, "resume": resume})
+            current = current.replace(resume=resume, **dict.fromkeys(FAULTS))     # faults: first attempt
             continue
         report.restarts = restarts
         return report
@@ -176,13 +171,13 @@ def _after_failure(err: LaunchError, spec, attempt: int, n: int, next_n: int, st
                    first_start: float) -> tuple[Restart, object]:
     """The `Restart` record of a failed attempt, and the ``resume`` option of the next one."""
     seen = time.time()
-    directory = spec.options["checkpoint_dir"]
+    directory = spec.checkpoint.checkpoint_dir
     step, problem, _ = checkpointing.newest_verified(directory)
     if problem:
         raise store.CheckpointError(f"cannot restart after attempt {attempt} failed: {problem}") from err
     mtime = _commit_time(directory, step) if step is not None else None
     # a checkpoint older than this run is another run's, unless this run was asked to resume from it
-    ours = step is not None and (mtime >= first_start or spec.options.get("resume") not in (None, False))
+    ours = step is not None and (mtime >= first_start or spec.checkpoint.resume not in (None, False))
     resumed = step if ours else 0
     beat = checkpointing.heartbeat(directory)
     reached = beat["step"] if beat is not None and beat["time"] >= started else None
@@ -192,7 +187,7 @@ def _after_failure(err: LaunchError, spec, attempt: int, n: int, next_n: int, st
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     reason = lines[-1] if lines else type(err).__name__          # the root cause's last word
     record = Restart(attempt, n, err.rank, reason, reached, resumed, lost, seen - since, next_n)
-    return record, (True if ours else spec.options.get("resume", False))
+    return record, (True if ours else spec.checkpoint.resume)
 
 
 def _commit_time(directory, step: int) -> float:

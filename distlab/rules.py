@@ -1,17 +1,15 @@
 """The type and range of every option, checked once, in the parent, before any rank starts.
 
-Each concern declares its options beside their definition, as a table ``name -> rule``: the spec's own
-fields (`strategies.base.FIELDS`), each strategy family's options (``RULES`` beside its ``OPTIONS``), the
-training loop's and its numerics' (`strategies.loop.RULES`, `strategies.numerics.RULES`), the checkpoint's
-(`checkpoint.options.RULES`) and `dl.train`'s own arguments (`train.ARGUMENTS`). `check` applies one
-table to the values given; a refusal names the option, what it takes, what to pass instead, and what
-it got::
+Every option of `dl.train` is a field of the typed spec (`distlab.strategies.spec`), declared with its
+default, its rule and its docstring by `option`; a spec checks its fields when it is made
+(`check_fields`). `dl.train`'s own arguments (`train.ARGUMENTS`) are a table ``name -> rule``, applied
+by `check`. A refusal names the option, what it takes, what to pass instead, and what it got::
 
     >>> check({"steps": Whole(1, example=20)}, {"steps": True})
     ValueError: steps=True: steps must be a positive integer (e.g. steps=20)
 
 A refused value is a ValueError, whatever was wrong with it (its type or its range); a TypeError is
-kept for an option that does not exist (`distlab.strategies.check_options`). The traps of Python that
+kept for an option that does not exist (`distlab.strategies.parse`). The traps of Python that
 these rules close, each of which once trained something silently wrong here:
 
     bool is an int          True == 1, isinstance(True, int): steps=True would train one step
@@ -20,11 +18,12 @@ these rules close, each of which once trained something silently wrong here:
     "2" is not 2            a string where a number belongs fails later, inside a rank
 
 Cross-option rules (a rank below ``world_size``, a step below ``steps``, a step that a checkpoint
-directory holds) stay in the checks that know both sides: `strategies.check`,
-`checkpoint.training.check_options`, `restart.plan`.
+directory holds) stay in the checks that know both sides: `strategies.validate`,
+`checkpoint.options.check_values`, `restart.plan`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
@@ -193,7 +192,27 @@ class Either(Rule):
 
 def check(table: dict[str, Rule], values: dict) -> None:
     """Every value in ``values`` that ``table`` has a rule for, checked by it (names are checked elsewhere:
-    `distlab.strategies.check_options`)."""
+    `distlab.strategies.parse`)."""
     for name, value in values.items():
         if name in table:
             table[name].check(name, value)
+
+
+def option(default, rule: Rule, doc: str):
+    """A field of a typed spec: its default, the rule its value obeys and its docstring, side by side::
+
+        bucket_mb: float = option(25.0, Number(0, strict=True), "gradient bucket size in MiB")
+    """
+    return dataclasses.field(default=default, metadata={"rule": rule, "doc": doc})
+
+
+def rule_of(spec_class, name: str) -> Rule:
+    """The rule of field ``name`` of the dataclass ``spec_class`` (declared by `option`)."""
+    return next(f.metadata["rule"] for f in dataclasses.fields(spec_class) if f.name == name)
+
+
+def check_fields(spec) -> None:
+    """Every field of the dataclass instance ``spec`` declared by `option`, checked by its rule."""
+    for f in dataclasses.fields(spec):
+        if "rule" in f.metadata:
+            f.metadata["rule"].check(f.name, getattr(spec, f.name))

@@ -18,6 +18,15 @@ dynamically; a step whose gradients hold an inf/NaN on any rank is skipped on al
 ``max_restarts=k`` relaunches a failed run from its
 newest checkpoint up to k times, on fewer ranks with ``shrink`` (`distlab.restart`; ``report.restarts``).
 
+The walk of a call, straight through::
+
+    spec = parse(strategy, **keywords)      the typed spec (`distlab.strategies.spec`); names checked,
+                                            each value by its field's rule
+    sizes = validate(spec, world_size)      the whole spec against the world, once, in the parent
+    check_machine(world_size)               the ranks this machine can hold
+    run: _single | _launched | restart.run  ``load(strategy)``'s ``train_rank`` on every rank
+    -> Report                               losses, params, trace, memory, comm
+
 A strategy is a ``train_rank(spec)`` function (`distlab.strategies`), run on every rank by
 `dl.launch`; ``single`` runs right here on one process and is the reference every strategy must match
 on the same global batch. Every strategy builds its model and hands the steps to the one training
@@ -32,21 +41,24 @@ from dataclasses import dataclass, field
 import torch
 
 from . import restart
-from .checkpoint import training as checkpointing
 from .progress import bar_here, shown_by_default
-from .rules import Flag, Number, OneOf, check
-from .strategies import WORLD_SIZE, RankResult, TrainSpec, load
-from .strategies import check as check_strategy
-from .strategies.base import FIELDS
+from .rules import Custom, Flag, Number, OneOf, check
+from .strategies import WORLD_SIZE, RankResult, TrainSpec, load, parse, validate
 
-#: what `train`'s own arguments take (`distlab.rules`); the spec's fields: `strategies.base.FIELDS`; the
-#: options': `strategies.rules` and the checkpoint's `checkpoint.options.RULES`; shrink: `restart.plan`
+
+def _is_dict(value) -> None:
+    if not isinstance(value, dict):
+        raise TypeError
+
+
+#: what `train`'s own arguments take (`distlab.rules`); every other parameter is a keyword of the typed
+#: spec, whose field declares its rule (`distlab.strategies.spec`)
 ARGUMENTS = {
     "world_size": WORLD_SIZE,
+    "options": Custom(_is_dict, "a dict {option name: value}", example={"bucket_mb": 25.0}, none="none"),
     "output": OneOf("quiet", "ordered", "live"),
     "timeout": Number(0, strict=True, example=300.0),
     "progress": Flag(none="a bar when a person watches"),
-    "max_restarts": restart.MAX_RESTARTS,
     "check_only": Flag(),
 }
 #: what one rank holds of its own, at the least: a process with torch, gloo and a tiny model loaded
@@ -104,39 +116,34 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
           clip: float | None = None, options: dict | None = None, output: str = "quiet",
           timeout: float = 300.0, progress: bool | None = None, max_restarts: int = 0, shrink=False,
           check_only: bool = False, **more_options) -> Report | None:
-    """Train ``model`` with ``strategy`` on ``world_size`` ranks; extra keywords go to ``options``
-    (e.g. ``bucket_mb=1, overlap=False, comm="ring"`` for DDP; ``prefetch=True`` for ZeRO-3). An option
-    the strategy does not read is a TypeError naming those it does (`distlab.strategies.options`).
+    """Train ``model`` with ``strategy`` on ``world_size`` ranks. Every other keyword (and every entry of
+    ``options``) is a field of the typed spec (`distlab.strategies.spec`), e.g. ``bucket_mb=1,
+    overlap=False, comm="ring"`` for DDP, ``prefetch=True`` for ZeRO-3; one the strategy does not read
+    is a TypeError naming those it does, with a did-you-mean (`distlab.strategies.parse`).
     ``progress``: a bar with step, loss and it/s (None: when a person watches, see `distlab.progress`).
     ``check_only``: check the training input (every argument and option, its type and range, the layout,
     the checkpoint options, the restart plan, the ranks this machine can hold; a ValueError, or a
     TypeError for an option that does not exist, that says what to pass instead), then return None
     without training (a ``checkpoint_dir`` is created, as proof that it is writable). Only torchrun's
     world is checked later, when the launch meets it."""
-    check(ARGUMENTS, dict(world_size=world_size, output=output, timeout=timeout, progress=progress,
-                          max_restarts=max_restarts, check_only=check_only))
-    FIELDS["options"].check("options", {} if options is None else options)
-    spec = TrainSpec(strategy=strategy, model=model, steps=steps, seed=seed, global_batch=global_batch,
-                     lr=lr, optimizer=optimizer, weight_decay=weight_decay, grad_accum=grad_accum,
-                     precision=precision, clip=clip, options={**(options or {}), **more_options})
-    train_rank = load(strategy)
-    if strategy == "single" and world_size != 1:
-        raise ValueError("strategy 'single' is one process: pass world_size=1 (or pick ddp, zero1, ...)")
-    check_strategy(spec, world_size)          # options (TypeError, did-you-mean), then the layout: per family
-    in_process = strategy if strategy == "single" else None
-    checkpointing.check_options(spec.options, in_process, steps=steps, world=world_size)   # resume=...
-    sizes = None
-    if max_restarts or (shrink is not False and shrink is not None):     # refused before any rank starts
-        sizes = restart.plan(spec, world_size, max_restarts, shrink)
-        for n in sorted(set(sizes[1:])):                # every restart's layout
-            check_strategy(spec, n)
-    if strategy != "single":
+    check(ARGUMENTS, dict(world_size=world_size, options=options, output=output, timeout=timeout,
+                          progress=progress, check_only=check_only))
+    named = dict(model=model, steps=steps, seed=seed, global_batch=global_batch, lr=lr, optimizer=optimizer,
+                 weight_decay=weight_decay, grad_accum=grad_accum, precision=precision, clip=clip,
+                 max_restarts=max_restarts, shrink=shrink, **more_options)
+    twice = sorted(set(options or {}) & set(named))
+    if twice:
+        raise TypeError(f"{twice[0]!r} is given twice, as a keyword and in options=: pass it once")
+    spec = parse(strategy, **named, **(options or {}))
+    sizes = validate(spec, world_size)        # every check, once, before any rank starts
+    if spec.strategy != "single":
         check_machine(world_size)
     if check_only:
         return None
-    if strategy == "single":
+    train_rank = load(spec.strategy)
+    if spec.strategy == "single":
         return _single(train_rank, spec, progress)
-    if sizes:
+    if len(sizes) > 1:
         return restart.run(spec, sizes, lambda s, n: _launched(train_rank, s, n, output, timeout, progress))
     return _launched(train_rank, spec, world_size, output, timeout, progress)
 

@@ -208,15 +208,15 @@ print(f"manifest: step {m['step']}, world_size {m['world_size']}, strategy {m['m
 # counters, the loss history), and ZeRO pads each flat bucket to a multiple of N.
 
 # %%
-from distlab.strategies import TrainSpec, load
+from distlab.strategies import load, parse
 
 STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 
 
 def save_every_strategy(root):
     for strategy in STAGES:
-        spec = TrainSpec(strategy, model=MODEL, steps=1, seed=0,
-                         options={"checkpoint_dir": f"{root}/{strategy}", "checkpoint_every": 1})
+        spec = parse(strategy, model=MODEL, steps=1, seed=0, checkpoint_dir=f"{root}/{strategy}",
+                     checkpoint_every=1)
         load(strategy)(spec)
 
 

@@ -6,7 +6,8 @@ import torch
 import distlab as dl
 from distlab.checkpoint import reshard
 from distlab.checkpoint.training import Checkpointer
-from distlab.strategies.base import TrainSpec, build_model
+from distlab.strategies import parse
+from distlab.strategies.base import build_model
 
 # (saved strategy, its world size) -> (resuming strategy, its world size), precision
 PAIRS = [
@@ -23,8 +24,8 @@ def _restore_and_capture(strategy: str, precision: str, directory: str) -> dict:
     """On each rank: build `strategy`'s model and optimizer, resume from ``directory``, and return
     what a checkpoint would save right now."""
     from distlab.strategies.data_parallel import _wrap, rank_state
-    spec = TrainSpec(strategy, global_batch=12, precision=precision,
-                     options={"checkpoint_dir": directory, "resume": True, "bucket_mb": 0.1})
+    spec = parse(strategy, global_batch=12, precision=precision, checkpoint_dir=directory, resume=True,
+                 bucket_mb=0.1)
     model = build_model(spec)
     if precision == "bf16-mixed":
         model = model.to(torch.bfloat16)

@@ -58,7 +58,7 @@ def test_misspelled_options_name_the_valid_ones_with_a_did_you_mean(no_launch):
 
 
 def test_every_strategy_declares_its_options_and_takes_the_checkpoints():
-    from distlab.strategies.mesh import parse
+    from distlab.strategies import parse
     assert MESH_FORM in names() and "3d" not in names() and len(names()) == len(REGISTRY)
     for name in names():
         opts = options(name)
@@ -66,8 +66,9 @@ def test_every_strategy_declares_its_options_and_takes_the_checkpoints():
     assert set(options("zero3")) - set(options("zero2")) == {"prefetch"}
     assert "bucket_mb" not in options("pp-gpipe") and "virtual" in options("pp-interleaved")
     with pytest.raises(TypeError, match="no option 'prefetch'"):        # no longer silently ignored
-        parse("3d:dp=2", {"prefetch": True})
-    assert parse("3d:dp=2", {"checkpoint_dir": "x"})["dp"] == 2          # the checkpoint's are read elsewhere
+        parse("3d:dp=2", prefetch=True)
+    spec = parse("3d:dp=2", checkpoint_dir="x")                          # the checkpoint's: its own concern
+    assert spec.layout.dp == 2 and spec.checkpoint.checkpoint_dir == "x"
 
 
 def test_layouts_that_cannot_run_fail_before_any_rank_starts(no_launch):

@@ -267,21 +267,20 @@ def test_train_matches_single(strategy, world, options):
 
 
 def test_train_refuses_what_it_cannot_split():
-    from distlab.strategies import context
-    from distlab.strategies.base import TrainSpec
+    from distlab.strategies import context, parse
     with pytest.raises(ValueError, match="multiple of 2 x cp = 6"):       # gpt-tiny: 32 tokens
-        context.check(TrainSpec("cp-ring"), 3)
+        context.check(parse("cp-ring"), 3)
     with pytest.raises(ValueError, match="multiple of cp = 3"):
-        context.check(TrainSpec("cp-ulysses"), 3)
+        context.check(parse("cp-ulysses"), 3)
     with pytest.raises(ValueError, match="4 heads over 8 ranks"):
-        context.check(TrainSpec("cp-ulysses"), 8)
+        context.check(parse("cp-ulysses"), 8)
     with pytest.raises(ValueError, match="GPT preset"):
-        context.check(TrainSpec("cp-ring", model="mlp"), 2)
+        context.check(parse("cp-ring", model="mlp"), 2)
     with pytest.raises(ValueError, match="dividing the world size 4"):
-        context.check(TrainSpec("cp-ring", options={"dp": 3}), 4)
-    assert context.check(TrainSpec("cp-ring", options={"dp": 2}), 8) == (2, 4, True)
-    with pytest.raises(ValueError, match="zigzag=True"):
-        context.check(TrainSpec("cp-ring", options={"zigzag": "yes"}), 2)
+        context.check(parse("cp-ring", dp=3), 4)
+    assert context.check(parse("cp-ring", dp=2), 8) == (2, 4, True)
+    with pytest.raises(ValueError, match="zigzag must be True or False"):
+        parse("cp-ring", zigzag="yes")
     # before any rank starts: dl.train raises in this process, launching nothing
     import importlib
     launch_module = importlib.import_module("distlab.launch")

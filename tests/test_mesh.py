@@ -3,13 +3,16 @@ single-process training on the same global batch, with the 3D invariants (dp rep
 TP shards 1/T, pipeline stages owning disjoint layers, DP traffic equal to the ring formula)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import distlab as dl
 from distlab.parallel.mesh import AXES, Coord, Mesh, grid_rows
-from distlab.strategies.mesh import axis_of, parse
+from distlab.strategies import parse
+from distlab.strategies.mesh import axis_of
 
 
 # -- the layout (no processes) -----------------------------------------------------------------
@@ -62,8 +65,9 @@ def test_bad_meshes_say_what_to_do():
         parse("3d:dp=two")
     with pytest.raises(ValueError, match="schedule"):
         parse("3d:dp=2,schedule=fast")
-    assert parse("3d:dp=2,pp=2,zero=1,sp=1") == dict(parse("3d:dp=2,pp=2"), zero=1, sequence_parallel=True)
-    assert parse("3d:tp=2", {"microbatches": 4})["microbatches"] == 4
+    both = parse("3d:dp=2,pp=2,zero=1,sp=1").layout
+    assert both == replace(parse("3d:dp=2,pp=2").layout, zero=1, sequence_parallel=True)
+    assert parse("3d:tp=2", microbatches=4).layout.microbatches == 4
     with pytest.raises(ValueError, match="dp=2 x tp=2 x pp=2 = 8 ranks"):    # checked before launching
         dl.train("3d:dp=2,tp=2,pp=2", world_size=4, steps=1)
 
@@ -139,8 +143,8 @@ def test_3d_training_matches_single(name, world, single_sgd):
     report = dl.train(name, world_size=world, **SGD)
     _assert_matches_single(report, single_sgd)
     assert report.losses[1] < report.losses[0]
-    o = parse(name)
-    _assert_invariants(report, o["dp"], o["tp"], o["pp"])
+    o = parse(name).layout
+    _assert_invariants(report, o.dp, o.tp, o.pp)
     # every comm event is attributed to one axis; with all three degrees 2, each axis carries traffic
     if world == 8:
         assert {axis_of(e) for e in report.run.trace.comms()} == set(AXES)

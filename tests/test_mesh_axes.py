@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import distlab as dl
-from distlab.strategies.mesh import parse
+from distlab.strategies import parse
 
 CP = dict(model="gpt-tiny", steps=2, seed=0, optimizer="sgd", lr=0.1, global_batch=8, grad_accum=2)
 EP = dict(model="gpt-moe-tiny", steps=2, seed=0, optimizer="sgd", lr=0.1, global_batch=6, clip=0.5)
@@ -41,8 +41,8 @@ CP_MESHES = [("3d:dp=2,cp=2", 4), ("3d:cp=2,tp=2", 4), ("3d:cp=2,tp=2,attention=
 def test_cp_mesh_matches_single(name, world):
     report = dl.train(name, world_size=world, **CP)
     _assert_matches(report, _single("cp"))
-    o = parse(name)
-    dp, cp, tp = o["dp"], o["cp"], o["tp"]
+    o = parse(name).layout
+    dp, cp, tp = o.dp, o.cp, o.tp
     infos = [r.info for r in report.results]
     assert all((i["dp"], i["cp"], i["tp"]) == (dp, cp, tp) for i in infos)
     grid = torch.arange(world).view(dp, cp, tp)
@@ -59,7 +59,7 @@ def test_cp_mesh_matches_single(name, world):
             assert n == (whole // tp if split else whole), (pname, shape)
     if tp > 1:                                   # different tp ranks hold different shards
         assert infos[0]["digests"]["blocks.0.attn.q.weight"] != infos[1]["digests"]["blocks.0.attn.q.weight"]
-    op = "all_to_all" if o.get("attention") == "ulysses" else "ring_shift"
+    op = "all_to_all" if o.attention == "ulysses" else "ring_shift"
     events = report.trace.comms(op=op)
     assert events
     for e in events:                             # attention talks only inside a cp group grid[d, :, t]
@@ -79,8 +79,8 @@ def test_ep_mesh_matches_single(name, world, kw):
     ref = dl.train("single", **{**EP, **kw}) if kw else _single("ep")
     report = dl.train(name, world_size=world, **{**EP, **kw})
     _assert_matches(report, ref)
-    o = parse(name)
-    dp, ep = o["dp"], o["ep"]
+    o = parse(name).layout
+    dp, ep = o.dp, o.ep
     infos = [r.info for r in report.results]
     grid = torch.arange(world).view(dp, ep)
     experts = {n for n in infos[0]["shapes"] if ".mlp.local." in n}
@@ -168,9 +168,9 @@ def test_refused_before_any_rank_starts(name, world, model, match):
 
 
 def test_parse_reads_the_new_axes():
-    o = parse("3d:dp=2,cp=2,attention=ulysses,zigzag=1")
-    assert (o["dp"], o["cp"], o["ep"], o["tp"], o["attention"], o["zigzag"]) == (2, 2, 1, 1, "ulysses", True)
-    assert parse("3d:dp=2", {"ep": 2})["ep"] == 2
+    o = parse("3d:dp=2,cp=2,attention=ulysses,zigzag=1").layout
+    assert (o.dp, o.cp, o.ep, o.tp, o.attention, o.zigzag) == (2, 2, 1, 1, "ulysses", True)
+    assert parse("3d:dp=2", ep=2).layout.ep == 2
     with pytest.raises(ValueError, match="positive integer"):
         parse("3d:cp=0")
 

@@ -135,7 +135,9 @@ BAD = [
     (dict(strategy="3d:dp=2", dp=2.5), "dp must be a positive integer"),
     (dict(strategy="3d:dp=2", sp=1), "sp must be True or False"),
     (dict(strategy="3d:dp=2,sp=maybe"), "sp='maybe' must be true or false"),
-    (dict(strategy="3d:dp=2", zero=True), "zero must be 0 or 1"),
+    (dict(strategy="3d:dp=2", zero=True), "zero must be one of 0, 1, 2 or 3"),
+    (dict(strategy="3d:dp=2", zero=2), "the mesh offers ZeRO-1 over dp"),
+    (dict(strategy="3d:dp=2", dp=None, tp=None), "dp and tp are both None"),
 ]
 
 
@@ -169,17 +171,23 @@ def test_what_is_said_explicitly_passes(tmp_path, monkeypatch, no_training):
 
 
 def test_every_option_and_argument_has_a_rule():
-    """One rule per option of every strategy, per field of the spec, per argument of dl.train."""
-    from distlab.checkpoint.options import RULES as CHECKPOINT
-    from distlab.strategies import names, options, rules
-    from distlab.strategies.base import FIELDS, TrainSpec
+    """Every option of every strategy is a field of the typed spec, with a rule and a docstring; every
+    parameter of dl.train is a keyword of the spec or one of its own arguments (with a rule)."""
+    import dataclasses
+
+    from distlab.strategies import names, options
+    from distlab.strategies.parse import ALIASES, TOP
+    from distlab.strategies.spec import CONCERNS, WHERE, TrainSpec
     from distlab.train import ARGUMENTS
     for name in names():
-        missing = set(options(name)) - set(rules(name)) - set(CHECKPOINT)
-        assert not missing, f"{name}: options without a rule: {missing}"
-    assert set(FIELDS) == set(inspect.signature(TrainSpec).parameters)
-    given = set(inspect.signature(dl.train).parameters) - {"more_options", "shrink"}   # shrink: restart.plan
-    assert given <= set(FIELDS) | set(ARGUMENTS)
+        missing = set(options(name)) - set(WHERE) - set(ALIASES)
+        assert not missing, f"{name}: options that are no field of the spec: {missing}"
+    for cls in (TrainSpec, *CONCERNS.values()):
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("doc"), f"{cls.__name__}.{f.name} has no docstring"
+            assert f.name in CONCERNS or f.metadata.get("rule"), f"{cls.__name__}.{f.name} has no rule"
+    given = set(inspect.signature(dl.train).parameters) - {"more_options", "strategy"}
+    assert given <= set(TOP) | set(WHERE) | set(ARGUMENTS)
 
 
 # -- the command: exit 2, one line, before anything starts ---------------------------------------------
@@ -269,8 +277,8 @@ def _failure(last_line: str) -> dl.LaunchError:
 ])
 def test_restarts_are_made_only_for_failures_that_may_pass(last_line, retried, tmp_path, capfd):
     from distlab import restart
-    from distlab.strategies import TrainSpec
-    spec = TrainSpec("ddp", steps=4, options={"checkpoint_dir": str(tmp_path), "checkpoint_every": 2})
+    from distlab.strategies import parse
+    spec = parse("ddp", steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2, max_restarts=2)
     attempts = []
 
     def fails(s, n):
@@ -278,7 +286,7 @@ def test_restarts_are_made_only_for_failures_that_may_pass(last_line, retried, t
         raise _failure(last_line)
 
     with pytest.raises(dl.LaunchError) as err:
-        restart.run(spec, restart.plan(spec, 2, 2, False), fails)
+        restart.run(spec, restart.plan(spec, 2), fails)
     assert len(attempts) == (3 if retried else 1)
     assert len(err.value.restarts) == (2 if retried else 0)
     said = capfd.readouterr().err

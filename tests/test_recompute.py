@@ -82,7 +82,7 @@ def test_the_cli_flag_reaches_train(monkeypatch):
                         lambda *a, **k: seen.append(k) or (_ for _ in ()).throw(SystemExit(0)))
     with pytest.raises(SystemExit):
         main(["train", "--strategy", "ddp", "--world-size", "2", "--recompute"])
-    assert seen[0]["options"]["recompute"] == "full"
+    assert seen[0]["recompute"] == "full"
 
 
 def test_a_recomputing_block_keeps_what_korthikanti_counts_for_full_recomputation():

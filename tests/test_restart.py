@@ -145,7 +145,7 @@ def test_cli_flags_reach_train(monkeypatch, capsys):
     base = ["train", "--strategy", "ddp", "--world-size", "3", "--checkpoint-dir", "ck",
             "--checkpoint-every", "2"]
     cli.main([*base, "--max-restarts", "2", "--shrink", "2,1", "--async-save"])
-    assert seen["max_restarts"] == 2 and seen["shrink"] == [2, 1] and seen["options"]["async_save"] is True
+    assert seen["max_restarts"] == 2 and seen["shrink"] == [2, 1] and seen["async_save"] is True
     out = capsys.readouterr().out
     assert "restart 1: 3 -> 2 ranks, resumed from step 4, lost 1 step(s) and 0.50 s" in out
     cli.main([*base, "--max-restarts", "1", "--shrink"])
@@ -159,21 +159,21 @@ def test_when_every_attempt_fails_the_last_error_carries_the_restarts(tmp_path, 
     """No processes: a stand-in launch that always fails. The last attempt's LaunchError is raised with
     ``.restarts`` (one per relaunch), each attempt after the first asked to resume and freed of faults."""
     from distlab import restart
-    from distlab.strategies import TrainSpec
-    spec = TrainSpec("ddp", steps=4, options={"checkpoint_dir": str(tmp_path), "checkpoint_every": 2,
-                                              "fail_at_step": 1})
+    from distlab.strategies import parse
+    spec = parse("ddp", steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2, fail_at_step=1,
+                 max_restarts=2, shrink=True)
     seen = []
 
     def always_fails(s, n):
-        seen.append((n, dict(s.options)))
+        seen.append((n, s.checkpoint))
         raise dl.LaunchError("rank 1 failed:\n\nrank 1 was killed by SIGKILL", rank=1,
                              failures={1: "rank 1 was killed by SIGKILL"})
 
     with pytest.raises(dl.LaunchError) as err:
-        restart.run(spec, restart.plan(spec, 3, 2, True), always_fails)
+        restart.run(spec, restart.plan(spec, 3), always_fails)
     assert [n for n, _ in seen] == [3, 2, 1]
-    assert seen[0][1]["fail_at_step"] == 1 and seen[0][1]["heartbeat"] is True
-    assert all("fail_at_step" not in o and o["resume"] is False for _, o in seen[1:])   # nothing saved yet
+    assert seen[0][1].fail_at_step == 1 and seen[0][1].heartbeat is True
+    assert all(o.fail_at_step is None and o.resume is False for _, o in seen[1:])   # nothing saved yet
     assert [(r.attempt, r.world_size, r.next_world_size, r.resumed_from) for r in err.value.restarts] == [
         (1, 3, 2, 0), (2, 2, 1, 0)]
     assert err.value.restarts[0].reason == "rank 1 was killed by SIGKILL"

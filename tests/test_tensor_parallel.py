@@ -339,9 +339,9 @@ def _single(spec):
     ("tp", 2, {}), ("tp-sp", 4, {}),
     ("tp-sp", 2, dict(optimizer="sgd", lr=0.1, clip=0.5, grad_accum=2))])
 def test_training_matches_single(strategy, world, kw):
-    from distlab.strategies.base import TrainSpec
+    from distlab.strategies import parse
     from distlab.strategies.tensor import train_rank
-    spec = TrainSpec(strategy, steps=5, **kw)
+    spec = parse(strategy, steps=5, **kw)
     run = dl.launch(train_rank, world_size=world, args=(spec,), output="quiet")
     ref_losses, ref_params = _single(spec)
     res = run.results[0]
@@ -360,8 +360,8 @@ def test_training_matches_single(strategy, world, kw):
 
 def test_train_api_runs_tp():
     report = dl.train(strategy="tp", world_size=2, model="gpt-tiny", steps=2, seed=0)
-    from distlab.strategies.base import TrainSpec
-    ref_losses, _ = _single(TrainSpec("single", steps=2))
+    from distlab.strategies import parse
+    ref_losses, _ = _single(parse("single", steps=2))
     assert report.losses == pytest.approx(ref_losses, rel=1e-5)
 
 

@@ -72,7 +72,7 @@ import torch.distributed as dist
 from ..runtime import rank, tracer, world_size
 from . import exclusive, reshard, store
 from .background import BackgroundWriter
-from .options import OPTIONS, check_values
+from .options import Checkpointing, check_values
 from .state import RankState
 
 HEARTBEAT = ".heartbeat.json"     # with heartbeat=True: rank 0's last finished step (dl.train's restarts)
@@ -82,25 +82,20 @@ _MUST_MATCH = ("strategy", "model", "seed", "global_batch", "lr", "optimizer", "
                "precision", "clip", "layout")
 
 
-def requested(options: dict) -> bool:
-    """Whether ``options`` ask for checkpointing or fault injection."""
-    return any(options.get(k) not in (None, False) for k in OPTIONS)
-
-
 class Checkpointer:
     """The checkpoint side of one rank's training loop (built by `for_spec`) over ``state``, the
-    `RankState` its strategy built. A context manager around the loop: leaving it, however the run
-    ends, gives the checkpoint directory back to the next run."""
+    `RankState` its strategy built; ``spec.checkpoint`` is its `Checkpointing`. A context manager around
+    the loop: leaving it, however the run ends, gives the checkpoint directory back to the next run."""
 
     def __init__(self, spec, state: RankState):
-        o = spec.options
+        o: Checkpointing = spec.checkpoint
         self.spec, self.state = spec, state
-        self.directory = o.get("checkpoint_dir")
-        self.every = o.get("checkpoint_every")
-        self.keep_last = o.get("keep_last")
-        self.resume_from = o.get("resume", False)
-        self.fail_at, self.fail_in = o.get("fail_at_step"), o.get("fail_in", "step")
-        self.fail_rank = o.get("fail_rank", world_size() - 1)
+        self.directory = o.checkpoint_dir
+        self.every = o.checkpoint_every
+        self.keep_last = o.keep_last
+        self.resume_from = o.resume
+        self.fail_at, self.fail_in = o.fail_at_step, o.fail_in or "step"
+        self.fail_rank = world_size() - 1 if o.fail_rank is None else o.fail_rank
         self.saved: list[int] = []
         self.stall_s: list[float] = []
         if self.fail_at is not None:
@@ -109,8 +104,8 @@ class Checkpointer:
         self.run_id: str | None = None
         self.note: str | None = None
         self._lock = lock(self.directory) if self.directory is not None and rank() == 0 else None
-        self.heartbeat = bool(o.get("heartbeat")) and rank() == 0
-        self.writer = BackgroundWriter() if o.get("async_save") and self.every else None
+        self.heartbeat = o.heartbeat and rank() == 0
+        self.writer = BackgroundWriter() if o.async_save and self.every else None
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -265,8 +260,8 @@ class NoCheckpoints:
 
 
 def for_spec(spec, state: RankState) -> Checkpointer | NoCheckpoints:
-    """A `Checkpointer` when the spec's options ask for one, else a `NoCheckpoints` that does nothing."""
-    return Checkpointer(spec, state) if requested(spec.options) else NoCheckpoints()
+    """A `Checkpointer` when ``spec.checkpoint`` asks for one, else a `NoCheckpoints` that does nothing."""
+    return Checkpointer(spec, state) if spec.checkpoint.requested else NoCheckpoints()
 
 
 def _first_attempt() -> bool:
@@ -340,13 +335,13 @@ def newest_verified(directory) -> tuple[int | None, str | None, str | None]:
                   f"resume=False to overwrite"), None
 
 
-def check_options(options: dict, in_process: str | None = None, *, steps: int | None = None,
+def check_options(ck: Checkpointing, in_process: str | None = None, *, steps: int | None = None,
                   world: int | None = None) -> None:
     """Everything about the checkpoint options that can be checked before any rank starts
-    (`options.check_values`: each value, and what they say together against ``steps`` and the ``world``
-    size when given); then ``checkpoint_dir`` is created and proved writable now, not at the first save."""
-    check_values(options, in_process, steps=steps, world=world)
-    directory = options.get("checkpoint_dir")
+    (`options.check_values`: what they say together against ``steps`` and the ``world`` size when given);
+    then ``checkpoint_dir`` is created and proved writable now, not at the first save."""
+    check_values(ck, in_process, steps=steps, world=world)
+    directory = ck.checkpoint_dir
     if directory is not None:
         writable(directory)
 

@@ -1,4 +1,4 @@
-"""The 3D device mesh: every rank at one (dp, pp, tp) coordinate, one process group per axis.
+"""The device mesh: every rank at one coordinate of a grid of named axes, one process group per axis.
 
 The whole mesh is one expression (Megatron-LM's rank order: tensor-parallel fastest, so a TP
 group is a run of consecutive ranks -- one node's fast links -- and data-parallel slowest)::
@@ -12,9 +12,14 @@ group is a run of consecutive ranks -- one node's fast links -- and data-paralle
                                     pp=1 [   6     7  ]
 
 A rank finds its coordinates by lookup (``(grid == rank).nonzero()``), and the members of its group
-along an axis by fixing the two other coordinates: ``grid[d, p, :]`` is its TP group,
+along an axis by fixing the other coordinates: ``grid[d, p, :]`` is its TP group,
 ``grid[d, :, t]`` its pipeline, ``grid[:, p, t]`` its data-parallel replicas. Every group along an
 axis partitions the world: each rank is in exactly one TP, one PP and one DP group.
+
+Context and expert parallelism are two more axes, ``Mesh(dp=2, cp=2, tp=2)``, ``Mesh(dp=2, ep=2)``,
+placed in `ORDER` (cp and ep between pp and tp: they talk every layer, so they get the next-fastest
+links); a group over several axes, such as the ``dp x cp`` ranks that hold the same weights, is
+``mesh.group("dp", "cp")``.
 
 What travels on each kind of link in 3D training (Narayanan et al. 2021, "Efficient Large-Scale
 Language Model Training on GPU Clusters Using Megatron-LM", Sec. 3):
@@ -23,10 +28,12 @@ Language Model Training on GPU Clusters Using Megatron-LM", Sec. 3):
     PP   one activation forward and one gradient backward per microbatch and stage boundary
     DP   one all-reduce of this rank's gradient shard per step (Psi / (tp pp) parameters)
 
-``Mesh(dp, tp, pp)`` inside a launched rank creates every group on every rank in the same order
-(``torch.distributed.new_group`` is collective over the world) and names each by its axis, so every
-traced collective on it says which link it used (``event.args["group"]``); outside one (or with
-``groups=False``) it is the pure layout, for drawing and checking.
+ONE grid builder: `grid_rows` reads the groups off ``torch.arange(world).view(...)`` for any named
+axes, `grid_groups` makes them process groups, and `Mesh` names them. ``Mesh(...)`` inside a launched
+rank creates every group on every rank in the same order (``torch.distributed.new_group`` is
+collective over the world) and names each by its axis, so every traced collective on it says which
+link it used (``event.args["group"]``); outside one (or with ``groups=False``) it is the pure layout,
+for drawing and checking.
 """
 from __future__ import annotations
 
@@ -38,64 +45,75 @@ import torch.distributed as dist
 
 from . import collectives
 
-AXES = ("dp", "pp", "tp")          # the grid's dimensions, slowest to fastest
+ORDER = ("dp", "pp", "cp", "ep", "tp")   # every axis a mesh may have, slowest to fastest
+AXES = ("dp", "pp", "tp")                # the 3D mesh's: always there (cp and ep when asked for)
+SHOWN = ("dp", "tp", "pp", "cp", "ep")   # the order they are written in (Mesh(dp, tp, pp))
 
 
 @dataclass(frozen=True)
 class Coord:
-    """Where a rank sits in the mesh."""
+    """Where a rank sits in the mesh (cp and ep: None on a mesh without that axis)."""
 
     dp: int
     pp: int
     tp: int
+    cp: int | None = None
+    ep: int | None = None
 
     def __str__(self) -> str:
-        return f"(dp={self.dp}, pp={self.pp}, tp={self.tp})"
+        shown = [f"{a}={getattr(self, a)}" for a in ORDER if getattr(self, a) is not None]
+        return f"({', '.join(shown)})"
 
 
 class Mesh:
-    """A ``dp x pp x tp`` grid of ranks and its three families of process groups.
+    """A grid of ranks, ``dp x pp [x cp] [x ep] x tp``, and one family of process groups per axis.
 
     ``mesh.coords(r)`` -> `Coord`; ``mesh.rank_at(dp=, pp=, tp=)``; ``mesh.ranks("tp", r)``: the
     ranks in r's TP group (in group-rank order); ``mesh.all_groups("pp")``: every PP group;
-    ``mesh.group("dp")`` / ``mesh.dp_group``: this rank's process group; ``mesh.dp_rank`` etc.:
-    this rank's coordinates.
+    ``mesh.group("dp")`` / ``mesh.dp_group``: this rank's process group; ``mesh.group("dp", "cp")``:
+    over several axes (made on first use: every rank must ask for it, in the same order);
+    ``mesh.dp_rank`` etc.: this rank's coordinates; ``mesh.dp`` etc.: the degrees (1 for an axis the
+    mesh does not have).
     """
 
-    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, *, world_size: int | None = None,
-                 groups: bool = True):
-        sizes = {"dp": dp, "pp": pp, "tp": tp}
-        for axis, n in sizes.items():
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, *, cp: int | None = None,
+                 ep: int | None = None, world_size: int | None = None, groups: bool = True):
+        given = {"dp": dp, "pp": pp, "cp": cp, "ep": ep, "tp": tp}
+        for axis, n in given.items():
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
                 raise ValueError(f"{axis}={n!r}: every mesh degree must be a positive integer")
-        self.sizes = sizes
-        self.dp, self.pp, self.tp = dp, pp, tp
+        self.sizes = {a: given[a] for a in ORDER if given[a] is not None}
+        self.dp, self.pp, self.tp, self.cp, self.ep = dp, pp, tp, cp or 1, ep or 1
         distributed = dist.is_available() and dist.is_initialized()
+        product = math.prod(self.sizes.values())
         if world_size is None:
-            world_size = dist.get_world_size() if distributed else dp * pp * tp
-        if dp * pp * tp != world_size:
-            raise ValueError(f"mesh dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} ranks, but the world has "
-                             f"{world_size}: choose degrees whose product is {world_size} "
-                             f"(e.g. {_suggest(world_size)}) or launch with world_size={dp * tp * pp}")
+            world_size = dist.get_world_size() if distributed else product
+        if product != world_size:
+            shown = " x ".join(f"{a}={self.sizes[a]}" for a in SHOWN if a in self.sizes)
+            raise ValueError(f"mesh {shown} = {product} ranks, but the world has {world_size}: choose "
+                             f"degrees whose product is {world_size} (e.g. {_suggest(world_size)}) or "
+                             f"launch with world_size={product}")
         self.world_size = world_size
-        self.grid = torch.arange(world_size).view(dp, pp, tp)
+        self.grid = torch.arange(world_size).view(*self.sizes.values())
         self.rank = dist.get_rank() if distributed else None
-        self._groups: dict[str, object] = {}
-        if distributed and groups:
-            self._create_groups()
+        self._groups: dict[tuple, object] = {}
+        self._distributed = distributed and groups
+        if self._distributed:
+            made = grid_groups(self.sizes, {axis: (axis,) for axis in self.sizes})
+            self._groups = {(axis,): g for axis, g in made.items()}
 
     # -- the layout (pure) -------------------------------------------------------------------
     def coords(self, rank: int | None = None) -> Coord:
-        """The (dp, pp, tp) coordinates of ``rank`` (default: this rank), found by lookup in the grid."""
+        """The coordinates of ``rank`` (default: this rank), found by lookup in the grid."""
         rank = self._me(rank)
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is not in a mesh of {self.world_size} ranks")
-        d, p, t = (self.grid == rank).nonzero()[0].tolist()
-        return Coord(d, p, t)
+        at = (self.grid == rank).nonzero()[0].tolist()
+        return Coord(**dict(zip(self.sizes, at)))
 
-    def rank_at(self, dp: int = 0, pp: int = 0, tp: int = 0) -> int:
-        """The global rank at a coordinate."""
-        return int(self.grid[dp, pp, tp])
+    def rank_at(self, **coords: int) -> int:
+        """The global rank at a coordinate (axes not named: 0)."""
+        return int(self.grid[tuple(coords.get(a, 0) for a in self.sizes)])
 
     def all_groups(self, axis: str) -> list[list[int]]:
         """Every group along ``axis``, each a list of global ranks in group-rank order (`grid_rows`)."""
@@ -106,22 +124,27 @@ class Mesh:
         """The members of ``rank``'s group along ``axis`` (``rank`` included), in group-rank order."""
         self._axis(axis)
         c = self.coords(rank)
-        index = [slice(None) if a == axis else getattr(c, a) for a in AXES]
+        index = [slice(None) if a == axis else getattr(c, a) for a in self.sizes]
         return self.grid[tuple(index)].tolist()
 
     def links(self, rank: int | None = None) -> dict[str, list[int]]:
         """The ranks ``rank`` talks to on each axis (its group members other than itself)."""
         me = self._me(rank)
-        return {axis: [r for r in self.ranks(axis, me) if r != me] for axis in AXES}
+        return {axis: [r for r in self.ranks(axis, me) if r != me] for axis in self.sizes}
 
     # -- this rank's groups ------------------------------------------------------------------
-    def group(self, axis: str):
-        """This rank's process group along ``axis`` (only inside a launched rank)."""
-        self._axis(axis)
-        if axis not in self._groups:
+    def group(self, *axes: str):
+        """This rank's process group along ``axes`` (only inside a launched rank). One axis: made with the
+        mesh; several (``"dp", "cp"``): made on first use, named by the axes joined (``"dp_cp"``)."""
+        for axis in axes:
+            self._axis(axis)
+        if not self._distributed:
             raise RuntimeError("this Mesh has no process groups: build it inside a launched rank "
                                "(dl.launch) with groups=True")
-        return self._groups[axis]
+        span = tuple(a for a in self.sizes if a in axes)          # in the grid's order
+        if span not in self._groups:                              # collective: every rank asks
+            self._groups[span] = grid_groups(self.sizes, {"_".join(span): span})["_".join(span)]
+        return self._groups[span]
 
     @property
     def dp_group(self):
@@ -147,11 +170,6 @@ class Mesh:
     def tp_rank(self) -> int:
         return self.coords().tp
 
-    def _create_groups(self) -> None:
-        """Every rank creates every group, axis by axis in `AXES` order, and keeps the ones it is in,
-        named by its axis (`grid_groups`): every comm event on it is tagged ``group="tp"``..."""
-        self._groups = grid_groups(self.sizes, {axis: (axis,) for axis in AXES})
-
     # -- helpers -------------------------------------------------------------------------------
     def _me(self, rank: int | None) -> int:
         if rank is not None:
@@ -160,23 +178,27 @@ class Mesh:
             raise ValueError("outside a launched rank pass rank= explicitly")
         return self.rank
 
-    @staticmethod
-    def _axis(axis: str) -> int:
-        if axis not in AXES:
-            raise ValueError(f"unknown mesh axis {axis!r}: choose one of {AXES}")
-        return AXES.index(axis)
+    def _axis(self, axis: str) -> None:
+        if axis not in self.sizes:
+            raise ValueError(f"unknown mesh axis {axis!r}: this mesh's axes are {tuple(self.sizes)}")
 
     def table(self) -> str:
-        """The grid as text: one line per (dp, pp), the ranks along tp."""
-        lines = [" " * 12 + "".join(f"tp={t:<4d}" for t in range(self.tp))]
-        for d in range(self.dp):
-            for p in range(self.pp):
-                lines.append(f"dp={d} pp={p}  " + "".join(f"{int(r):<7d}" for r in self.grid[d, p]))
+        """The grid as text: one line per coordinate of the slower axes, the ranks along tp."""
+        slow = [a for a in self.sizes if a != "tp"]
+        rows = self.grid.reshape(-1, self.tp)
+        labels = [" ".join(f"{a}={i}" for a, i in zip(slow, idx))
+                  for idx in torch.cartesian_prod(*[torch.arange(self.sizes[a]) for a in slow]).view(
+                      -1, len(slow)).tolist()]
+        width = max(len(label) for label in labels) + 2
+        lines = [" " * (width + 1) + "".join(f"tp={t:<4d}" for t in range(self.tp))]
+        for label, row in zip(labels, rows):
+            lines.append(label.ljust(width) + "".join(f"{int(r):<7d}" for r in row))
         return "\n".join(line.rstrip() for line in lines)
 
     def __repr__(self) -> str:
         where = "" if self.rank is None else f", rank {self.rank} at {self.coords()}"
-        return f"Mesh(dp={self.dp}, tp={self.tp}, pp={self.pp}{where})"
+        degrees = ", ".join(f"{a}={self.sizes[a]}" for a in SHOWN if a in self.sizes)
+        return f"Mesh({degrees}{where})"
 
 
 def grid_rows(sizes: dict[str, int], along: tuple[str, ...]) -> list[list[int]]:

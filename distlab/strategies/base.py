@@ -1,9 +1,10 @@
 """What every strategy's ``train_rank(spec)`` shares: the spec, the result, model, optimizer, data, loss.
 
 A strategy module exposes one function, ``train_rank(spec: TrainSpec) -> RankResult``, run on every
-rank by `distlab.train` (or in this process for ``single``). Everything here is deterministic given
-``spec.seed``, so every strategy sees the same initial weights and the same *global* batch on any
-world size, and can be compared with the single-process reference step by step.
+rank by `distlab.train` (or in this process for ``single``); the spec is `distlab.strategies.spec`'s.
+Everything here is deterministic given ``spec.seed``, so every strategy sees the same initial weights and
+the same *global* batch on any world size, and can be compared with the single-process reference step
+by step.
 """
 from __future__ import annotations
 
@@ -17,66 +18,8 @@ import torch.nn.functional as F
 
 from .. import models
 from ..memory import recompute_context
-from ..rules import Custom, Number, OneOf, Text, Whole, check
 from ..runtime import device, rank
-
-OPTIMIZERS = ("adamw", "adam", "sgd")
-PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")     # fp16: with dynamic loss scaling (`numerics`)
-#: step s of the data is drawn from torch's generator seeded with seed * 1_000_003 + s (`dl.models`), a
-#: 64-bit seed: any seed below 2**32 fits it for any run shorter than 2**44 steps
-MAX_SEED = 2**32 - 1
-
-
-def _is_dict(value) -> None:
-    if not isinstance(value, dict):
-        raise TypeError
-
-
-#: the type and range of every field of `TrainSpec` (`distlab.rules`), checked whenever a spec is made
-FIELDS = {
-    "strategy": Text(example="ddp"),
-    "model": Text(example="gpt-tiny"),
-    "steps": Whole(1, example=20),
-    "seed": Whole(0, MAX_SEED, example=0),
-    "global_batch": Whole(1, example=16),
-    "lr": Number(0, strict=True, example=1e-3),
-    "optimizer": OneOf(*OPTIMIZERS),
-    "weight_decay": Number(0, example=0.01),
-    "grad_accum": Whole(1, example=1),
-    "precision": OneOf(*PRECISIONS),
-    "clip": Number(0, strict=True, example=1.0, none="no clipping"),
-    "options": Custom(_is_dict, "a dict {option name: value}", example={"bucket_mb": 25.0}),
-}
-
-
-@dataclass
-class TrainSpec:
-    """Everything a rank needs to train; picklable (plain values only). What each field takes: `FIELDS`,
-    checked whenever a spec is made (`dl.train` makes it in the parent, before any rank starts)."""
-
-    strategy: str
-    model: str = "gpt-tiny"
-    steps: int = 20
-    seed: int = 0
-    global_batch: int = 16
-    lr: float = 1e-3
-    optimizer: str = "adamw"
-    weight_decay: float = 0.0
-    grad_accum: int = 1
-    precision: str = "fp32"
-    clip: float | None = None
-    options: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        check(FIELDS, {name: getattr(self, name) for name in FIELDS})
-        if self.global_batch % self.grad_accum:
-            raise ValueError(f"global_batch={self.global_batch} must be divisible by "
-                             f"grad_accum={self.grad_accum} (each micro-step takes an equal slice)")
-
-    @property
-    def micro_batch(self) -> int:
-        """Rows per gradient-accumulation micro-step (of the global batch, before any split by rank)."""
-        return self.global_batch // self.grad_accum
+from .spec import TrainSpec
 
 
 @dataclass
@@ -90,10 +33,10 @@ class RankResult:
 
 def build_model(spec: TrainSpec) -> nn.Module:
     """``dl.models.build(spec.model, spec.seed)`` on ``dl.device()``: identical weights on every rank;
-    option ``recompute``: True or "full" (every transformer block recomputes in backward), "selective"
-    (only attention's scores and softmax, `models.attention_core`)."""
+    ``spec.memory.recompute``: True or "full" (every transformer block recomputes in backward),
+    "selective" (only attention's scores and softmax, `models.attention_core`)."""
     model = models.build(spec.model, spec.seed).to(device())
-    how = spec.options.get("recompute", False)
+    how = spec.memory.recompute
     for block in getattr(model, "blocks", ()):
         block.recompute = how in (True, "full")
         block.attn.selective = how == "selective"
@@ -161,8 +104,7 @@ def microbatch_count(requested: int | None, rows: int, p: int, schedule: str, wh
     m = requested if requested is not None else (2 * p if rows >= 2 * p else p)
     if m > rows:
         raise ValueError(f"{m} microbatches need at least {m} rows per {where}, got {rows}: raise "
-                         f"global_batch "
-                         "or set options={'microbatches': ...}")
+                         "global_batch or pass fewer microbatches=...")
     if schedule == "interleaved" and m % p:
         raise ValueError(f"the interleaved schedule needs microbatches to be a multiple of the {p} pipeline "
                          f"ranks, got {m}")

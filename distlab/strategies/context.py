@@ -2,7 +2,7 @@
 
 All ranks form one context-parallel group and draw the whole global batch; each keeps its part of
 every sequence (``dl.cp.split(ids, dim=1)``: zig-zag for ring attention, contiguous for Ulysses by
-default; ``options={"zigzag": ...}`` overrides) and runs the GPT of `dl.cp.parallelize`, whose
+default; ``zigzag=...`` overrides) and runs the GPT of `dl.cp.parallelize`, whose
 attention is exact over the whole sequence. The weights are replicated, so the gradients are
 averaged by `dl.DDP` over the group: with equal token counts per rank,
 
@@ -10,22 +10,26 @@ averaged by `dl.DDP` over the group: with equal token counts per rank,
 
 and each rank's reported loss share is its local mean / n. The steps run in `distlab.strategies.loop`.
 
-With data parallelism (``options={"dp": D}``, world = D x C): the ranks form the grid
+With data parallelism (``dp=D``, world = D x C): the ranks form the grid
 ``torch.arange(world).view(D, C)``; row d is a context-parallel group (consecutive ranks: the fast
 links, since attention talks every layer) that takes replica d's rows of the global batch
 (``torch.tensor_split`` into D, uneven allowed), and every rank averages gradients over the whole
 world (weights are replicated along both axes), its loss scaled by D n_d / B as in `data_parallel`.
 
-With tensor parallelism too (``options={"tp": T}``, world = D x C x T; the mesh spelling
+With tensor parallelism too (``tp=T``, world = D x C x T; the mesh spelling
 ``3d:dp=D,cp=C,tp=T``): the grid is ``torch.arange(world).view(D, C, T)`` (tp fastest, as in
 Megatron-LM); `dl.tp.parallelize` splits heads, MLP and vocabulary over each row ``grid[d, c, :]``,
 ``dl.cp.parallelize`` the sequence over ``grid[d, :, t]`` (attention on this rank's a/T heads), the
 loss is the vocabulary-parallel cross-entropy, and the gradients are averaged over the D x C ranks
 holding the same shards, ``grid[:, :, t]`` (the "replicas"); clipping uses the whole model's norm.
+
+The grid is a `dl.Mesh(dp=D, cp=C, tp=T)`, and the model is laid out on it by THE composition function,
+`distlab.strategies.compose.parallelize`: TP, then CP, then DDP over the replicas.
 """
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 import torch
 
@@ -37,28 +41,23 @@ from ..parallel import context as cp_lib
 from ..parallel import tensor as tp_lib
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.context.layout import check_length
-from ..parallel.data import DDP
-from ..parallel.mesh import grid_groups
-from ..rules import Flag, Number, Whole
+from ..parallel.mesh import Mesh
 from ..runtime import rank, world_size
 from .base import (RankResult, TrainSpec, autocast, build_model, global_batch, loss_fn, rank0_copy,
                    require_rows)
+from .compose import parallelize
 from .data_parallel import LocalOptimizer
 from .loop import Plan, run, sum_losses
 from .tensor import sharded_params
 
-ATTENTION = {"cp-ring": "ring", "cp-ulysses": "ulysses"}
-OPTIONS = {name: ("dp", "tp", "zigzag", "bucket_mb") for name in ATTENTION}
-#: what each option takes (`distlab.rules`); dp and tp must also divide the world: `check`
-RULES = {"dp": Whole(1, example=2), "tp": Whole(1, example=2), "zigzag": Flag(),
-         "bucket_mb": Number(0, strict=True, example=25.0)}
+STRATEGIES = ("cp-ring", "cp-ulysses")
 
 
 def check(spec: TrainSpec, world: int) -> tuple[int, int, bool]:
     """Refuse what context parallelism cannot run, saying what to change; returns (dp, cp, zigzag)."""
-    if spec.strategy not in ATTENTION:
-        raise ValueError(f"context trains {sorted(ATTENTION)}, not {spec.strategy!r}")
-    dp, tp = spec.options.get("dp", 1), spec.options.get("tp", 1)
+    if spec.strategy not in STRATEGIES:
+        raise ValueError(f"context trains {STRATEGIES}, not {spec.strategy!r}")
+    dp, tp = spec.layout.dp, spec.layout.tp
     if not isinstance(tp, int) or tp < 1 or world % tp:
         raise ValueError(f"tp={tp!r} must be a positive integer dividing the world size {world}")
     if not isinstance(dp, int) or dp < 1 or (world // tp) % dp:
@@ -71,51 +70,29 @@ def check(spec: TrainSpec, world: int) -> tuple[int, int, bool]:
                          f"model='gpt-tiny', not {spec.model!r}")
     if spec.precision != "fp32":
         raise ValueError(f"{spec.strategy} runs in fp32 here: pass precision='fp32'")
-    zigzag = spec.options.get("zigzag", spec.strategy == "cp-ring")
-    if not isinstance(zigzag, bool):
-        raise ValueError(f"zigzag={zigzag!r}: pass zigzag=True (chunks r and 2n-1-r, balanced causal work) "
-                         f"or zigzag=False (one contiguous chunk per rank)")
+    zigzag = spec.layout.zigzag if spec.layout.zigzag is not None else spec.layout.attention == "ring"
     check_length(PRESETS[spec.model].seq_len, n, zigzag, what=f"{spec.model}'s sequence length")
     cfg = PRESETS[spec.model]
     for what, size in (("heads", cfg.heads), ("d_model", cfg.d_model), ("vocab", cfg.vocab)):
         tp_lib.check_divisible(what, size, tp, "choose another model or tp")
     heads = cfg.heads // tp
-    if spec.strategy == "cp-ulysses" and heads % n:
+    if spec.layout.attention == "ulysses" and heads % n:
         raise ValueError(f"cp-ulysses splits {spec.model}'s {heads} heads{' per tp rank' if tp > 1 else ''} "
                          f"over {n} ranks: use a cp degree that divides {heads}, or strategy='cp-ring'")
     return dp, n, zigzag
 
 
-def cp_group(dp: int, cp: int):
-    """(this rank's replica index, its context-parallel group): row d of arange(world).view(dp, cp)."""
-    if dp == 1:
-        return 0, None
-    return rank() // cp, grid_groups({"dp": dp, "cp": cp}, {"cp": ("cp",)})["cp"]
-
-
-def mesh_groups(dp: int, cp: int, tp: int) -> tuple[int, dict]:
-    """cp x tp: (replica index d, this rank's groups) on ``grid = arange(world).view(dp, cp, tp)``:
-    "tp" ``grid[d, c, :]``, "cp" ``grid[d, :, t]``, "dp" ``grid[:, :, t]`` (the replicas of its shards)."""
-    groups = grid_groups({"dp": dp, "cp": cp, "tp": tp}, {"tp": ("tp",), "cp": ("cp",), "dp": ("dp", "cp")})
-    return rank() // (cp * tp), groups
-
-
 def train_rank(spec: TrainSpec) -> RankResult:
     world, r = world_size(), rank()
     dp, n, zigzag = check(spec, world)
-    tp = spec.options.get("tp", 1)
-    if tp > 1:
-        d, groups = mesh_groups(dp, n, tp)
-    else:
-        d, group = cp_group(dp, n)
-        groups = {"tp": None, "cp": group, "dp": None}                      # replicas: the whole world
-    model = build_model(spec)
-    if tp > 1:
-        model = tp_lib.parallelize(model, group=groups["tp"])
-    model = cp_lib.parallelize(model, attention=ATTENTION[spec.strategy], group=groups["cp"], zigzag=zigzag)
-    wrapped = DDP(model, bucket_mb=spec.options.get("bucket_mb", 25.0), group=groups["dp"])
+    tp = spec.layout.tp
+    mesh = Mesh(dp=dp, cp=n, tp=tp)                          # arange(world).view(dp, cp, tp), tp fastest
+    layout = replace(spec.layout, zigzag=zigzag)
+    par = parallelize(build_model(spec), layout, mesh, bucket_mb=spec.data_parallel.bucket_mb)  # TP->CP->DP
+    model, d = par.model, mesh.coords().dp
+    groups = {"tp": mesh.group("tp") if tp > 1 else None, "cp": mesh.group("cp"), "dp": par.replicas}
     opt = LocalOptimizer(model.parameters(), spec)
-    criterion = _criterion(spec, model, groups["tp"] if tp > 1 else None)
+    criterion = _criterion(spec, model, groups["tp"])
 
     def forward(step: int, micro: int) -> torch.Tensor:
         ids, targets = global_batch(spec, step, micro)                     # (B, s) on every rank
@@ -123,16 +100,16 @@ def train_rank(spec: TrainSpec) -> RankResult:
         weight = dp * ids.shape[0] / spec.micro_batch / spec.grad_accum    # D n_d / (B k)
         ids, targets = (cp_lib.split(t, dim=1, group=groups["cp"], zigzag=zigzag) for t in (ids, targets))
         with autocast(spec):                                               # (B/dp, s/cp) tokens
-            return criterion(wrapped(ids), targets) * weight
+            return criterion(model(ids), targets) * weight                 # DDP averages in backward
 
     plan = Plan(forward, opt, _state(model, opt, groups, tp), loss_share=1 / (dp * n),
-                no_sync=wrapped.no_sync, clip=_clip(model, opt, groups, tp),
+                no_sync=par.ddp.no_sync if par.ddp is not None else None, clip=_clip(model, opt, groups, tp),
                 memory=replica_memory(model, opt.optimizer, ()))
     trained = run(spec, plan)
     losses = sum_losses(trained.losses, groups["dp"])
     params = rank0_copy(tp_lib.full_state_dict(model) if tp > 1 else model.state_dict())
     return RankResult(losses=losses if r == 0 else None, params=params,
-                      info={"cp": n, "dp": dp, "tp": tp, "attention": ATTENTION[spec.strategy],
+                      info={"cp": n, "dp": dp, "tp": tp, "attention": spec.layout.attention,
                             "zigzag": zigzag, **digests(model), **trained.info})
 
 

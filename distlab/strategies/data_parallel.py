@@ -14,8 +14,9 @@ whatever ``grad_accum`` is. ZeRO-3 does not by default: there ``no_sync`` saves 
 reduce-scatters and holds full gradients meanwhile, undoing ZeRO-3's gradient sharding (see
 `distlab.parallel.zero`); pass ``no_sync=True`` to make that trade.
 
-``spec.options`` (all optional): ``bucket_mb`` (25.0), ``overlap`` (True), ``comm`` ("torch" or
-"ring"), ``naive`` (DDP, False), ``compression`` (DDP: None or "powersgd", with ``powersgd_rank``, 4,
+The ZeRO stage is ``spec.layout.zero`` (``zero1``: 1, ...); the wrapper's knobs are
+``spec.data_parallel`` (`spec.DataParallel`): ``bucket_mb`` (25.0), ``overlap`` (True), ``comm`` ("torch"
+or "ring"), ``naive`` (DDP, False), ``compression`` (DDP: None or "powersgd", with ``powersgd_rank``, 4,
 and ``error_feedback``, True; `distlab.parallel.data.powersgd`), ``prefetch`` (ZeRO-3, False),
 ``max_inflight`` (ZeRO, 1: flat gradient buckets alive at once), ``no_sync`` (accumulate locally;
 True except for ZeRO-3). Checkpoints: ``checkpoint_dir``, ``checkpoint_every``, ``keep_last``,
@@ -33,7 +34,6 @@ import torch
 from ..checkpoint.state import flat_shard_state, replicated_state, with_part
 from ..memory import replica_memory, zero_memory
 from ..models import shard
-from ..rules import Flag, Number, OneOf, Whole
 from ..runtime import rank, world_size
 from .base import (
     RankResult,
@@ -51,17 +51,6 @@ from .loop import Plan, run, sum_losses
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
 LOW = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}     # the model's dtype under each
-_ZERO = ("bucket_mb", "overlap", "comm", "no_sync", "max_inflight")
-#: the options each strategy reads (`distlab.strategies.check_options` refuses any other); ``single``
-#: takes those of ddp and ignores them, so one set of keywords runs the reference and ddp side by side
-_DDP = ("bucket_mb", "overlap", "comm", "naive", "no_sync", "compression", "powersgd_rank", "error_feedback")
-OPTIONS = {"single": _DDP, "ddp": _DDP,
-           "zero1": _ZERO, "zero2": _ZERO, "zero3": _ZERO + ("prefetch",)}
-#: what each option takes (`distlab.rules`), checked in the parent by `distlab.strategies.check`
-RULES = {"bucket_mb": Number(0, strict=True, example=25.0), "overlap": Flag(), "comm": OneOf("torch", "ring"),
-         "naive": Flag(), "no_sync": Flag(), "compression": OneOf("none", "powersgd", none="plain DDP"),
-         "powersgd_rank": Whole(1, example=4), "error_feedback": Flag(), "max_inflight": Whole(1, example=1),
-         "prefetch": Flag()}
 
 
 class LocalOptimizer:
@@ -109,27 +98,23 @@ class LocalOptimizer:
 def _wrap(spec: TrainSpec, model: torch.nn.Module):
     """(model to call, optimizer with clip_grad_norm_/step/zero_grad, a callable returning the ledger's
     bytes by category), the last measured from outside by `distlab.memory`."""
-    opts = {k: v for k, v in spec.options.items() if k in OPTIONS[spec.strategy]}
-    comm = opts.get("comm", "torch")
-    if spec.strategy in ("single", "ddp"):
+    o = spec.data_parallel
+    if spec.layout.zero == 0:
         wrapped = model
-        if spec.strategy == "ddp" and opts.get("compression") == "powersgd":
+        if spec.strategy == "ddp" and o.compression == "powersgd":
             from ..parallel.data import PowerSGDDDP
-            wrapped = PowerSGDDDP(model, rank=opts.get("powersgd_rank", 4),
-                                  error_feedback=opts.get("error_feedback", True), comm=comm)
-        elif spec.strategy == "ddp" and opts.get("naive", False):
+            wrapped = PowerSGDDDP(model, rank=o.powersgd_rank, error_feedback=o.error_feedback, comm=o.comm)
+        elif spec.strategy == "ddp" and o.naive:
             from ..parallel.data import NaiveDDP
-            wrapped = NaiveDDP(model, comm=comm)
+            wrapped = NaiveDDP(model, comm=o.comm)
         elif spec.strategy == "ddp":
             from ..parallel.data import DDP
-            wrapped = DDP(model, bucket_mb=opts.get("bucket_mb", 25.0), overlap=opts.get("overlap", True),
-                          comm=comm)
+            wrapped = DDP(model, bucket_mb=o.bucket_mb, overlap=o.overlap, comm=o.comm)
         opt = LocalOptimizer(model.parameters(), spec)
         return wrapped, opt, replica_memory(model, opt.optimizer, opt.masters if opt.mixed else ())
     from ..parallel.zero import ZeRO
-    zero = ZeRO(model, stage=int(spec.strategy[-1]), optim=optimizer_class(spec),
-                bucket_mb=opts.get("bucket_mb", 25.0), overlap=opts.get("overlap", True),
-                prefetch=opts.get("prefetch", False), comm=comm, max_inflight=opts.get("max_inflight", 1),
+    zero = ZeRO(model, stage=spec.layout.zero, optim=optimizer_class(spec), bucket_mb=o.bucket_mb,
+                overlap=o.overlap, prefetch=o.prefetch, comm=o.comm, max_inflight=o.max_inflight,
                 **optimizer_kwargs(spec))
     return zero, zero.optimizer, zero_memory(zero)
 
@@ -141,13 +126,13 @@ def train_rank(spec: TrainSpec) -> RankResult:
         model = model.to(LOW[spec.precision])
     wrapped, opt, memory_bytes = _wrap(spec, model)
     no_sync = getattr(wrapped, "no_sync", None)
-    if not spec.options.get("no_sync", spec.strategy != "zero3"):
+    o = spec.data_parallel
+    if not (o.no_sync if o.no_sync is not None else spec.layout.zero != 3):
         no_sync = None                                    # communicate on every micro-step
     saved = rank_state(model, opt, keeps_history=r == 0)
     if hasattr(wrapped, "compressor"):                    # PowerSGD: its Q's and this rank's errors
         saved = with_part(saved, "powersgd", wrapped.compressor.state, wrapped.compressor.load_state,
-                          layout={"powersgd_rank": spec.options.get("powersgd_rank", 4),
-                                  "error_feedback": spec.options.get("error_feedback", True)})
+                          layout={"powersgd_rank": o.powersgd_rank, "error_feedback": o.error_feedback})
     plan = Plan(_forward(spec, wrapped, model, n, r), opt, saved,
                 loss_share=1 / n, no_sync=no_sync, clip=opt.clip_grad_norm_, memory=memory_bytes,
                 grads=opt.grads if isinstance(opt, LocalOptimizer) else partial(shard_grads, opt))
@@ -166,7 +151,7 @@ def check(spec: TrainSpec, n: int) -> None:
         raise ValueError(f"data_parallel trains {STRATEGIES}, not {spec.strategy!r}")
     if spec.strategy == "single" and n != 1:
         raise ValueError("strategy 'single' runs on one process: use world_size=1 (or pick ddp, zero1, ...)")
-    require_rows(spec, n)                   # each option's type and range: `RULES`
+    require_rows(spec, n)                   # each option's type and range: its field's rule (`spec`)
 
 
 def _check(spec: TrainSpec) -> tuple[int, int]:

@@ -17,11 +17,11 @@ reverse all-to-all from every rank's tokens, needs nothing more. Clipping uses t
 (expert shards summed over the group, replicated parameters counted once, as for tp). Checkpoints use
 the "model-parallel" format: the experts' ``shard_dims`` record the cut, so they reshard like tp blocks.
 
-``options={"experts": "replicated"}``: the alternative expert parallelism replaces, every expert on every
+``experts="replicated"``: the alternative expert parallelism replaces, every expert on every
 rank (no all-to-all; the experts' gradients all-reduced with the rest), routed over the whole batch all
 the same, so it too equals single; lesson 11 and ``benchmarks/expert_parallel.py`` set the two side by side.
 
-With data parallelism (``options={"dp": D}``; the mesh spelling ``3d:dp=D,ep=E``, world = D x E):
+With data parallelism (``dp=D``; the mesh spelling ``3d:dp=D,ep=E``, world = D x E):
 the grid is ``torch.arange(world).view(D, E)``; row d is an expert-parallel group (consecutive ranks:
 tokens travel inside it), column e the D replicas of the same experts. Every rank still takes its
 own rows of the batch (rank r part r of n), the router's counts are all-gathered over the whole world
@@ -43,8 +43,7 @@ from ..memory import replica_memory
 from ..parallel import expert as ep
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.data.buckets import grad_summer
-from ..parallel.mesh import grid_groups
-from ..rules import Number, OneOf, Whole
+from ..parallel.mesh import Mesh
 from ..runtime import rank, world_size
 from .base import (RankResult, TrainSpec, autocast, build_model, global_batch, loss_fn, make_optimizer,
                    require_rows)
@@ -52,15 +51,9 @@ from .context import digests
 from .loop import Plan, run, sum_losses
 
 
-OPTIONS = {"ep": ("dp", "experts", "bucket_mb")}
-#: what each option takes (`distlab.rules`); dp must also divide the world: `check`
-RULES = {"dp": Whole(1, example=2), "experts": OneOf("split", "replicated"),
-         "bucket_mb": Number(0, strict=True, example=25.0)}
-
-
 def check(spec: TrainSpec, n: int) -> None:
     """Refuse what ``ep`` cannot run on ``n`` ranks (called before any rank starts, and in each)."""
-    dp = spec.options.get("dp", 1)
+    dp = spec.layout.dp
     if not isinstance(dp, int) or dp < 1 or n % dp:
         raise ValueError(f"dp={dp!r} must be a positive integer dividing the world size {n} "
                          "(the expert-parallel degree is world / dp)")
@@ -82,24 +75,21 @@ def groups(dp: int, n: int):
     (dp == 1: the world, None)."""
     if dp == 1:
         return None, None
-    mine = grid_groups({"dp": dp, "ep": n // dp}, {"ep": ("ep",), "dp": ("dp",)})
-    return mine["ep"], mine["dp"]
+    mesh = Mesh(dp=dp, ep=n // dp, world_size=n)
+    return mesh.group("ep"), mesh.group("dp")
 
 
 def replicated(spec: TrainSpec) -> bool:
-    """``options={"experts": "replicated"}``: every expert on every rank (the baseline expert parallelism
-    is measured against), routed over the whole batch as ``ep`` routes it, gradients all-reduced."""
-    how = spec.options.get("experts", "split")
-    if how not in ("split", "replicated"):
-        raise ValueError(f"options['experts']={how!r}: choose 'split' (expert parallelism) or 'replicated'")
-    return how == "replicated"
+    """``experts="replicated"``: every expert on every rank (the baseline expert parallelism is measured
+    against), routed over the whole batch as ``ep`` routes it, gradients all-reduced."""
+    return spec.layout.experts == "replicated"
 
 
 def train_rank(spec: TrainSpec) -> RankResult:
     n, r = world_size(), rank()
     check(spec, n)
     copies = replicated(spec)
-    dp = spec.options.get("dp", 1)
+    dp = spec.layout.dp
     ep_group, dp_group = groups(dp, n)
     batch = dist.group.WORLD if dp > 1 else None              # counts over the whole batch
     model = ep.parallelize(build_model(spec), ep_group, replicate=copies, batch_group=batch)
@@ -107,7 +97,7 @@ def train_rank(spec: TrainSpec) -> RankResult:
     params = optimizer.param_groups[0]["params"]
     experts = [] if copies else ep.expert_params(model)
     dense = [p for p in params if all(p is not e for e in experts)]
-    bucket_mb = float(spec.options.get("bucket_mb", 25.0))
+    bucket_mb = float(spec.data_parallel.bucket_mb)
     sync_dense = grad_summer(dense, bucket_mb)                 # dense: summed over the world
     sync_experts = grad_summer(experts if dp > 1 else [], bucket_mb, dp_group)   # over their replicas
     criterion = loss_fn(spec)

@@ -5,7 +5,7 @@ share, so the averaged gradient is the global batch's). The model is sharded FSD
 child of an ``nn.ModuleList`` (the GPT's blocks, the MLP's layers) a unit, then the root for the
 rest; the optimizer is built afterwards on ``model.parameters()``, the local shards.
 
-``spec.options``: ``hsdp`` (replicate degree R, default 1: mesh (R, N / R)), ``param_dtype``
+``spec.data_parallel``: ``hsdp`` (replicate degree R, default 1: mesh (R, N / R)), ``param_dtype``
 ("bf16", "fp16" or None; ``precision="bf16-mixed"`` means "bf16", "fp16-mixed" "fp16"),
 ``reshard_after_forward`` (True),
 ``no_sync`` (True: accumulate micro-steps locally). Checkpoints: the "model-parallel" format, each
@@ -21,17 +21,12 @@ from ..memory import fsdp_memory
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.zero import fsdp
 from ..parallel.zero.zero3 import default_units
-from ..rules import Flag, OneOf, Whole
 from ..runtime import rank, world_size
 from .base import RankResult, TrainSpec, build_model, make_optimizer, rank0_copy, require_rows
 from .data_parallel import _forward
 from .loop import Plan, run, sum_losses
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}
-OPTIONS = {"fsdp": ("hsdp", "param_dtype", "reshard_after_forward", "no_sync")}
-#: what each option takes (`distlab.rules`); hsdp must also divide the world size (`options`)
-RULES = {"hsdp": Whole(1, example=2), "param_dtype": OneOf("bf16", "fp16", none="fp32"),
-         "reshard_after_forward": Flag(), "no_sync": Flag()}
 
 
 def check(spec: TrainSpec, world: int) -> None:
@@ -43,15 +38,13 @@ def check(spec: TrainSpec, world: int) -> None:
 def options(spec: TrainSpec, world: int) -> dict:
     """The keyword arguments of `fully_shard` for ``spec`` on ``world`` ranks; refuses bad ones (also
     called by `dl.train` before any rank starts)."""
-    hsdp = spec.options.get("hsdp", 1)
-    if not isinstance(hsdp, int) or hsdp < 1 or world % hsdp:
-        raise ValueError(f"hsdp={hsdp!r}: the replicate degree must be a positive int dividing "
+    o = spec.data_parallel                       # each value's type and range: its field's rule
+    if world % o.hsdp:
+        raise ValueError(f"hsdp={o.hsdp!r}: the replicate degree must be a positive int dividing "
                          f"world_size={world} (mesh (hsdp, world_size / hsdp))")
-    name = spec.options.get("param_dtype", {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}.get(spec.precision))
-    if name not in DTYPES:
-        raise ValueError(f"param_dtype={name!r}: choose 'bf16', 'fp16' or None (fp32)")
-    return {"mesh": (hsdp, world // hsdp) if hsdp > 1 else None, "param_dtype": DTYPES[name],
-            "reshard_after_forward": bool(spec.options.get("reshard_after_forward", True))}
+    name = o.param_dtype or {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}.get(spec.precision)
+    return {"mesh": (o.hsdp, world // o.hsdp) if o.hsdp > 1 else None, "param_dtype": DTYPES[name],
+            "reshard_after_forward": o.reshard_after_forward}
 
 
 def shard(model: torch.nn.Module, **kwargs) -> torch.nn.Module:
@@ -89,7 +82,7 @@ def train_rank(spec: TrainSpec) -> RankResult:
     state = model_parallel_state(model, params, model, optimizer, loss_weight=True, keeps_history=r == 0,
                                  replica_group=replicas, layout={"hsdp": kwargs["mesh"]},
                                  described=describe(model, params))
-    no_sync = (lambda: fsdp.no_sync(model)) if spec.options.get("no_sync", True) else None
+    no_sync = (lambda: fsdp.no_sync(model)) if spec.data_parallel.no_sync is not False else None
     plan = Plan(_forward(spec, model, model, n, r), optimizer, state, loss_share=1 / n, no_sync=no_sync,
                 clip=lambda max_norm: clip_grad_norm_(params, max_norm, sharded=sharded,
                                                       groups=[unit.shard_comm.group]),

@@ -37,20 +37,9 @@ from ..checkpoint.state import RankState
 from ..memory import Ledger, parse_bytes
 from ..parallel import collectives as C
 from ..progress import progress
-from ..rules import Custom, OneOf
 from ..runtime import device, group_size, rank, tracer
 from . import numerics
 from .base import TrainSpec
-
-#: the options of the training loop and the model, taken by every strategy, and what each takes
-#: (`distlab.rules`): the numerics (`numerics`, refused outside `numerics.SUPPORTED`), memory_limit
-#: (`memory.Ledger`), recompute (`base.build_model`: every block, or only attention's core)
-RULES = {**numerics.RULES,
-         "memory_limit": Custom(parse_bytes, "a number of bytes (an int) or a string like '64MB'",
-                                example="64MB", none="no limit"),
-         "recompute": OneOf(True, "full", "selective", False)}
-OPTIONS = tuple(RULES)
-
 
 @dataclass
 class Plan:
@@ -122,7 +111,7 @@ def run(spec: TrainSpec, plan: Plan) -> Trained:
 def _ledger(spec: TrainSpec, plan: Plan) -> Ledger | None:
     """The memory ledger when the strategy measures memory; with ``memory_limit`` (bytes or "64MB") it
     raises `distlab.memory.MemoryLimitExceeded` the moment the bytes held cross the budget."""
-    limit = spec.options.get("memory_limit")
+    limit = spec.memory.memory_limit
     if plan.memory is None:
         if limit is not None:
             raise ValueError(f"memory_limit: strategy {spec.strategy!r} does not measure its memory")

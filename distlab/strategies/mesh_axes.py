@@ -28,71 +28,64 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .base import RankResult, TrainSpec
-
-ATTENTIONS = ("ring", "ulysses")
-MESH_ONLY = ("dp", "tp", "pp", "cp", "ep", "zero", "attention", "zigzag", "sequence_parallel", "sp",
-             "schedule", "microbatches", "virtual", "balance")
+from .spec import Layout, changed
 
 
-def refuse(opts: dict) -> None:
+def refuse(layout: Layout) -> None:
     """The combinations this mesh does not build, each with what to change instead."""
-    cp, ep = opts["cp"], opts["ep"]
+    cp, ep = layout.cp, layout.ep
     axis = "cp" if cp > 1 else "ep"
     if cp > 1 and ep > 1:
         raise ValueError(f"cp={cp} with ep={ep}: a mesh with both context and expert parallelism is not "
                          "built here; keep one of them (e.g. '3d:dp=2,cp=2' or '3d:dp=2,ep=2')")
-    if opts["pp"] > 1:
+    if layout.pp > 1:
         kind = "context-parallel" if cp > 1 else "mixture-of-experts"
-        raise ValueError(f"{axis}={opts[axis]} with pp={opts['pp']}: pipeline stages are cut from a dense "
-                         f"GPT and {kind} stages are not built here; use pp=1 (compose {axis} with "
+        raise ValueError(f"{axis}={getattr(layout, axis)} with pp={layout.pp}: pipeline stages are cut from "
+                         f"a dense GPT and {kind} stages are not built here; use pp=1 (compose {axis} with "
                          f"dp{' and tp' if cp > 1 else ''})")
-    if ep > 1 and opts["tp"] > 1:
-        raise ValueError(f"ep={ep} with tp={opts['tp']}: each rank holds whole experts here (no tensor-"
+    if ep > 1 and layout.tp > 1:
+        raise ValueError(f"ep={ep} with tp={layout.tp}: each rank holds whole experts here (no tensor-"
                          "parallel split of an expert); use tp=1 and compose ep with dp")
-    if opts["zero"]:
-        raise ValueError(f"{axis}={opts[axis]} with zero=1: gradients of this mesh are averaged by DDP / "
-                         "all-reduce (zero=0); ZeRO-1 is offered on the dp x tp x pp mesh")
-    if cp > 1 and opts.get("sequence_parallel"):
+    if layout.zero:
+        raise ValueError(f"{axis}={getattr(layout, axis)} with zero={layout.zero}: gradients of this mesh "
+                         "are averaged by DDP / all-reduce (zero=0); ZeRO-1 is offered on the dp x tp x pp "
+                         "mesh")
+    if cp > 1 and layout.sequence_parallel:
         raise ValueError("sequence_parallel splits the sequence over tp and cp splits it over cp: use one "
                          "of them (drop sp=1, or cp=)")
-    if opts.get("attention", "ring") not in ATTENTIONS:
-        raise ValueError(f"attention={opts['attention']!r}: choose one of {ATTENTIONS}")
 
 
-#: options that only the dp x tp x pp mesh (pipeline) or only the cp axis reads
+#: layout fields that only the dp x tp x pp mesh (pipeline) or only the cp axis reads
 PIPELINE_ONLY = ("schedule", "microbatches", "virtual", "balance")
 CP_ONLY = ("attention", "zigzag")
 
 
-def refuse_unused(spec: TrainSpec, cp: bool) -> None:
+def refuse_unused(layout: Layout, cp: bool) -> None:
     """An option this mesh would silently drop (a pipeline option with cp= or ep=, an attention option
-    with ep=) is refused, naming it: the strict-options rule holds for meshes too."""
-    given = set(spec.options) | {item.partition("=")[0].strip() for item in spec.strategy[3:].split(",")}
-    unused = sorted(given & set(PIPELINE_ONLY + (() if cp else CP_ONLY)))
+    with ep=), set to other than its default, is refused, naming it: the strict-options rule holds for
+    meshes too."""
+    unused = sorted(set(changed(layout)) & set(PIPELINE_ONLY + (() if cp else CP_ONLY)))
     if unused:
         axis = "cp" if cp else "ep"
         raise TypeError(f"{unused} have no effect on a mesh with {axis}= (no pipeline stages"
                         f"{'' if cp else ', no context-parallel attention'} here): drop them")
 
 
-def sub_spec(spec: TrainSpec, opts: dict) -> TrainSpec:
-    """The spec of the strategy family that trains this mesh (``cp-ring`` / ``cp-ulysses`` with dp and
-    tp options, or ``ep`` with dp), keeping every option that is not a mesh option (checkpoints...)."""
-    keep = {k: v for k, v in spec.options.items() if k not in MESH_ONLY}
-    if opts["cp"] > 1:
-        extra = {"dp": opts["dp"], "tp": opts["tp"]}
-        if opts.get("zigzag") is not None:
-            extra["zigzag"] = opts["zigzag"]
-        return replace(spec, strategy=f"cp-{opts.get('attention', 'ring')}", options={**keep, **extra})
-    return replace(spec, strategy="ep", options={**keep, "dp": opts["dp"]})
+def sub_spec(spec: TrainSpec) -> TrainSpec:
+    """The spec of the strategy family that trains this mesh: ``cp-ring`` / ``cp-ulysses`` (dp, cp and tp
+    from the layout) or ``ep`` (dp and ep); every other concern (checkpoints...) as it is."""
+    if spec.layout.cp > 1:
+        return replace(spec, strategy=f"cp-{spec.layout.attention}")
+    return replace(spec, strategy="ep")
 
 
-def check(spec: TrainSpec, opts: dict, world: int) -> None:
+def check(spec: TrainSpec, world: int) -> None:
     """Before any rank starts: a refused combination, degrees that do not fill the world, and what the
     family itself refuses (sequence or heads that do not split, experts that do not divide)."""
-    refuse(opts)
-    refuse_unused(spec, cp=opts["cp"] > 1)
-    degrees = {a: opts[a] for a in ("dp", "cp", "ep", "tp") if opts[a] > 1 or a == "dp"}
+    layout = spec.layout
+    refuse(layout)
+    refuse_unused(layout, cp=layout.cp > 1)
+    degrees = {a: getattr(layout, a) for a in ("dp", "cp", "ep", "tp") if getattr(layout, a) > 1 or a == "dp"}
     product = 1
     for n in degrees.values():
         product *= n
@@ -100,8 +93,8 @@ def check(spec: TrainSpec, opts: dict, world: int) -> None:
         shown = " x ".join(f"{a}={n}" for a, n in degrees.items())
         raise ValueError(f"mesh {shown} = {product} ranks, but the world has {world}: choose degrees whose "
                          f"product is {world}, or launch with world_size={product}")
-    sub = sub_spec(spec, opts)
-    if opts["cp"] > 1:
+    sub = sub_spec(spec)
+    if layout.cp > 1:
         from .context import check as check_cp
         check_cp(sub, world)
     else:
@@ -109,11 +102,11 @@ def check(spec: TrainSpec, opts: dict, world: int) -> None:
         check_ep(sub, world)
 
 
-def train_rank(spec: TrainSpec, opts: dict) -> RankResult:
+def train_rank(spec: TrainSpec) -> RankResult:
     from ..runtime import world_size
-    check(spec, opts, world_size())
-    sub = sub_spec(spec, opts)
-    if opts["cp"] > 1:
+    check(spec, world_size())
+    sub = sub_spec(spec)
+    if spec.layout.cp > 1:
         from .context import train_rank as train_cp
         return train_cp(sub)
     from .expert import train_rank as train_ep

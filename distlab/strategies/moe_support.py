@@ -1,13 +1,11 @@
 """Which strategies may train a mixture-of-experts model, checked before any rank starts.
 
-Apart from `expert.py` (the ``ep`` strategy itself) so that the 3d mesh's spec parser can be read here
-without `expert` importing the mesh (the mesh hands its ep= axis to `expert`).
+Apart from `expert.py` (the ``ep`` strategy itself), which the mesh imports for its ep= axis.
 """
 from __future__ import annotations
 
 from .. import models
 from .base import TrainSpec
-from .mesh import parse
 
 
 #: Strategies that train a mixture-of-experts model, and how. The data-parallel ones replicate the experts
@@ -27,8 +25,8 @@ def refuse_moe(spec: TrainSpec) -> None:
         return
     s, why = spec.strategy, None
     if s.startswith("3d:"):
-        d = parse(s, spec.options)
-        if d.get("ep", 1) == 1 or any(d.get(k, 1) > 1 for k in ("tp", "pp", "cp")):
+        d = spec.layout
+        if d.ep == 1 or any(getattr(d, k) != 1 for k in ("tp", "pp", "cp")):
             why = ("tensor parallelism does not split experts and the mesh's pipeline loss has no "
                    "load-balancing term (a mesh runs it only on an ep= axis with dp, where it has one)")
     elif s not in MOE_STRATEGIES and not s.startswith("pp-"):

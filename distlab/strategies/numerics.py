@@ -31,7 +31,7 @@ import statistics
 import torch
 
 from ..parallel import collectives as C
-from ..rules import Flag, Number, Whole
+from .spec import changed
 
 
 class LossScaler:
@@ -111,31 +111,24 @@ class SpikeWatch:
                                     "ratio": norm / median if median else math.inf})
 
 
-#: the options of the step's numerics and what each takes (`distlab.rules`), taken by the strategies that
-#: support them (`SUPPORTED`); nan_at_step below steps and nan_rank below the world size: `check`
-RULES = {"loss_scale": Number(0, strict=True, example=2.0 ** 16),
-         "growth_interval": Whole(1, example=2000),
-         "skip_nonfinite": Flag(),
-         "spike_factor": Number(1, strict=True, example=5.0),
-         "nan_at_step": Whole(0, example=3),
-         "nan_rank": Whole(0, example=0)}
-OPTIONS = tuple(RULES)
+#: the strategies that hand the loop their gradients (`loop.Plan.grads`), where fp16 and the options of
+#: `spec.Numerics` apply (each option's type and range: its field's rule)
 SUPPORTED = ("single", "ddp", "zero1", "zero2", "zero3", "fsdp")
 
 
 def check(spec, world: int) -> None:
     """Refuse, before any rank starts, fp16 or a numerics option on a strategy that does not hand the
     loop its gradients (`loop.Plan.grads`), and a planted NaN on a rank or a step that does not exist."""
-    asked = [k for k in OPTIONS if k in spec.options]
+    asked = list(changed(spec.numerics))                 # the options set to other than their defaults
     if (spec.precision == "fp16-mixed" or asked) and spec.strategy not in SUPPORTED:
         what = "precision='fp16-mixed'" if spec.precision == "fp16-mixed" else f"option {asked[0]!r}"
         raise ValueError(f"{what} is supported by {', '.join(SUPPORTED)}, not by {spec.strategy!r}: "
                          "use precision='bf16-mixed' (no loss scaling needed) or one of those strategies")
-    o = spec.options                                     # each value's type and range: `RULES`
-    if o.get("nan_rank", 0) >= world:
-        raise ValueError(f"nan_rank={o['nan_rank']} but the ranks are 0 .. {world - 1}")
-    if o.get("nan_at_step", 0) >= spec.steps:
-        raise ValueError(f"nan_at_step={o['nan_at_step']} is never reached: the steps are 0 .. "
+    o = spec.numerics                                    # each value's type and range: its field's rule
+    if o.nan_rank >= world:
+        raise ValueError(f"nan_rank={o.nan_rank} but the ranks are 0 .. {world - 1}")
+    if o.nan_at_step is not None and o.nan_at_step >= spec.steps:
+        raise ValueError(f"nan_at_step={o.nan_at_step} is never reached: the steps are 0 .. "
                          f"{spec.steps - 1} (steps={spec.steps})")
 
 
@@ -146,13 +139,12 @@ class StepGuard:
     planted NaN); without, only the norms the clipper returns are recorded."""
 
     def __init__(self, spec, rank: int):
-        o = spec.options
+        o = spec.numerics
         fp16 = spec.precision == "fp16-mixed"
-        self.scaler = (LossScaler(o.get("loss_scale", 2.0 ** 16), o.get("growth_interval", 2000))
-                       if fp16 else None)
-        self.plant = (o["nan_at_step"], o.get("nan_rank", 0)) if "nan_at_step" in o else None
-        self.checks = fp16 or bool(o.get("skip_nonfinite", False)) or self.plant is not None
-        self.rank, self.watch = rank, SpikeWatch(o.get("spike_factor", 5.0))
+        self.scaler = LossScaler(o.loss_scale, o.growth_interval) if fp16 else None
+        self.plant = (o.nan_at_step, o.nan_rank) if o.nan_at_step is not None else None
+        self.checks = fp16 or o.skip_nonfinite or self.plant is not None
+        self.rank, self.watch = rank, SpikeWatch(o.spike_factor)
         self.skipped: list[int] = []            # steps skipped by every rank
         self.seen_here: list[int] = []          # steps whose gradients on this rank were non-finite
         self.scales: list[float] = []           # S used at each step (fp16)

@@ -1,8 +1,9 @@
 """Strategies ``pp-gpipe``, ``pp-1f1b``, ``pp-interleaved`` and ``pp-zb-h1``: one pipeline stage per rank.
 
 Every rank builds the same model from the seed and keeps only its stage(s) (`dl.pp.stage_module`,
-``balance`` option "layers" or "params"); rank r holds stages r, r + p, ... (``virtual`` of them for
-``pp-interleaved``, default 2). Each step and each gradient-accumulation micro-step, rank 0 feeds the
+``balance`` "layers" or "params"); rank r holds stages r, r + p, ... (``virtual`` of them for
+``pp-interleaved``, default 2); the schedule is ``spec.layout.schedule``, which the name sets. Each
+step and each gradient-accumulation micro-step, rank 0 feeds the
 micro-step's batch and the last stage its targets to `dl.pp.Pipeline.step`, which splits it into
 ``microbatches`` (option; default 2p when the batch allows, else p) and runs the schedule, forward
 and backward. Then an ordinary optimizer step on this rank's parameters: each parameter lives on
@@ -14,7 +15,7 @@ A mixture-of-experts GPT routes (capacity, dropped tokens, balance loss) per mic
 ``single`` with ``grad_accum`` times the microbatches; its balance losses, computed on the middle
 stages, join the backward there (`balance_losses`).
 
-Options: ``microbatches``, ``virtual`` (interleaved), ``balance``.
+Keywords (fields of ``spec.layout``): ``microbatches``, ``virtual`` (interleaved), ``balance``.
 """
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ from ..parallel.expert import ride_balance_losses
 from ..parallel.pipeline.executor import Pipeline
 from ..parallel.pipeline.measure import ActionTrace
 from ..parallel.pipeline.split import stage_module
-from ..rules import OneOf, Whole
 from ..runtime import device, rank, world_size
 from .base import (
     RankResult,
@@ -44,22 +44,17 @@ from .base import (
 )
 from .loop import Plan, run
 
-SCHEDULE_OF = {"pp-gpipe": "gpipe", "pp-1f1b": "1f1b", "pp-interleaved": "interleaved", "pp-zb-h1": "zb-h1"}
-OPTIONS = {name: ("microbatches", "balance") + (("virtual",) if name == "pp-interleaved" else ())
-           for name in SCHEDULE_OF}
-#: what each option takes (`distlab.rules`); what the batch and the model allow: `check`
-RULES = {"microbatches": Whole(1, example=8), "balance": OneOf("layers", "params"),
-         "virtual": Whole(1, example=2)}
+STRATEGIES = ("pp-gpipe", "pp-1f1b", "pp-interleaved", "pp-zb-h1")
 
 
 def check(spec: TrainSpec, p: int) -> tuple[int, int]:
     """Refuse, before any rank starts, a pipeline ``p`` ranks cannot run: more stages than the model has
     pieces, microbatches the batch cannot supply. Returns (virtual stages per rank, microbatches)."""
-    if spec.strategy not in SCHEDULE_OF:
-        raise ValueError(f"unknown pipeline strategy {spec.strategy!r}: choose one of {sorted(SCHEDULE_OF)}")
-    name = SCHEDULE_OF[spec.strategy]
-    v = spec.options.get("virtual", 2) if name == "interleaved" else 1
-    m = microbatch_count(spec.options.get("microbatches"), spec.micro_batch, p, name,
+    if spec.strategy not in STRATEGIES:
+        raise ValueError(f"unknown pipeline strategy {spec.strategy!r}: choose one of {sorted(STRATEGIES)}")
+    layout = spec.layout
+    v = layout.virtual if layout.schedule == "interleaved" else 1
+    m = microbatch_count(layout.microbatches, spec.micro_batch, p, layout.schedule,
                          "micro-step (global_batch / grad_accum)")
     check_pieces(spec, p * v, v)
     return v, m
@@ -86,11 +81,11 @@ def balance_losses(spec: TrainSpec, model, modules):
 def train_rank(spec: TrainSpec) -> RankResult:
     p, r = world_size(), rank()
     v, m = check(spec, p)
-    name = SCHEDULE_OF[spec.strategy]
+    name = spec.layout.schedule
     model = build_model(spec)
     names = {id(q): n for n, q in model.named_parameters()}
     ids = [r + k * p for k in range(v)]                 # this rank's stages: r, r + p, ...
-    balance = spec.options.get("balance", "layers")
+    balance = spec.layout.balance
     modules = [stage_module(model, s, p * v, balance) for s in ids]
     plain = loss_fn(spec)
     pipe = Pipeline(modules if v > 1 else modules[0], ids if v > 1 else ids[0], p * v, schedule=name,

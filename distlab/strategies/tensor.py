@@ -4,7 +4,8 @@ All ranks form one TP group and see the *whole* global batch (tensor parallelism
 not the data). Each step: forward and backward per micro-batch (`dl.tp.parallelize`'s layers do the
 f/g communication), then an ordinary optimizer step on this rank's shards -- the optimizer never
 talks, since every parameter is either a shard only this rank updates or replicated with equal
-gradients on all ranks. ``options={"sequence_parallel": True}`` is what ``tp-sp`` sets.
+gradients on all ranks. ``spec.layout.sequence_parallel`` (``tp-sp`` sets it; ``tp`` takes
+``sequence_parallel=True``) adds Megatron's sequence parallelism.
 
 Gradient clipping uses the norm of the *full* gradient (`distlab.parallel.clip`): squared norms of
 the shards summed over the group, replicated parameters counted once. The steps run in
@@ -18,16 +19,11 @@ from ..checkpoint.state import model_parallel_state
 from ..parallel import collectives as C
 from ..parallel import tensor as tp_lib
 from ..parallel.clip import clip_grad_norm_
-from ..rules import Flag
 from ..runtime import rank
 from ..memory import replica_memory
 from ..models import PRESETS
 from .base import RankResult, TrainSpec, autocast, build_model, check_gpt, global_batch, make_optimizer
 from .loop import Plan, run
-
-
-OPTIONS = {"tp": ("sequence_parallel",), "tp-sp": ()}
-RULES = {"sequence_parallel": Flag()}          # what each option takes (`distlab.rules`)
 
 
 def check_shards(spec: TrainSpec, t: int, sequence_parallel: bool, who: str) -> None:
@@ -44,8 +40,7 @@ def check_shards(spec: TrainSpec, t: int, sequence_parallel: bool, who: str) -> 
 
 def check(spec: TrainSpec, world: int) -> None:
     """Refuse, before any rank starts, a model that ``world`` tensor-parallel ranks cannot split."""
-    sp = spec.strategy == "tp-sp" or bool(spec.options.get("sequence_parallel", False))
-    check_shards(spec, world, sp, spec.strategy)
+    check_shards(spec, world, spec.layout.sequence_parallel, spec.strategy)
 
 
 def sharded_params(modules) -> list[torch.Tensor]:
@@ -56,7 +51,7 @@ def sharded_params(modules) -> list[torch.Tensor]:
 
 def train_rank(spec: TrainSpec) -> RankResult:
     check_gpt(spec, spec.strategy)
-    sp = spec.strategy == "tp-sp" or bool(spec.options.get("sequence_parallel", False))
+    sp = spec.layout.sequence_parallel
     model = tp_lib.parallelize(build_model(spec), sequence_parallel=sp)
     optimizer = make_optimizer(model.parameters(), spec)
     params = optimizer.param_groups[0]["params"]

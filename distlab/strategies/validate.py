@@ -1,0 +1,91 @@
+"""`validate`: a whole `TrainSpec` against the world it will run on, once, in the parent, before any rank
+starts (`dl.train` calls it; each field's type and range was checked when the spec was made).
+
+    the world size         a positive integer; one rank for ``single``
+    the model              a preset of `dl.models` (did-you-mean) or "mlp"
+    the layout             the family's own ``check``: degrees that fill the world, heads over tp, rows
+                           per replica, stages per model, microbatches per batch, ... (each family's file)
+    mixture of experts     only where it trains right (`moe_support`)
+    numerics               fp16 and its options where the loop is handed the gradients (`numerics.check`)
+    recompute              only where the memory count and the attention core allow it
+    checkpoints            what the options say together, the directory writable (`distlab.checkpoint`)
+    restarts               the world size of every attempt (`distlab.restart.plan`), each checked as above
+
+Every refusal is a ValueError that says what to pass instead.
+"""
+from __future__ import annotations
+
+import difflib
+
+from .. import restart
+from ..checkpoint.training import check_options as check_checkpoints
+from ..rules import Whole
+from .spec import TrainSpec
+
+WORLD_SIZE = Whole(1, example=4)          # what world_size takes (and what a machine holds: `train`)
+
+
+def validate(spec: TrainSpec, world_size: int) -> list[int]:
+    """Refuse what cannot run; return the world size of every attempt (the first, then each restart's)."""
+    check_world(spec, world_size)
+    in_process = spec.strategy if spec.strategy == "single" else None
+    check_checkpoints(spec.checkpoint, in_process, steps=spec.steps, world=world_size)   # resume=...
+    r = spec.restart
+    if not r.max_restarts and r.shrink in (False, None):
+        return [world_size]
+    sizes = restart.plan(spec, world_size)
+    for n in sorted(set(sizes[1:])):          # every restart's layout
+        check_world(spec, n)
+    return sizes
+
+
+def check_world(spec: TrainSpec, world: int) -> None:
+    """What ``spec`` needs of ``world`` ranks: the world size, the model, the family's layout check, then
+    the mixture-of-experts, numerics and recompute rules."""
+    from .moe_support import refuse_moe
+    from .numerics import check as check_numerics
+    from .registry import family
+    WORLD_SIZE.check("world_size", world)
+    if spec.strategy == "single" and world != 1:
+        raise ValueError("strategy 'single' is one process: pass world_size=1 (or pick ddp, zero1, ...)")
+    check_model(spec.model)
+    family(spec.strategy).check(spec, world)
+    refuse_moe(spec)                                          # a mixture of experts: ep, single, dp only
+    check_numerics(spec, world)                               # fp16 and its options where supported
+    check_recompute(spec, world)
+
+
+def check_model(model: str) -> None:
+    from ..models import PRESETS
+    models = sorted(PRESETS) + ["mlp"]
+    if model not in models:
+        close = difflib.get_close_matches(model, models, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown model {model!r}{hint}: choose one of {models}")
+
+
+def check_recompute(spec: TrainSpec, world: int) -> None:
+    """``recompute``: False, True or "full", or "selective"; only for the GPT presets; not with pipelines
+    (their memory count cannot see it yet; zero bubble's weight pass would recompute every block again);
+    full not with a mixture of experts (a second forward would count the router's balance loss twice);
+    selective not with context parallelism (its attention cores are ring attention and Ulysses)."""
+    from ..models import PRESETS
+    how, cfg = spec.memory.recompute, PRESETS.get(spec.model)
+    if not how:
+        return
+    if cfg is None:
+        raise ValueError(f"recompute recomputes transformer blocks, and {spec.model!r} has none: "
+                         "choose a GPT preset, or train without recompute")
+    degrees = spec.layout.degrees(world)
+    uses = {a: getattr(spec.layout, a) is None or degrees[a] > 1 for a in ("pp", "cp")}
+    if uses["pp"]:
+        raise ValueError("recompute does not run with pipeline parallelism yet: a pipeline's memory count "
+                         "(its stash) sees neither what a recomputation keeps nor what it rebuilds, and "
+                         "zero bubble's weight pass would recompute every block again; use dp, ZeRO, "
+                         "FSDP, tp or cp (or a mesh without pp)")
+    if how in (True, "full") and getattr(cfg, "experts", 0):
+        raise ValueError(f"recompute=True with the mixture-of-experts {spec.model!r} would count the "
+                         "router's balance loss twice: use recompute='selective' (attention only)")
+    if how == "selective" and uses["cp"]:
+        raise ValueError("recompute='selective' recomputes distlab's attention core, which context "
+                         "parallelism replaces with ring attention or Ulysses: use recompute=True")
