@@ -1,6 +1,8 @@
 """Shared fixtures: every launcher test must leave no rank process and no file descriptor behind."""
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from _processes import child_pids, describe, is_library_singleton, open_fds
@@ -32,3 +34,11 @@ def no_leaks():
     assert left == [], f"orphan or zombie rank processes left: {describe(left)}"
     leaked = {fd for fd in open_fds() - before_fds if not is_library_singleton(fd)}
     assert not leaked, f"file descriptors leaked: {sorted(leaked)}"
+
+
+def pytest_configure(config):
+    """Ctrl-C as a notebook's kernel has it. A runner started in the background of a non-interactive shell
+    (`make test &`) inherits SIGINT ignored, Python then keeps it ignored, and so would every process it
+    starts (an ignored signal stays ignored across exec): the tests of Ctrl-C would see nothing arrive."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
