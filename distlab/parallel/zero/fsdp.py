@@ -55,7 +55,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..collectives import Collectives, name_group
+from ..collectives import Collectives
+from ..mesh import grid_groups
 from .fsdp_unit import FSDPUnit, ShardedParam
 
 
@@ -180,13 +181,9 @@ def _check_mesh(mesh, world: int) -> tuple[int, int]:
 def hsdp_groups(replicas: int, shards: int):
     """This rank's (shard group, replica group) of ``arange(world).view(replicas, shards)``: its row
     and its column. Every rank creates every group, in the same order (``new_group`` is collective)."""
-    grid = torch.arange(replicas * shards).view(replicas, shards)
-    rows = [dist.new_group(grid[i].tolist()) for i in range(replicas)]
-    cols = [dist.new_group(grid[:, j].tolist()) for j in range(shards)]
-    i, j = divmod(dist.get_rank(), shards)
-    name_group(rows[i], "shard")
-    name_group(cols[j], "replicate")
-    return rows[i], cols[j]
+    mine = grid_groups({"replicate": replicas, "shard": shards},
+                       {"shard": ("shard",), "replicate": ("replicate",)})
+    return mine["shard"], mine["replicate"]
 
 
 @torch.no_grad()
