@@ -43,6 +43,7 @@ _LAZY = {
     "full_state_dict": (".parallel.zero", "full_state_dict"),
     "clip_grad_norm_": (".parallel.clip", "clip_grad_norm_"),
     "recompute": (".recomputation", "recompute"),     # (a module named "recompute" would shadow it)
+    "Mesh": (".parallel.mesh", "Mesh"),
 }
 
 __all__ = ["launch", "Run", "LaunchError", "rank", "world_size", "local_rank", "device", "backend",

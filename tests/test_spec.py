@@ -156,3 +156,10 @@ def test_parallelize_a_users_model_equals_one_process(degrees):
         for name, w in want.items():
             err = (got[name] - w).norm().item()
             assert err <= 1e-5 * w.norm().item() + 1e-6, (r, name, err)
+
+
+def test_dl_mesh_is_the_public_lesson_object():
+    """DESIGN's `dl.Mesh(dp=2, tp=2)`: the mesh `parallel.mesh` builds, reachable from the package."""
+    from distlab.parallel.mesh import Mesh
+    assert dl.Mesh is Mesh and "Mesh" in dl.__all__
+    assert dl.Mesh(dp=2, tp=2).coords(3) == Mesh(dp=2, tp=2).coords(3)
