@@ -14,7 +14,7 @@ Under torchrun the same command runs on every rank (``--world-size`` must equal 
 rank 0 prints; after a failure, the same command with ``--resume`` continues from the latest
 complete checkpoint, and ``torchrun --max-restarts K ... --resume`` does that on its own (each attempt
 meets under its own store prefix: `launch.torchrun`). Without torchrun, ``--max-restarts K`` relaunches
-the ranks itself (`distlab.restart`).
+the ranks itself (`distlab.strategies.restart`).
 
 ``train`` runs `dl.train` and prints the loss of every step, then bytes sent per rank per step and
 each rank's peak memory by category; ``--json PATH`` (``-``: stdout) writes them with the run's settings

@@ -16,7 +16,7 @@ dynamically; a step whose gradients hold an inf/NaN on any rank is skipped on al
 ``memory_limit="64MB"`` raises an out-of-memory error the moment the ledger crosses it.
 ``async_save=True`` writes checkpoints in the background (`distlab.checkpoint.background`).
 ``max_restarts=k`` relaunches a failed run from its
-newest checkpoint up to k times, on fewer ranks with ``shrink`` (`distlab.restart`; ``report.restarts``).
+newest checkpoint up to k times, on fewer ranks with ``shrink`` (`strategies.restart`; ``report.restarts``).
 
 The walk of a call, straight through::
 
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import restart
+from .strategies import restart
 from .progress import bar_here, shown_by_default
 from .rules import Custom, Flag, Number, OneOf, check
 from .strategies import WORLD_SIZE, RankResult, TrainSpec, load, parse, validate
@@ -90,7 +90,7 @@ class Report:
         return self.run.trace if self.run is not None else self._single_trace
 
     _single_trace: object = field(default=None, repr=False)
-    restarts: list = field(default_factory=list)      # `distlab.restart.Restart`, one per relaunch
+    restarts: list = field(default_factory=list)      # `distlab.strategies.restart.Restart`, one per relaunch
 
     def stragglers(self):
         """Per step, each rank's forward-and-backward time, the skew between ranks and the slowest rank

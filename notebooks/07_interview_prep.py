@@ -278,8 +278,8 @@ assert 850 < steps_only < 950 < 1200 and 0.29 < palm.utilisation < 0.32
 # | DeepSpeed Ulysses, DeepSpeed-MoE | sequence all-to-all; experts over ranks | [context/ulysses.py](../distlab/parallel/context/ulysses.py), [expert/moe.py](../distlab/parallel/expert/moe.py) | 10, 11 |
 # | Megatron-LM | tensor (f/g) and sequence parallelism, interleaved 1F1B, 3D meshes | [tensor/regions.py](../distlab/parallel/tensor/regions.py), [tensor/linear.py](../distlab/parallel/tensor/linear.py), [pipeline/schedule.py](../distlab/parallel/pipeline/schedule.py), [mesh.py](../distlab/parallel/mesh.py) | 04, 05, 06 |
 # | Horovod | ring all-reduce, tensor fusion (bucketing) | [comm/ring.py](../distlab/comm/ring.py), [data/buckets.py](../distlab/parallel/data/buckets.py) | 01, 02 |
-# | torchrun | processes, rendezvous, `RANK`/`WORLD_SIZE`, restarts | [launch/parent.py](../distlab/launch/parent.py), [launch/torchrun.py](../distlab/launch/torchrun.py), [restart.py](../distlab/restart.py) | 00, 08 |
-# | Ray Train | workers placed on a cluster, restarts; wraps DDP/FSDP | [launch/parent.py](../distlab/launch/parent.py), [restart.py](../distlab/restart.py) | 00, 08 |
+# | torchrun | processes, rendezvous, `RANK`/`WORLD_SIZE`, restarts | [launch/parent.py](../distlab/launch/parent.py), [launch/torchrun.py](../distlab/launch/torchrun.py), [strategies/restart.py](../distlab/strategies/restart.py) | 00, 08 |
+# | Ray Train | workers placed on a cluster, restarts; wraps DDP/FSDP | [launch/parent.py](../distlab/launch/parent.py), [strategies/restart.py](../distlab/strategies/restart.py) | 00, 08 |
 # | HF Accelerate | one training script, DDP / FSDP / DeepSpeed chosen by a config | [strategies/loop.py](../distlab/strategies/loop.py), [train.py](../distlab/train.py) | 08 |
 #
 # ZeRO-Offload's claim (Ren et al. 2021: models of over 13B parameters on a single GPU) in DeepSpeed's own

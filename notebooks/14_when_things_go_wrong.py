@@ -34,7 +34,7 @@
 # [distlab/stragglers.py](../distlab/stragglers.py) (per-step skew between ranks),
 # [distlab/strategies/numerics.py](../distlab/strategies/numerics.py) (loss scaling, non-finite steps agreed across
 # ranks), [distlab/memory_budget.py](../distlab/memory_budget.py) and [distlab/memory.py](../distlab/memory.py)
-# (a memory limit on a CPU), [distlab/restart.py](../distlab/restart.py) (automatic restart),
+# (a memory limit on a CPU), [distlab/strategies/restart.py](../distlab/strategies/restart.py) (automatic restart),
 # [distlab/checkpoint/store.py](../distlab/checkpoint/store.py) (verified shards),
 # [distlab/checkpoint/background.py](../distlab/checkpoint/background.py) (async saves) and
 # [distlab/theory/checkpoint.py](../distlab/theory/checkpoint.py) (how often to save).

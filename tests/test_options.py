@@ -276,7 +276,7 @@ def _failure(last_line: str) -> dl.LaunchError:
     ("OSError: [Errno 104] Connection reset by peer", True),
 ])
 def test_restarts_are_made_only_for_failures_that_may_pass(last_line, retried, tmp_path, capfd):
-    from distlab import restart
+    from distlab.strategies import restart
     from distlab.strategies import parse
     spec = parse("ddp", steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2, max_restarts=2)
     attempts = []

@@ -1,4 +1,4 @@
-"""Automatic restart (`distlab.restart`) and asynchronous checkpoints (`distlab.checkpoint.background`),
+"""Automatic restart (`strategies.restart`) and asynchronous checkpoints (`distlab.checkpoint.background`),
 end to end: a rank killed on purpose, the run relaunched from its newest complete checkpoint, the final
 parameters compared with an uninterrupted run's (bit for bit on the same world size; within a stated
 tolerance after an elastic shrink, whose reduction order differs)."""
@@ -132,7 +132,8 @@ def _ok():
 def test_cli_flags_reach_train(monkeypatch, capsys):
     """``--max-restarts``, ``--shrink [SIZES]`` and ``--async-save`` arrive in `dl.train` as max_restarts,
     shrink and the async_save option; the restarts are printed."""
-    from distlab import cli, restart
+    from distlab import cli
+    from distlab.strategies import restart
     seen = {}
 
     def fake_train(*args, **kwargs):
@@ -158,7 +159,7 @@ def test_cli_flags_reach_train(monkeypatch, capsys):
 def test_when_every_attempt_fails_the_last_error_carries_the_restarts(tmp_path, capfd):
     """No processes: a stand-in launch that always fails. The last attempt's LaunchError is raised with
     ``.restarts`` (one per relaunch), each attempt after the first asked to resume and freed of faults."""
-    from distlab import restart
+    from distlab.strategies import restart
     from distlab.strategies import parse
     spec = parse("ddp", steps=4, checkpoint_dir=str(tmp_path), checkpoint_every=2, fail_at_step=1,
                  max_restarts=2, shrink=True)

@@ -53,7 +53,7 @@ attempt only (not after a restart by torchrun, TORCHELASTIC_RESTART_COUNT > 0, o
 
 ``async_save=True``: the state is copied to CPU memory at the step boundary and the same `store.save`
 runs in a background thread (`background`); ``heartbeat=True`` (set by ``dl.train``'s restarts,
-`distlab.restart`): rank 0 records its last finished step in ``.heartbeat.json``, to count lost steps.
+`strategies.restart`): rank 0 records its last finished step in ``.heartbeat.json``, to count lost steps.
 """
 from __future__ import annotations
 

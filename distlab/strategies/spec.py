@@ -157,7 +157,7 @@ def _sizes(value) -> None:
 
 @dataclass(frozen=True)
 class Restart:
-    """Relaunching a failed run from its newest checkpoint (`distlab.restart`)."""
+    """Relaunching a failed run from its newest checkpoint (`distlab.strategies.restart`)."""
 
     max_restarts: int = option(0, Whole(0, example=2), "relaunch a failed run up to k times")
     shrink: bool | list | None = option(False, Custom(_sizes, "True (one rank fewer per restart), False, or "

@@ -9,7 +9,7 @@ starts (`dl.train` calls it; each field's type and range was checked when the sp
     numerics               fp16 and its options where the loop is handed the gradients (`numerics.check`)
     recompute              only where the memory count and the attention core allow it
     checkpoints            what the options say together, the directory writable (`distlab.checkpoint`)
-    restarts               the world size of every attempt (`distlab.restart.plan`), each checked as above
+    restarts               the world size of every attempt (`restart.plan`), each checked as above
 
 Every refusal is a ValueError that says what to pass instead.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import difflib
 
-from .. import restart
+from . import restart
 from ..checkpoint.training import check_options as check_checkpoints
 from ..rules import Whole
 from .spec import TrainSpec

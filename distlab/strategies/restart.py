@@ -36,9 +36,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import store
-from .checkpoint import training as checkpointing
-from .launch import LaunchError
+from ..checkpoint import store
+from ..checkpoint import training as checkpointing
+from ..launch import LaunchError
 
 FAULTS = ("fail_at_step", "fail_in", "fail_rank")
 
