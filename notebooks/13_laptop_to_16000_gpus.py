@@ -92,7 +92,7 @@ fig, ax = plt.subplots(figsize=(9, 1.6))
 stacked(ax, ["gpt3-175b\n1,024 A100"], [r])
 ax.set_xlabel("seconds per step")
 ax.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.55))
-fig
+plt.show()
 
 # %% [markdown]
 # Read it from the left: compute (the 3 passes of the model's FLOPs), the fourth forward that full recomputation
@@ -255,7 +255,7 @@ ax_w.scatter([wall[n] * 1e3 for n in names], labels, marker="D", color="black", 
 ax_w.set_xlabel("wall milliseconds per step")
 ax_w.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14))
 fig.tight_layout()
-fig
+plt.show()
 
 # %%
 TOLERANCE = 0.60
@@ -305,7 +305,7 @@ for ax, (name, comparisons) in zip(axes, rows.items()):
 axes[0].set_ylabel("simulated")
 axes[0].legend(fontsize=8)
 fig.tight_layout()
-fig
+plt.show()
 
 # %% [markdown]
 # Where the rows differ, the simulator says why: Narayanan's 1.7B model is slow because its 2,304-wide layers
@@ -329,7 +329,7 @@ ax.set_xlim(0, 1)
 ax.set_xlabel("share of the step")
 ax.legend(ncol=4, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2))
 fig.tight_layout()
-fig
+plt.show()
 
 # %% [markdown]
 # ## 4. How long to train a 70B model on 2,048 H100s, and how?
@@ -355,7 +355,7 @@ fig, ax = plt.subplots(figsize=(9, 3.4))
 stacked(ax, [describe(x).split(":")[0] for x in ranked[:8]], ranked[:8])
 ax.set_xlabel("simulated seconds per step")
 ax.legend(ncol=4, fontsize=7, loc="lower right")
-fig
+plt.show()
 
 # %%
 # sanity: 6 N D / (GPUs x peak x MFU), the back-of-envelope every interview expects, agrees with the simulator
