@@ -156,16 +156,23 @@ class Directory(Rule):
         return isinstance(value, str) and bool(value.strip())
 
 
-class Custom(Rule):
-    """``test(value)`` raises a TypeError or ValueError for what ``description`` does not take."""
+class Described(Rule):
+    """A rule whose words are given, not derived: ``description`` says what it takes."""
 
-    def __init__(self, test: Callable, description: str, example=None, none: str | None = None):
-        object.__setattr__(self, "test", test)
+    def __init__(self, description: str, example=None, none: str | None = None):
         object.__setattr__(self, "description", description)
         super().__init__(example=example, none=none)
 
     def what(self) -> str:
         return self.description
+
+
+class Custom(Described):
+    """``test(value)`` raises a TypeError or ValueError for what ``description`` does not take."""
+
+    def __init__(self, test: Callable, description: str, example=None, none: str | None = None):
+        object.__setattr__(self, "test", test)
+        super().__init__(description, example=example, none=none)
 
     def accepts(self, value) -> bool:
         try:
@@ -175,16 +182,12 @@ class Custom(Rule):
         return True
 
 
-class Either(Rule):
+class Either(Described):
     """Any one of ``rules`` (e.g. a flag or a whole number); ``description`` says what in words."""
 
     def __init__(self, *rules: Rule, description: str, example=None, none: str | None = None):
         object.__setattr__(self, "rules", rules)
-        object.__setattr__(self, "description", description)
-        super().__init__(example=example, none=none)
-
-    def what(self) -> str:
-        return self.description
+        super().__init__(description, example=example, none=none)
 
     def accepts(self, value) -> bool:
         return any(rule.accepts(value) for rule in self.rules)
