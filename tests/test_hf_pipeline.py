@@ -8,8 +8,8 @@ GPipe, 1F1B and ZB-H1 at 2 stages, and 1F1B / ZB-H1 at 3 uneven stages, each equ
 same global batch: losses within 1e-5 relative, the first step's gradients and the parameters after
 3 AdamW steps within 1e-5 of their norm. torch's own ``torch.distributed.pipelining`` (ScheduleGPipe)
 runs the same stages to the same numbers: with *manual* ``PipelineStage``s around our ``named_stage``
-modules, since its ``pipeline()`` tracer (torch.export) is not what is being checked here and would
-have to trace through transformers' cache and mask code. A stage module that returns a ``ModelOutput``
+modules, because its ``pipeline()`` tracer cannot take this Llama (torch 2.13, transformers 5.x:
+torch.export stops with "cannot capture your model as a full graph"). A stage module that returns a ``ModelOutput``
 (the whole ``model.model``) flows its ``last_hidden_state``; a stage returning no tensor is a clear error.
 """
 from __future__ import annotations
