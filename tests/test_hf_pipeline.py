@@ -9,8 +9,9 @@ same global batch: losses within 1e-5 relative, the first step's gradients and t
 3 AdamW steps within 1e-5 of their norm. torch's own ``torch.distributed.pipelining`` (ScheduleGPipe)
 runs the same stages to the same numbers: with *manual* ``PipelineStage``s around our ``named_stage``
 modules, because its ``pipeline()`` tracer cannot take this Llama (torch 2.13, transformers 5.x:
-torch.export stops with "cannot capture your model as a full graph"). A stage module that returns a ``ModelOutput``
-(the whole ``model.model``) flows its ``last_hidden_state``; a stage returning no tensor is a clear error.
+torch.export stops with "cannot capture your model as a full graph"). A stage module that returns a
+``ModelOutput`` (the whole ``model.model``) flows its ``last_hidden_state``; a stage returning no tensor
+is a clear error. The 4-rank pp=2 x tp=2 case splits each stage's projections by a plan.
 """
 from __future__ import annotations
 
@@ -276,3 +277,11 @@ def test_stage_outputs_name_their_tensor_or_say_how():
         tensor_of("text", what="stage 0")
     with pytest.raises(ValueError, match="not in this stage"):
         dl.pp.named_stage(llama, ["model.norm"], output={"lm_head": "logits"})
+
+
+def test_a_tied_gpt2_cut_apart_says_untie():
+    import transformers as tf
+    tied = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32,
+                                            bos_token_id=0, eos_token_id=0))
+    with pytest.raises(ValueError, match="'lm_head.weight' is on stages 0 and 1.*untie it"):
+        dl.pp.check_stages(tied, dl.pp.cut(dl.pp.chain(tied), at=["transformer.h.1"]))

@@ -152,10 +152,11 @@ def check_stages(model: nn.Module, stages: list[list[str]]) -> None:
     """Every parameter of ``model`` on exactly one stage; no module on two."""
     seen: dict[int, int] = {}
     for s, names in enumerate(stages):
-        for p in NamedStage(model, names).parameters():
+        for name, p in NamedStage(model, names).named_parameters():
             if seen.setdefault(id(p), s) != s:
-                raise ValueError(f"a parameter is on stages {seen[id(p)]} and {s}: give each module one "
-                                 "stage")
+                raise ValueError(f"parameter {name!r} is on stages {seen[id(p)]} and {s}: give each module "
+                                 "one stage; a weight tied between two modules (an embedding and its head, "
+                                 "tie_word_embeddings=True) cannot be cut apart: untie it")
     orphans = [n for n, p in model.named_parameters() if id(p) not in seen]
     if orphans:
         raise ValueError(f"parameters on no stage: {orphans[:4]}: add their modules to a stage")
