@@ -6,7 +6,8 @@ process is an exact reference. ``dl.pp.chain`` lists their blocks, ``dl.pp.named
 them, each stage recomputing what its blocks take from their parent (rotary cos/sin, positions, mask).
 GPipe, 1F1B and ZB-H1 at 2 stages, and 1F1B / ZB-H1 at 3 uneven stages, each equal one process on the
 same global batch: losses within 1e-5 relative, the first step's gradients and the parameters after
-3 AdamW steps within 1e-5 of their norm. torch's own ``torch.distributed.pipelining`` (ScheduleGPipe)
+3 AdamW steps within 1e-5 of their norm; under ZB-H1 every I leaves all of its stage's weight gradients
+(embeddings, projections, norms) to W. torch's own ``torch.distributed.pipelining`` (ScheduleGPipe)
 runs the same stages to the same numbers: with *manual* ``PipelineStage``s around our ``named_stage``
 modules, because its ``pipeline()`` tracer cannot take this Llama (torch 2.13, transformers 5.x:
 torch.export stops with "cannot capture your model as a full graph"). A stage module that returns a
@@ -14,6 +15,8 @@ torch.export stops with "cannot capture your model as a full graph"). A stage mo
 is a clear error. The 4-rank pp=2 x tp=2 case splits each stage's projections by a plan.
 """
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -84,13 +87,31 @@ def _train(stage, step_fn) -> dict:
     return {"losses": losses, "grads": grads, "params": _snapshot(stage.named_parameters())}
 
 
+class _LeftToW(dl.pp.Observer):
+    """Zero bubble: the parameters whose weight gradient each I action leaves to its W."""
+
+    def __init__(self):
+        self.left = []
+
+    @contextlib.contextmanager
+    def around_action(self, pipe, action):
+        yield
+        if action.kind == "I":
+            uses = pipe.stash[(action.stage, action.microbatch)].uses
+            self.left.append({id(p) for _, aliases in uses.deferred for p, _ in aliases})
+
+
 def _ours(family: str, schedule: str, cuts: list[str]) -> dict:
     model, r = _model(family), dl.rank()
     stages = dl.pp.cut(dl.pp.chain(model), at=cuts)
     dl.pp.check_stages(model, stages)
     stage = dl.pp.named_stage(model, stages[r])
-    pipe = dl.pp.Pipeline(stage, r, len(stages), schedule=schedule, microbatches=MICRO)
-    return _train(stage, lambda x, y: pipe.step(x if pipe.first else None, y if pipe.last else None))
+    watch = _LeftToW()
+    pipe = dl.pp.Pipeline(stage, r, len(stages), schedule=schedule, microbatches=MICRO, observers=[watch])
+    out = _train(stage, lambda x, y: pipe.step(x if pipe.first else None, y if pipe.last else None))
+    every = {id(p) for p in stage.parameters()}
+    out["all_left_to_w"] = bool(watch.left) and all(left == every for left in watch.left)
+    return out
 
 
 def _model_output_stages() -> dict:
@@ -163,6 +184,8 @@ def _check(results: list[dict], ref: dict, case, params_rel: float = 1e-5) -> li
     if sum(map(len, names)) != len(ref["params"]) or set().union(*names) != set(ref["params"]):
         wrong.append(f"{case}: stages hold {sorted(map(len, names))} parameters: no partition")
     for res in results:
+        if case[1] == "zb-h1" and not res.get("all_left_to_w"):      # each HF block's weights: dW in W, not I
+            wrong.append(f"{case}: some I computed a weight gradient itself (or no I ran)")
         wrong += _close(res["grads"], ref["grads"], f"{case} grad")
         wrong += _close({n: _comparable(n, v) for n, v in res["params"].items()},
                         {n: _comparable(n, v) for n, v in ref["params"].items()}, f"{case} param", params_rel)
@@ -195,8 +218,9 @@ def _tp_pp(schedule: str) -> dict:
     stage = dl.pp.named_stage(model, stages[mesh.pp_rank])
     dl.tp.parallelize(stage, plan=LLAMA_PLAN, group=mesh.group("tp"))
     shard = stage.get_submodule(stages[mesh.pp_rank][1] + ".self_attn.q_proj").weight.shape
+    watch = _LeftToW()
     pipe = dl.pp.Pipeline(stage, mesh.pp_rank, 2, schedule=schedule, microbatches=MICRO,
-                          group=mesh.group("pp"))
+                          group=mesh.group("pp"), observers=[watch])
     opt = torch.optim.AdamW(stage.parameters(), lr=LR)
     losses, grads = [], None
     for step in range(STEPS):
@@ -206,7 +230,9 @@ def _tp_pp(schedule: str) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(None if loss is None else float(loss))
-    return {"losses": losses, "grads": grads, "params": dl.tp.full_state_dict(stage), "shard": tuple(shard)}
+    every = {id(p) for p in stage.parameters()}
+    return {"losses": losses, "grads": grads, "params": dl.tp.full_state_dict(stage), "shard": tuple(shard),
+            "all_left_to_w": bool(watch.left) and all(left == every for left in watch.left)}
 
 
 def _tp_pp_both() -> dict:
