@@ -305,6 +305,28 @@ def test_stage_outputs_name_their_tensor_or_say_how():
         dl.pp.named_stage(llama, ["model.norm"], output={"lm_head": "logits"})
 
 
+class _AuxFirst(torch.nn.Module):
+    """Returns (an auxiliary scalar, the output) -- or nothing at all, when ``broken``."""
+
+    def __init__(self, broken: bool = False):
+        super().__init__()
+        self.linear, self.broken = torch.nn.Linear(4, 3), broken
+
+    def forward(self, x):
+        return None if self.broken else (torch.zeros(()), self.linear(x))
+
+
+def test_pipeline_output_names_the_tensor_a_stage_passes_on():
+    """One stage in one process: ``Pipeline(output=1)`` trains on the tuple's second tensor, to the loss of
+    the plain model; a stage returning None says so, with its stage id."""
+    torch.manual_seed(0)
+    stage, x, y = _AuxFirst(), torch.randn(4, 4), torch.randn(4, 3)
+    loss = dl.pp.Pipeline(stage, 0, 1, microbatches=2, output=1).step(x, y)
+    assert loss.item() == pytest.approx(F.mse_loss(stage.linear(x), y).item(), rel=1e-6)
+    with pytest.raises(ValueError, match="stage 0 returned a NoneType, not a tensor"):
+        dl.pp.Pipeline(_AuxFirst(broken=True), 0, 1, microbatches=2).step(x, y)
+
+
 def test_a_tied_gpt2_cut_apart_says_untie():
     import transformers as tf
     tied = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32,
