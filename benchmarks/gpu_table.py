@@ -1,0 +1,144 @@
+"""README's GPU table, made from what `gpu_check.py` wrote under benchmarks/results/gpu/ (one folder per
+device); with nothing there, it says that no GPU run has been recorded. It never writes a number that is not
+in those files.
+
+    python benchmarks/gpu_table.py             # print the table
+    python benchmarks/gpu_table.py --readme    # replace the block between the markers in README.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "gpu"
+README = HERE.parent / "README.md"
+BEGIN, END = "<!-- gpu-table:begin -->", "<!-- gpu-table:end -->"
+NO_RUN = ("No GPU run has been recorded yet: every figure above is from a CPU. `make gpu-check` on a machine "
+          "with an NVIDIA GPU writes `benchmarks/results/gpu/` and this table.")
+
+
+def _load(folder: Path, name: str) -> dict | None:
+    path = folder / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.2f} ms"
+
+
+def _mib(b: int | None) -> str:
+    return "-" if b is None else f"{b / 2**20:.1f} MiB"
+
+
+def _size(b: int) -> str:
+    return f"{b / 2**20:g} MiB" if b >= 2**20 else f"{b / 2**10:g} KiB"
+
+
+def device_block(folder: Path) -> list[str]:
+    """The lines for one device's run: where and when, then each stage's figures or its failure."""
+    summary = _load(folder, "summary")
+    if summary is None:
+        return []
+    f = summary["facts"]
+    dry = ", DRY RUN on a CPU" if summary.get("dry") else ""
+    lines = [f"**{f.get('name')}** (torch {f.get('torch')}, CUDA {f.get('cuda')}, NCCL {f.get('nccl')}, "
+             f"{f.get('date')}; `benchmarks/gpu_check.py`{dry}). "
+             "All times measured; MFU = 6 N T / measured step time / the data sheet's dense bf16 peak "
+             f"({f.get('peak_variant') or 'none known: MFU omitted'}).", ""]
+    failed = [f"{s['name']} ({s['status']}: {s.get('error') or ''})" for s in summary["stages"]
+              if s["status"] != "ok"]
+    if failed:
+        lines += ["Stages that did not finish: " + "; ".join(failed), ""]
+    for part in (_tests, _step, _memory, _collectives):
+        lines += part(folder)
+    return lines
+
+
+def _tests(folder: Path) -> list[str]:
+    t = _load(folder, "tests")
+    if t is None:
+        return []
+    text = (f"`pytest -m gpu`: {t['passed']} passed, {t['failures'] + t['errors']} failed, "
+            f"{t['skipped']} skipped.")
+    return [text + (" Failed: " + ", ".join(t["failed"]) if t["failed"] else ""), ""]
+
+
+def _step(folder: Path) -> list[str]:
+    s = _load(folder, "step")
+    if s is None:
+        return []
+    lines = [f"bf16 training step, {s['model']} ({s['params'] / 1e6:.2f} M parameters, "
+             f"{s['tokens_per_step']} tokens per step), one device:", "",
+             "| implementation | median step | tokens/s | model TFLOP/s | MFU |", "|---|---|---|---|---|"]
+    for r in s["rows"]:
+        mfu = "omitted" if r["mfu"] is None else f"{r['mfu'] * 100:.2f}%"
+        lines.append(f"| {r['implementation']} | {_ms(r['median_s'])} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['model_flops_per_s'] / 1e12:.3f} | {mfu} |")
+    return lines + [""]
+
+
+def _memory(folder: Path) -> list[str]:
+    m = _load(folder, "memory")
+    if m is None:
+        return []
+    lines = [f"Memory ledger (`report.memory`, peak total) beside `torch.cuda.max_memory_allocated`, "
+             f"{m['model']}, one rank:", "",
+             "| strategy | ledger peak | allocator peak | ledger / allocator |", "|---|---|---|---|"]
+    for r in m["rows"]:
+        ratio = "-" if r["ratio_ledger_over_allocator"] is None else f"{r['ratio_ledger_over_allocator']:.2f}"
+        lines.append(f"| {r['strategy']} | {_mib(r['ledger_peak_total'])} | {_mib(r['allocator_peak'])} | "
+                     f"{ratio} |")
+    return lines + [""]
+
+
+def _collectives(folder: Path) -> list[str]:
+    lines = []
+    for name, title in (("allreduce", "all-reduce"), ("all_to_all", "all-to-all")):
+        doc = _load(folder, name)
+        if doc is None:
+            continue
+        meta, rows = doc["meta"], doc["results"]
+        biggest = max(r["bytes"] for r in rows)
+        near_1mib = min(rows, key=lambda r: abs(r["bytes"] - 2**20))["bytes"]
+        shown = [r for r in rows if r["bytes"] in (near_1mib, biggest)]
+        lines += [f"{title}, {meta['world_size']} gloo ranks on {meta['device']} tensors "
+                  f"({meta['why_gloo']}); {meta['dl_on_device']}:",
+                  "", "| implementation | size | median | busbw |", "|---|---|---|---|"]
+        lines += [f"| {r['impl']} | {_size(r['bytes'])} | {_ms(r['median_s'])} | {r['busbw_GBps']:.2f} GB/s |"
+                  for r in sorted(shown, key=lambda r: (r["bytes"], r["impl"]))]
+        lines.append("")
+    return lines
+
+
+def table(results: Path = RESULTS) -> str:
+    """The markdown of every recorded device, or the sentence that none is."""
+    blocks = [device_block(d) for d in sorted(results.iterdir())] if results.is_dir() else []
+    lines = [line for block in blocks for line in block]
+    return "\n".join(lines).strip() if lines else NO_RUN
+
+
+def replaced(readme: str, text: str) -> str:
+    """``readme`` with the block between the gpu-table markers replaced by ``text``."""
+    start, end = readme.find(BEGIN), readme.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"README.md has no {BEGIN} ... {END} block")
+    return readme[:start + len(BEGIN)] + "\n" + text + "\n" + readme[end:]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--readme", action="store_true", help="write the table into README.md")
+    a = p.parse_args(argv)
+    text = table(a.results)
+    if a.readme:
+        README.write_text(replaced(README.read_text(), text))
+        print(f"updated {README}")
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
