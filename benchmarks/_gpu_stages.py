@@ -48,8 +48,8 @@ class Config:
 
 
 GPU = Config(False, "gpt-small", 64, 5, 30, "gpt-small", 16, tuple(4 ** k * 1024 for k in range(9)), 0.5,
-             ("tests",), 240.0)
-DRY = Config(True, "gpt-tiny", 8, 1, 2, "gpt-tiny", 8, (4096, 65536), 0.01, ("tests/test_gpu.py",), 120.0)
+             ("tests",), 170.0)
+DRY = Config(True, "gpt-tiny", 8, 1, 2, "gpt-tiny", 8, (4096, 65536), 0.01, ("tests/test_gpu.py",), 80.0)
 
 
 def device() -> torch.device:
@@ -71,9 +71,14 @@ def facts(cfg: Config) -> dict:
 def tests(cfg: Config, out: Path) -> dict:
     """``pytest -m gpu`` in a child process; its JUnit XML counted. Without CUDA every test skips."""
     xml = out / "tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", *cfg.test_paths, "-q", "-rs",
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", *cfg.test_paths, "-v", "-rs",
            "-p", "no:cacheprovider", f"--junitxml={xml}"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=cfg.test_timeout)
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=cfg.test_timeout)
+    except subprocess.TimeoutExpired as exc:          # before the stage's budget: what ran is still told
+        tail = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        raise StageFailed(f"pytest ran over {cfg.test_timeout:g} s", {"command": " ".join(cmd[1:]),
+                                                                       "tail": tail[-3000:]}) from None
     suite = ET.parse(xml).getroot()
     suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
