@@ -35,8 +35,8 @@ class Config:
     """Sizes of one check: `GPU` for the real one, `DRY` for the proof on a CPU in seconds."""
 
     dry: bool
-    step_model: str              # the preset timed by the step stage
-    step_batch: int              # its global batch (rows of seq_len tokens)
+    step_models: tuple[str, ...]  # the presets timed by the step stage
+    step_batch: int              # their global batch (rows of seq_len tokens)
     warmup: int                  # untimed steps first
     steps: int                   # timed steps
     memory_model: str
@@ -47,9 +47,12 @@ class Config:
     test_timeout: float
 
 
-GPU = Config(False, "gpt-small", 64, 5, 30, "gpt-small", 16, tuple(4 ** k * 1024 for k in range(9)), 0.5,
-             ("tests",), 170.0)
-DRY = Config(True, "gpt-tiny", 8, 1, 2, "gpt-tiny", 8, (4096, 65536), 0.01, ("tests/test_gpu.py",), 80.0)
+GPU = Config(dry=False, step_models=("gpt-small", "gpt-wide"), step_batch=256, warmup=5, steps=30,
+             memory_model="gpt-small", memory_batch=16, sizes=tuple(4**k * 1024 for k in range(9)),  # 1K..64M
+             budget=0.5, test_paths=("tests",), test_timeout=170.0)
+DRY = Config(dry=True, step_models=("gpt-tiny",), step_batch=8, warmup=1, steps=2, memory_model="gpt-tiny",
+             memory_batch=8, sizes=(4096, 65536), budget=0.01, test_paths=("tests/test_gpu.py",),
+             test_timeout=80.0)
 
 
 def device() -> torch.device:
@@ -137,40 +140,46 @@ def memory(cfg: Config) -> dict:
 
 # -- step: bf16 step time and MFU, dl.train beside a plain torch loop ----------------------------------
 def step(cfg: Config) -> dict:
-    """A bf16-mixed training step of ``cfg.step_model`` on one device, timed the same way on both sides:
-    from one step's start to the next's (each step ends in ``loss.item()``, which waits for the device),
-    median over ``cfg.steps`` steps after ``cfg.warmup``; the batch is drawn inside the step on both sides,
-    as `dl.train` does. MFU: 6 N T / step time / the device's peak (`_gpu_facts`), None where the peak is
-    not known (a CPU, a GPU not in the table)."""
+    """A bf16-mixed training step of each of ``cfg.step_models`` on one device, timed the same way on both
+    sides: from one step's start to the next's (each step ends in ``loss.item()``, which waits for the
+    device), median over ``cfg.steps`` steps after ``cfg.warmup``; the batch is drawn inside the step on both
+    sides, as `dl.train` does. MFU: 6 N T / step time / the device's peak (`_gpu_facts`), None where the peak
+    is not known (a CPU, a GPU not in the table)."""
+    rows, models = [], {}
     with one_rank_world():
         join_world()
         dev = dl.device()
-        r = dl.train("single", model=cfg.step_model, steps=cfg.warmup + cfg.steps + 1,
-                     global_batch=cfg.step_batch, precision="bf16-mixed")
-        starts = sorted(e.start for e in r.trace.select("mark", name="step"))
-        dl_times = [b - a for a, b in zip(starts, starts[1:])][cfg.warmup:]
-        torch_times, torch_losses, params = _torch_loop(cfg, dev)
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    peak = peak_flops(name)[0] if dev.type == "cuda" and peak_flops(name) else None
-    tokens = cfg.step_batch * dl.models.PRESETS[cfg.step_model].seq_len
-    sides = {"dl.train single": dl_times, "torch loop": torch_times}
-    rows = [_step_row(side, times, params, tokens, peak) for side, times in sides.items()]
-    gap = max(abs(a - b) / abs(b) for a, b in zip(r.losses, torch_losses))
-    return {"model": cfg.step_model, "params": params, "tokens_per_step": tokens,
-            "global_batch": cfg.step_batch,
-            "precision": "bf16-mixed (autocast, fp32 weights)", "optimizer": "AdamW lr 1e-3",
-            "device": str(dev), "peak_bf16_flops": peak, "rows": rows,
-            "time_ratio_dl_over_torch": rows[0]["median_s"] / rows[1]["median_s"],
-            "loss_max_relative_gap": gap,
+        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+        peak = peak_flops(name)[0] if dev.type == "cuda" and peak_flops(name) else None
+        for model in cfg.step_models:
+            found, models[model] = _step_of(cfg, model, dev, peak)
+            rows += found
+    return {"models": models, "global_batch": cfg.step_batch, "device": str(dev), "peak_bf16_flops": peak,
+            "precision": "bf16-mixed (autocast, fp32 weights)", "optimizer": "AdamW lr 1e-3", "rows": rows,
             "labels": {"median_s": "measured", "mfu": "6 N T / measured time / data-sheet peak"
                        if peak else "omitted: no peak known for this device"}}
 
 
-def _torch_loop(cfg: Config, dev: torch.device) -> tuple[list[float], list[float], int]:
+def _step_of(cfg: Config, model: str, dev: torch.device, peak: float | None) -> tuple[list[dict], dict]:
+    """Both sides' rows for ``model``, and its facts: parameters, tokens, time ratio, loss gap."""
+    r = dl.train("single", model=model, steps=cfg.warmup + cfg.steps + 1, global_batch=cfg.step_batch,
+                 precision="bf16-mixed")
+    starts = sorted(e.start for e in r.trace.select("mark", name="step"))
+    dl_times = [b - a for a, b in zip(starts, starts[1:])][cfg.warmup:]
+    torch_times, torch_losses, params = _torch_loop(cfg, model, dev)
+    tokens = cfg.step_batch * dl.models.PRESETS[model].seq_len
+    sides = {"dl.train single": dl_times, "torch loop": torch_times}
+    rows = [{"model": model, **_step_row(side, times, params, tokens, peak)} for side, times in sides.items()]
+    return rows, {"params": params, "tokens_per_step": tokens,
+                  "time_ratio_dl_over_torch": rows[0]["median_s"] / rows[1]["median_s"],
+                  "loss_max_relative_gap": max(abs(a - b) / abs(b) for a, b in zip(r.losses, torch_losses))}
+
+
+def _torch_loop(cfg: Config, name: str, dev: torch.device) -> tuple[list[float], list[float], int]:
     """The same model, data, optimizer and autocast as `dl.train("single")`, written as plain torch."""
-    model = dl.models.build(cfg.step_model, 0).to(dev)
+    model = dl.models.build(name, 0).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-    data = dl.models.dataset_for(cfg.step_model, 0)
+    data = dl.models.dataset_for(name, 0)
     starts, losses = [], []
     for s in range(cfg.warmup + cfg.steps + 1):
         starts.append(time.perf_counter())

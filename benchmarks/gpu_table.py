@@ -69,12 +69,14 @@ def _step(folder: Path) -> list[str]:
     s = _load(folder, "step")
     if s is None:
         return []
-    lines = [f"bf16 training step, {s['model']} ({s['params'] / 1e6:.2f} M parameters, "
-             f"{s['tokens_per_step']} tokens per step), one device:", "",
-             "| implementation | median step | tokens/s | model TFLOP/s | MFU |", "|---|---|---|---|---|"]
+    lines = [f"bf16 training step on one device, global batch {s['global_batch']}:", "",
+             "| model | parameters | tokens/step | implementation | median step | tokens/s | model TFLOP/s "
+             "| MFU |", "|---|---|---|---|---|---|---|---|"]
     for r in s["rows"]:
+        m = s["models"][r["model"]]
         mfu = "omitted" if r["mfu"] is None else f"{r['mfu'] * 100:.2f}%"
-        lines.append(f"| {r['implementation']} | {_ms(r['median_s'])} | {r['tokens_per_s']:,.0f} | "
+        lines.append(f"| {r['model']} | {m['params'] / 1e6:.2f} M | {m['tokens_per_step']} | "
+                     f"{r['implementation']} | {_ms(r['median_s'])} | {r['tokens_per_s']:,.0f} | "
                      f"{r['model_flops_per_s'] / 1e12:.3f} | {mfu} |")
     return lines + [""]
 
