@@ -89,9 +89,9 @@ def run_stage(name: str, cfg, out: Path, budget: float) -> tuple[str, dict | Non
     finally:
         if child.is_alive():
             try:
-                os.killpg(child.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+                os.killpg(child.pid, signal.SIGKILL)      # the stage and what it started (pytest, ranks)
+            except ProcessLookupError:                  # it had not made its group yet
+                child.kill()
         child.join(10)
         receive.close()
 
