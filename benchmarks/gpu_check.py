@@ -106,14 +106,15 @@ def check(cfg, names: list[str], out: Path | None) -> tuple[Path, list[dict]]:
     log(f"gpu_check{' --dry' if cfg.dry else ''}: stages {', '.join(names)}")
     status, facts, error = run_stage("facts", cfg, Path(tempfile.gettempdir()), STAGES["facts"][1 + cfg.dry])
     facts = (facts or {}).get("meta", {"name": "unknown device", "error": error})
-    out = out or stages.ROOT / "benchmarks" / "results" / "gpu" / slug(facts["name"])
-    if not cfg.dry and facts.get("device") != "cuda:0":
+    no_gpu = not cfg.dry and facts.get("device") != "cuda:0"     # CPU numbers must not pass for a GPU run
+    if no_gpu:
         out = Path(tempfile.mkdtemp(prefix="gpu_check_no_gpu_"))        # nothing for README's table
+    out = out or stages.ROOT / "benchmarks" / "results" / "gpu" / slug(facts["name"])
     out.mkdir(parents=True, exist_ok=True)
     log(f"facts: {status}; {facts.get('name')}, torch {facts.get('torch')}, CUDA {facts.get('cuda')}; "
         f"results in {out}")
     done = [{"name": "facts", "status": status, "seconds": None, "error": error}]
-    if not cfg.dry and facts.get("device") != "cuda:0":      # CPU numbers must not pass for a GPU run
+    if no_gpu:
         why = (f"no CUDA device visible to torch {facts.get('torch')} (built for CUDA {facts.get('cuda')}): "
                "nothing measured; --dry is the CPU rehearsal")
         done[0].update(status="failed", error=why)

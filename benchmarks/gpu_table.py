@@ -51,24 +51,21 @@ def device_block(folder: Path) -> list[str]:
               if s["status"] != "ok"]
     if failed:
         lines += ["Stages that did not finish: " + "; ".join(failed), ""]
-    for part in (_tests, _step, _memory, _collectives):
-        lines += part(folder)
+    ran = {s["name"] for s in summary["stages"]}         # not a file left by an earlier run of another stage
+    for name, part in (("tests", _tests), ("step", _step), ("memory", _memory), ("allreduce", _collective),
+                       ("all_to_all", _collective)):
+        doc = _load(folder, name) if name in ran else None
+        lines += part(doc, name) if doc is not None else []
     return lines
 
 
-def _tests(folder: Path) -> list[str]:
-    t = _load(folder, "tests")
-    if t is None:
-        return []
+def _tests(t: dict, name: str) -> list[str]:
     text = (f"`pytest -m gpu`: {t['passed']} passed, {t['failures'] + t['errors']} failed, "
             f"{t['skipped']} skipped.")
     return [text + (" Failed: " + ", ".join(t["failed"]) if t["failed"] else ""), ""]
 
 
-def _step(folder: Path) -> list[str]:
-    s = _load(folder, "step")
-    if s is None:
-        return []
+def _step(s: dict, name: str) -> list[str]:
     lines = [f"bf16 training step on one device, global batch {s['global_batch']}:", "",
              "| model | parameters | tokens/step | implementation | median step | tokens/s | model TFLOP/s "
              "| MFU |", "|---|---|---|---|---|---|---|---|"]
@@ -81,10 +78,7 @@ def _step(folder: Path) -> list[str]:
     return lines + [""]
 
 
-def _memory(folder: Path) -> list[str]:
-    m = _load(folder, "memory")
-    if m is None:
-        return []
+def _memory(m: dict, name: str) -> list[str]:
     lines = [f"Memory ledger (`report.memory`, peak total) beside `torch.cuda.max_memory_allocated`, "
              f"{m['model']}, one rank:", "",
              "| strategy | ledger peak | allocator peak | ledger / allocator |", "|---|---|---|---|"]
@@ -95,23 +89,18 @@ def _memory(folder: Path) -> list[str]:
     return lines + [""]
 
 
-def _collectives(folder: Path) -> list[str]:
-    lines = []
-    for name, title in (("allreduce", "all-reduce"), ("all_to_all", "all-to-all")):
-        doc = _load(folder, name)
-        if doc is None:
-            continue
-        meta, rows = doc["meta"], doc["results"]
-        biggest = max(r["bytes"] for r in rows)
-        near_1mib = min(rows, key=lambda r: abs(r["bytes"] - 2**20))["bytes"]
-        shown = [r for r in rows if r["bytes"] in (near_1mib, biggest)]
-        lines += [f"{title}, {meta['world_size']} gloo ranks on {meta['device']} tensors "
-                  f"({meta['why_gloo']}); {meta['dl_on_device']}:",
-                  "", "| implementation | size | median | busbw |", "|---|---|---|---|"]
-        lines += [f"| {r['impl']} | {_size(r['bytes'])} | {_ms(r['median_s'])} | {r['busbw_GBps']:.2f} GB/s |"
-                  for r in sorted(shown, key=lambda r: (r["bytes"], r["impl"]))]
-        lines.append("")
-    return lines
+def _collective(doc: dict, name: str) -> list[str]:
+    """The all-reduce or all-to-all rows near 1 MiB and at the largest size."""
+    meta, rows = doc["meta"], doc["results"]
+    near_1mib = min(rows, key=lambda r: abs(r["bytes"] - 2**20))["bytes"]
+    shown = [r for r in rows if r["bytes"] in (near_1mib, max(r["bytes"] for r in rows))]
+    title = {"allreduce": "all-reduce", "all_to_all": "all-to-all"}[name]
+    lines = [f"{title}, {meta['world_size']} gloo ranks on {meta['device']} tensors ({meta['why_gloo']}); "
+             f"{meta['dl_on_device']}:", "", "| implementation | size | median | busbw |",
+             "|---|---|---|---|"]
+    lines += [f"| {r['impl']} | {_size(r['bytes'])} | {_ms(r['median_s'])} | {r['busbw_GBps']:.2f} GB/s |"
+              for r in sorted(shown, key=lambda r: (r["bytes"], r["impl"]))]
+    return lines + [""]
 
 
 def table(results: Path = RESULTS) -> str:

@@ -76,6 +76,23 @@ def test_readme_gpu_table_says_only_what_the_recorded_results_say():
     assert gpu_table.table(Path("/nonexistent")) == gpu_table.NO_RUN
 
 
+def test_the_table_shows_only_the_stages_of_the_recorded_run(tmp_path):
+    """A file an earlier run left (memory.json) is not shown under a later run's header and date."""
+    folder = tmp_path / "nvidia-h100"
+    folder.mkdir()
+    facts = {"name": "NVIDIA H100 80GB HBM3", "torch": "2.13.0", "cuda": "12.8", "date": "2026-01-01"}
+    stages = [{"name": "facts", "status": "ok"}, {"name": "tests", "status": "ok"}]
+    (folder / "summary.json").write_text(json.dumps({"facts": facts, "stages": stages}))
+    (folder / "tests.json").write_text(json.dumps({"passed": 3, "failures": 0, "errors": 0, "skipped": 1,
+                                                   "failed": []}))
+    (folder / "memory.json").write_text(json.dumps({"model": "stale", "rows": []}))
+    text = gpu_table.table(tmp_path)
+    assert "NVIDIA H100 80GB HBM3" in text and "3 passed, 0 failed, 1 skipped" in text
+    assert "stale" not in text
+    with pytest.raises(ValueError, match="gpu-table"):
+        gpu_table.replaced("no markers here", text)
+
+
 PEAKS = [("NVIDIA H100 80GB HBM3", "H100 SXM5"), ("NVIDIA H100 PCIe", "H100 PCIe"),
          ("NVIDIA H200", "H200 SXM"), ("NVIDIA H200 NVL", "H200 NVL"), ("NVIDIA A100-SXM4-80GB", "A100"),
          ("Tesla T4", None)]
