@@ -133,6 +133,9 @@ def memory(cfg: Config) -> dict:
                          "backend": r.run.backend, "losses": r.losses})
             del r
     return {"model": cfg.memory_model, "global_batch": cfg.memory_batch, "world_size": 1, "rows": rows,
+            "note": "a world of one rank (one GPU: NCCL takes one rank per GPU), so every shard is whole: "
+                    "this checks the ledger's accounting against the allocator, not the sharding (the CPU "
+                    "suite's multi-rank tests check that)",
             "labels": {"ledger_peak_total": "measured (distlab.memory: storages and saved tensors)",
                        "allocator_peak": "measured (torch.cuda.max_memory_allocated, less the bytes "
                                          "allocated before the run)"}}
