@@ -10,14 +10,17 @@ Stages, in order, each with its own time budget (seconds, GPU / dry), each in a 
 that one that fails, crashes or overruns is reported and the next one still runs (`_gpu_stages`):
 
     facts        20 / 30    device name, torch, CUDA, cuDNN, NCCL, date; the peak bf16 FLOP/s for MFU
-    tests       180 / 90    pytest -m gpu (tests/test_gpu.py: every strategy of dl.train on CUDA tensors
-                            equal to one process; tests/test_launch.py: NCCL with one GPU per rank)
-    memory       60 / 45    the memory ledger beside torch.cuda.max_memory_allocated: ddp, zero1-3, fsdp
-    step         60 / 45    bf16 step time and MFU of gpt-small, dl.train beside a plain torch loop
-    allreduce    75 / 45    benchmarks/allreduce.py's measurement on CUDA tensors (2 gloo ranks, one GPU)
-    all_to_all   75 / 45    benchmarks/all_to_all.py's, the same way
+    tests       150 / 90    pytest -m gpu (tests/test_gpu.py: every strategy of dl.train on CUDA tensors
+                            equal to one process, as a world of one NCCL rank; tests/test_launch.py: NCCL
+                            with one GPU per rank)
+    memory       45 / 45    the memory ledger beside torch.cuda.max_memory_allocated: ddp, zero1-3, fsdp
+    step         45 / 45    bf16 step time and MFU of gpt-small and gpt-wide, dl.train beside a torch loop
+    allreduce    60 / 45    benchmarks/allreduce.py's measurement on CUDA tensors (2 gloo ranks, one GPU)
+    all_to_all   60 / 45    benchmarks/all_to_all.py's, the same way
+    multirank   100 / 60    every strategy on 2 gloo ranks sharing the GPU, CUDA tensors, against single:
+                            which ones gloo's CUDA support carries (a finding, `_gpu_multirank`)
 
-Together at most 470 s on the GPU (8 min), so that a second try fits in a 15-minute loan. Progress lines
+Together at most 480 s on the GPU (8 min), so that a second try fits in a 15-minute loan. Progress lines
 carry the time of day and the seconds since the start. Results: one JSON per stage and ``summary.json``
 under ``benchmarks/results/gpu/<device>/`` (``--dry``: a temporary folder, or ``--out``), then README's GPU
 table is made from them (`gpu_table.py`; ``--dry`` writes it to ``table.md`` beside its results instead).
@@ -41,16 +44,20 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 import _gpu_comm  # noqa: E402
+import _gpu_multirank  # noqa: E402
 import _gpu_stages as stages  # noqa: E402
 import gpu_table  # noqa: E402
+import torch._dynamo  # noqa: E402,F401  (else each stage and rank imports it at its first step: ~2.5 s on a CPU)
 
 STAGES = {  # name: (function of (cfg, out), GPU budget s, dry budget s)
     "facts": (lambda cfg, out: stages.facts(cfg), 20, 30),
-    "tests": (stages.tests, 180, 90),
-    "memory": (lambda cfg, out: stages.memory(cfg), 60, 45),
-    "step": (lambda cfg, out: stages.step(cfg), 60, 45),
-    "allreduce": (lambda cfg, out: _gpu_comm.allreduce(cfg), 75, 45),
-    "all_to_all": (lambda cfg, out: _gpu_comm.all_to_all(cfg), 75, 45),
+    "tests": (stages.tests, 150, 90),
+    "memory": (lambda cfg, out: stages.memory(cfg), 45, 45),
+    "step": (lambda cfg, out: stages.step(cfg), 45, 45),
+    "allreduce": (lambda cfg, out: _gpu_comm.allreduce(cfg), 60, 45),
+    "all_to_all": (lambda cfg, out: _gpu_comm.all_to_all(cfg), 60, 45),
+    "multirank": (lambda cfg, out: _gpu_multirank.multirank(cfg, STAGES["multirank"][1 + cfg.dry] - 5),
+                  100, 60),
 }
 T0 = time.monotonic()
 

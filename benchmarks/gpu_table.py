@@ -53,7 +53,7 @@ def device_block(folder: Path) -> list[str]:
         lines += ["Stages that did not finish: " + "; ".join(failed), ""]
     ran = {s["name"] for s in summary["stages"]}         # not a file left by an earlier run of another stage
     for name, part in (("tests", _tests), ("step", _step), ("memory", _memory), ("allreduce", _collective),
-                       ("all_to_all", _collective)):
+                       ("all_to_all", _collective), ("multirank", _multirank)):
         doc = _load(folder, name) if name in ran else None
         lines += part(doc, name) if doc is not None else []
     return lines
@@ -100,6 +100,16 @@ def _collective(doc: dict, name: str) -> list[str]:
              "|---|---|---|---|"]
     lines += [f"| {r['impl']} | {_size(r['bytes'])} | {_ms(r['median_s'])} | {r['busbw_GBps']:.2f} GB/s |"
               for r in sorted(shown, key=lambda r: (r["bytes"], r["impl"]))]
+    return lines + [""]
+
+
+def _multirank(doc: dict, name: str) -> list[str]:
+    lines = [f"Every strategy on {doc['world_size']} gloo ranks sharing {doc['device']} (its tensors through "
+             f"gloo), against single on the same device ({doc['equal_means']}):", "",
+             "| strategy | result | detail |", "|---|---|---|"]
+    for r in doc["rows"]:
+        detail = r.get("detail") or f"gap {r['gap']:.1e}"
+        lines.append(f"| {r['strategy']} | {r['status']} | {detail.replace('|', '/')} |")
     return lines + [""]
 
 

@@ -22,6 +22,7 @@ class _RankState:
     local_rank: int = 0
     backend: str | None = None
     tracer: Tracer = field(default_factory=lambda: Tracer(0))
+    placed: torch.device | None = None    # set by `place_on`: where the rank computes, whatever the backend
 
 
 _state = _RankState()
@@ -66,10 +67,20 @@ def backend() -> str | None:
 
 
 def device() -> torch.device:
-    """Where this rank computes: its own GPU under NCCL, else the CPU. Strategies never assume CUDA."""
+    """Where this rank computes: its own GPU under NCCL, else the CPU (or where `place_on` put it).
+    Strategies never assume CUDA."""
+    if _state.placed is not None:
+        return _state.placed
     if backend() == "nccl":
         return torch.device("cuda", local_rank())
     return torch.device("cpu")
+
+
+def place_on(where) -> None:
+    """Compute on ``where`` (e.g. ``"cuda:0"``) for the rest of this rank, whatever the backend: gloo ranks
+    sharing one GPU (NCCL refuses two ranks on one GPU) use CUDA tensors through gloo where gloo takes
+    them. Called inside a rank, after the launch made it (each launch starts from the backend's rule)."""
+    _state.placed = torch.device(where)
 
 
 def tracer() -> Tracer:

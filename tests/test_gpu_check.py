@@ -39,10 +39,13 @@ def test_dry_run_exercises_every_stage_on_the_cpu_and_leaves_readme_alone(tmp_pa
     for name, impls in (("allreduce", {"torch", "ring", "textbook"}), ("all_to_all", {"torch", "dl", "p2p"})):
         doc = json.loads((tmp_path / "cpu" / f"{name}.json").read_text())
         assert {r["impl"] for r in doc["results"]} == impls and doc["meta"]["world_size"] == 2
+    multirank = json.loads((tmp_path / "cpu" / "multirank.json").read_text())
+    assert [(r["strategy"], r["status"]) for r in multirank["rows"]] == [("pp-1f1b", "equal")]
     tests = json.loads((tmp_path / "cpu" / "tests.json").read_text())
     assert tests["skipped"] == tests["tests"] > 0                   # no CUDA here: every gpu test skips
     table = (tmp_path / "cpu" / "table.md").read_text()
     assert "DRY RUN on a CPU" in table and "| dl.train single |" in table and "| zero3 |" in table
+    assert "| pp-1f1b | equal |" in table
     assert all(line.startswith("[") for line in done.stdout.splitlines() if line.strip())  # timestamped
     assert gpu_table.README.read_text() == readme
     print(f"gpu_check --dry took {time.monotonic() - t0:.1f} s")
