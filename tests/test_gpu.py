@@ -4,8 +4,9 @@ batch, bf16 trains, and gloo carries CUDA tensors through torch's collectives. S
 One GPU only (the machine these run on is lent one): NCCL refuses two ranks on one GPU ("Duplicate GPU
 detected"), so the strategies run as a world of one rank on NCCL (`_gpu_facts.one_rank_world`: torchrun's
 variables, `dl.train` runs in this process on ``cuda:0``), which runs every wrapper, hook, schedule and
-shard on CUDA tensors with group-of-one collectives; and the two-rank test runs gloo with CUDA tensors.
-`benchmarks/gpu_check.py` runs these (``pytest -m gpu``) first.
+shard on CUDA tensors with group-of-one collectives; the two-rank tests run gloo ranks sharing the GPU
+(`dl.runtime.place_on`): torch's collectives, and DDP, whose all-reduce and broadcast gloo runs on CUDA.
+`benchmarks/gpu_check.py` runs these (``pytest -m gpu``) first, and every other strategy on two ranks.
 """
 from __future__ import annotations
 
@@ -55,11 +56,12 @@ def gpu_world(on_cpu):
         yield {m: dl.train("single", model=m, **SGD) for m in on_cpu}
 
 
-def _assert_close(report, ref, rel):
-    assert report.losses == pytest.approx(ref.losses, rel=rel)
-    assert sorted(report.params) == sorted(ref.params)
+def _assert_close(losses, params, ref, rel):
+    """Losses and final parameters equal ``ref``'s (a Report) within ``rel`` (test_train's rule)."""
+    assert losses == pytest.approx(ref.losses, rel=rel)
+    assert sorted(params) == sorted(ref.params)
     for name, want in ref.params.items():
-        err = (report.params[name].cpu() - want.cpu()).norm().item()
+        err = (params[name].cpu() - want.cpu()).norm().item()
         assert err <= rel * want.norm().item() + 1e-7, (name, err / want.norm().item())
 
 
@@ -69,7 +71,7 @@ class TestOneRankOnNCCL:
     def test_single_on_the_gpu_equals_single_on_the_cpu(self, gpu_world, on_cpu):
         """The same fp32 arithmetic on two devices: equal up to the kernels' rounding."""
         for m, report in gpu_world.items():
-            _assert_close(report, on_cpu[m], rel=1e-4)
+            _assert_close(report.losses, report.params, on_cpu[m], rel=1e-4)
 
     @pytest.mark.parametrize("strategy", STRATEGIES)
     def test_every_strategy_on_one_gpu_equals_single(self, strategy, gpu_world):
@@ -77,7 +79,7 @@ class TestOneRankOnNCCL:
         the same GPU and global batch (two accumulated micro-steps per step)."""
         report = dl.train(strategy, world_size=1, model=_model(strategy), **SGD)
         assert report.run.backend == "nccl"
-        _assert_close(report, gpu_world[_model(strategy)], rel=1e-5)
+        _assert_close(report.losses, report.params, gpu_world[_model(strategy)], rel=1e-5)
         assert report.memory[0]["peak_total"] > 0
 
     def test_bf16_mixed_on_the_gpu_stays_near_fp32(self, gpu_world):
@@ -106,3 +108,27 @@ def test_gloo_carries_cuda_tensors_through_torch_collectives():
     for r, (kind, reduced, got) in enumerate(run.results):
         assert kind == "cuda" and reduced == [3.0] * 4
         assert got == [2 * r + 100 * s + j for s in range(2) for j in range(2)]
+
+
+def _strategy_on_cuda(spec):
+    """Inside a gloo rank: compute on cuda:0 (`dl.runtime.place_on`), train, hand back CPU numbers."""
+    from distlab import runtime
+    from distlab.strategies import load
+    runtime.place_on("cuda:0")
+    result = load(spec.strategy)(spec)
+    params = {k: v.cpu() for k, v in result.params.items()} if result.params else None
+    return str(dl.device()), result.losses, params
+
+
+def test_ddp_on_two_gloo_ranks_sharing_the_gpu_equals_single(on_cpu):
+    """DDP needs only all-reduce and broadcast, which gloo runs on CUDA tensors: two ranks on one GPU equal
+    one process (the CPU's single, within the two devices' rounding). The other strategies on two ranks are
+    `gpu_check.py`'s multirank stage: a finding per strategy, as gloo has no CUDA send/recv."""
+    from distlab.strategies import parse
+    spec = parse("ddp", model="gpt-tiny", **SGD)
+    run = dl.launch(_strategy_on_cuda, world_size=2, args=(spec,), backend="gloo", start_method="spawn",
+                    output="quiet", timeout=180)
+    assert [r[0] for r in run.results] == ["cuda:0", "cuda:0"]
+    losses = next(r[1] for r in run.results if r[1] is not None)
+    params = next(r[2] for r in run.results if r[2] is not None)
+    _assert_close(losses, params, on_cpu["gpt-tiny"], rel=1e-4)
