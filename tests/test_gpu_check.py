@@ -107,3 +107,10 @@ def test_peak_table_knows_h100_h200_a100_and_nothing_else(name, variant):
     assert (found[1] if found else None) == variant
     peak = found[0] if found else None
     assert (_gpu_facts.mfu(10**6, 1000, 1.0, peak) is None) == (peak is None)
+
+
+def test_budgets_fit_a_retry_in_a_fifteen_minute_loan():
+    """Every stage's budget together at most 8 minutes on the GPU; pytest's own limit under its stage's."""
+    assert sum(budget for _, budget, _ in gpu_check.STAGES.values()) <= 480
+    assert gpu_check.stages.GPU.test_timeout < gpu_check.STAGES["tests"][1]
+    assert gpu_check.stages.DRY.test_timeout < gpu_check.STAGES["tests"][2]
