@@ -69,10 +69,19 @@ def device_facts(device: torch.device) -> dict:
         props = torch.cuda.get_device_properties(device)
         facts.update(name=props.name, memory_bytes=props.total_memory,
                      capability=f"{props.major}.{props.minor}", gpus_visible=torch.cuda.device_count(),
-                     nccl=".".join(map(str, torch.cuda.nccl.version())))
+                     nccl=_nccl_version())
     else:
         facts.update(name=f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)")
     return facts
+
+
+def _nccl_version() -> str | None:
+    """NCCL's version as "2.27.3", None where torch cannot say (a build without NCCL)."""
+    try:
+        found = torch.cuda.nccl.version()
+    except Exception:
+        return None
+    return ".".join(map(str, found)) if isinstance(found, tuple) else str(found)
 
 
 def free_port() -> int:

@@ -123,7 +123,7 @@ def check(cfg, names: list[str], out: Path | None) -> tuple[Path, list[dict]]:
     done = [{"name": "facts", "status": status, "seconds": None, "error": error}]
     if no_gpu:
         why = (f"no CUDA device visible to torch {facts.get('torch')} (built for CUDA {facts.get('cuda')}): "
-               "nothing measured; --dry is the CPU rehearsal")
+               "nothing measured; --dry is the CPU rehearsal") if status == "ok" else error
         done[0].update(status="failed", error=why)
         log(f"facts: FAILED: {done[0]['error']}")
         return out, done
