@@ -23,7 +23,7 @@ from _gpu_stages import Config, device
 from _results import slowest_rank_rows
 
 RANKS = 2
-PROBE_TIMEOUT = 30.0        # a send that fails on one rank leaves its peer waiting in recv until this
+PROBE_TIMEOUT = 20.0        # a send that fails on one rank leaves its peer waiting in recv until this
 
 
 def _probe_rank(op: str, where: str) -> bool:

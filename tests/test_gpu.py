@@ -104,7 +104,7 @@ def _gloo_on_cuda():
 def test_gloo_carries_cuda_tensors_through_torch_collectives():
     """Two ranks on one GPU: gloo (NCCL would refuse) all-reduces and all-to-alls CUDA tensors."""
     run = dl.launch(_gloo_on_cuda, world_size=2, backend="gloo", start_method="spawn", output="quiet",
-                    timeout=120)                 # spawn: this process has used CUDA, a forked child could not
+                    timeout=60)                  # spawn: this process has used CUDA, a forked child could not
     for r, (kind, reduced, got) in enumerate(run.results):
         assert kind == "cuda" and reduced == [3.0] * 4
         assert got == [2 * r + 100 * s + j for s in range(2) for j in range(2)]
@@ -127,7 +127,7 @@ def test_ddp_on_two_gloo_ranks_sharing_the_gpu_equals_single(on_cpu):
     from distlab.strategies import parse
     spec = parse("ddp", model="gpt-tiny", **SGD)
     run = dl.launch(_strategy_on_cuda, world_size=2, args=(spec,), backend="gloo", start_method="spawn",
-                    output="quiet", timeout=180)
+                    output="quiet", timeout=60)
     assert [r[0] for r in run.results] == ["cuda:0", "cuda:0"]
     losses = next(r[1] for r in run.results if r[1] is not None)
     params = next(r[2] for r in run.results if r[2] is not None)
