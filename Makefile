@@ -102,5 +102,6 @@ clean:
 # (a lent GPU machine has no internet): it runs in the .venv that `make test` made (torch with CUDA, the test
 # extra), order-only, so an existing .venv is used as it is. The same script on a CPU in seconds:
 #   python benchmarks/gpu_check.py --dry
+GPU_CHECK_ARGS ?=
 gpu-check: | $(STAMP)
-	$(BIN)/python benchmarks/gpu_check.py
+	$(BIN)/python benchmarks/gpu_check.py $(GPU_CHECK_ARGS)

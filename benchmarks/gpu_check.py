@@ -5,6 +5,8 @@
     python benchmarks/gpu_check.py --dry              # the whole script on a CPU in seconds (CI runs
                                                       # it: tests/test_gpu_check.py), results in a temp folder
     python benchmarks/gpu_check.py --stages step,memory
+    make gpu-check GPU_CHECK_ARGS="--copy-to $OUT"    # a lent machine that sends back only $OUT: the
+                                                      # results folder and README.md are copied there
 
 Stages, in order, each with its own time budget (seconds, GPU / dry), each in a child process of its own so
 that one that fails, crashes or overruns is reported and the next one still runs (`_gpu_stages`):
@@ -34,6 +36,7 @@ import json
 import multiprocessing as mp
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -62,8 +65,15 @@ STAGES = {  # name: (function of (cfg, out), GPU budget s, dry budget s)
 T0 = time.monotonic()
 
 
+LOG: list[Path] = []          # where the progress lines also go, once the results folder is known
+
+
 def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')} +{time.monotonic() - T0:6.1f}s] {message}", flush=True)
+    line = f"[{time.strftime('%H:%M:%S')} +{time.monotonic() - T0:6.1f}s] {message}"
+    print(line, flush=True)
+    for path in LOG:
+        with open(path, "a") as f:
+            f.write(line + "\n")
 
 
 def _child(fn, cfg, out: Path, conn) -> None:
@@ -118,6 +128,7 @@ def check(cfg, names: list[str], out: Path | None) -> tuple[Path, list[dict]]:
         out = Path(tempfile.mkdtemp(prefix="gpu_check_no_gpu_"))        # nothing for README's table
     out = out or stages.ROOT / "benchmarks" / "results" / "gpu" / slug(facts["name"])
     out.mkdir(parents=True, exist_ok=True)
+    LOG[:] = [out / "gpu_check.log"]
     log(f"facts: {status}; {facts.get('name')}, torch {facts.get('torch')}, CUDA {facts.get('cuda')}; "
         f"results in {out}")
     done = [{"name": "facts", "status": status, "seconds": None, "error": error}]
@@ -152,6 +163,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results/gpu/"
                                                           "<device>/, or a temporary folder with --dry)")
     p.add_argument("--no-readme", action="store_true", help="do not write README's GPU table")
+    p.add_argument("--copy-to", type=Path, default=None,
+                   help="at the end, copy the results folder and README.md here (a lent machine's $OUT)")
     a = p.parse_args(argv)
     names = [s.strip() for s in a.stages.split(",") if s.strip()]
     if unknown := sorted(set(names) - set(STAGES)):
@@ -169,6 +182,10 @@ def main(argv=None) -> int:
         log("table: README.md updated from benchmarks/results/gpu/")
     failed = [s["name"] for s in done if s["status"] != "ok"]
     log(f"done: {len(done) - len(failed)} stages ok" + (f", FAILED: {', '.join(failed)}" if failed else ""))
+    if a.copy_to is not None:
+        shutil.copytree(out, a.copy_to / "results" / out.name, dirs_exist_ok=True)
+        shutil.copy(gpu_table.README, a.copy_to / "README.md")
+        print(f"copied {out} and README.md to {a.copy_to}", flush=True)
     return 1 if failed else 0
 
 

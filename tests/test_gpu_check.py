@@ -22,7 +22,8 @@ import gpu_table  # noqa: E402
 def test_dry_run_exercises_every_stage_on_the_cpu_and_leaves_readme_alone(tmp_path):
     readme = gpu_table.README.read_text()
     t0 = time.monotonic()
-    cmd = [sys.executable, str(BENCH / "gpu_check.py"), "--dry", "--out", str(tmp_path / "cpu")]
+    cmd = [sys.executable, str(BENCH / "gpu_check.py"), "--dry", "--out", str(tmp_path / "cpu"),
+           "--copy-to", str(tmp_path / "back")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=BENCH.parent,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -46,8 +47,10 @@ def test_dry_run_exercises_every_stage_on_the_cpu_and_leaves_readme_alone(tmp_pa
     table = (tmp_path / "cpu" / "table.md").read_text()
     assert "DRY RUN on a CPU" in table and "| dl.train single |" in table and "| zero3 |" in table
     assert "| pp-1f1b | equal |" in table
-    assert all(line.startswith("[") for line in done.stdout.splitlines() if line.strip())  # timestamped
-    assert gpu_table.README.read_text() == readme
+    assert all(line.startswith(("[", "copied")) for line in done.stdout.splitlines() if line.strip())
+    assert gpu_table.README.read_text() == readme == (tmp_path / "back" / "README.md").read_text()
+    assert (tmp_path / "back" / "results" / "cpu" / "summary.json").exists()
+    assert "multirank: ok" in (tmp_path / "cpu" / "gpu_check.log").read_text()
     print(f"gpu_check --dry took {time.monotonic() - t0:.1f} s")
 
 
