@@ -76,7 +76,8 @@ def tests(cfg: Config, out: Path) -> dict:
     """``pytest -m gpu`` in a child process; its JUnit XML counted. Without CUDA every test skips."""
     xml = out / "tests.xml"
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", *cfg.test_paths, "-v", "-rs",
-           "-p", "no:cacheprovider", f"--junitxml={xml}"]
+           "-p", "no:cacheprovider", "-p", "no:nbval",      # (nbval loads Jupyter; no lesson is a gpu test)
+           f"--junitxml={xml}"]
     try:
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=cfg.test_timeout)
     except subprocess.TimeoutExpired as exc:          # before the stage's budget: what ran is still told
