@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from ...models import GPT
 from .. import collectives as C
+from ..mesh import as_group
 from .layers import ParallelAttention, ParallelMLP
 from .linear import ColumnParallelLinear, check_divisible, sync_replicated_grad
 from .plan import parallelize_plan
@@ -41,6 +42,7 @@ class TensorParallelGPT(GPT):
 
     def __init__(self, gpt: GPT, group=None, sequence_parallel: bool = False):
         nn.Module.__init__(self)               # not GPT.__init__: that would build new full-size layers
+        group = as_group(group)                          # a 1-D mesh: its process group
         t = C.group_size(group)
         sp = sequence_parallel and t > 1
         self.cfg, self.group, self.sequence_parallel = gpt.cfg, group, sp
@@ -84,7 +86,8 @@ def parallelize(gpt: nn.Module, group=None, sequence_parallel: bool = False, *,
 
     ``plan={"blocks.*.mlp.fc": "colwise", ...}``: any model (your own ``nn.Module``), split module by
     module as the plan says (`plan.py`, like torch's ``parallelize_module``); returns the model itself,
-    changed in place."""
+    changed in place. ``group``: a process group, or a 1-D mesh (``mesh["tp"]``) standing for one."""
+    group = as_group(group)
     if plan is not None:
         if sequence_parallel:
             raise ValueError("sequence_parallel is offered for distlab's GPT only; drop it with plan=")

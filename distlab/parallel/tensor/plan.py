@@ -93,7 +93,7 @@ class PackedColumnParallelLinear(ColumnParallelLinear):
             for mine, full in ((self.weight, linear.weight), (self.bias, linear.bias)):
                 if mine is not None:          # (k, out/k, ...) -> my rows of each block -> (k out/(k t), ...)
                     blocks = full.reshape(packed, full.shape[0] // packed, *full.shape[1:])
-                    mine.copy_(C.split(blocks, 1, group).reshape(mine.shape))
+                    mine.copy_(C.split(blocks, 1, self.group).reshape(mine.shape))
 
     def unpack(self, gathered: torch.Tensor) -> torch.Tensor:
         t, k = self.tp, self.packed
