@@ -108,14 +108,14 @@ def parallelize(gpt: nn.Module, group=None, sequence_parallel: bool = False, *,
     return TensorParallelGPT(gpt, group, sequence_parallel)
 
 
-def _gather_full(model: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
+def _gather_full(model: nn.Module, grads: bool, local: dict | None = None) -> dict[str, torch.Tensor]:
     out = {}
     for mod_name, mod in model.named_modules():
         dims = getattr(mod, "shard_dims", {})
         group = getattr(mod, "group", None)
         for p_name, p in mod.named_parameters(recurse=False):
             name = f"{mod_name}.{p_name}" if mod_name else p_name
-            value = p.grad if grads else p.detach()
+            value = p.grad if grads else p.detach() if local is None else local[name]
             if value is None:
                 continue
             if p_name in dims:
@@ -126,9 +126,12 @@ def _gather_full(model: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
     return out
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter at full size, keyed as in the plain GPT (collective: call on every rank)."""
-    return _gather_full(model, grads=False)
+def full_state_dict(model: nn.Module, local: dict | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter at full size, keyed as in the plain GPT (collective: call on every rank).
+
+    ``local``: this rank's tensor-parallel parameters by name, when the module holds less: under
+    ``dl.fully_shard`` (applied after TP) ``dl.full_state_dict(model)`` gathers them over dp first."""
+    return _gather_full(model, grads=False, local=local)
 
 
 def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
