@@ -97,23 +97,103 @@ def _run(kind: str, data: str) -> dict:
     return {"losses": (mean / 4).tolist(), "norms": norms, "state": state}
 
 
+GPT2_PLAN = {"transformer.wte": "embedding", "transformer.h.*.attn.c_attn": dl.tp.Colwise(packed=3),
+             "transformer.h.*.attn.c_proj": "rowwise", "transformer.h.*.mlp.c_fc": "colwise",
+             "transformer.h.*.mlp.c_proj": "rowwise", "lm_head": "colwise_gather"}
+
+
+def gpt2(convert: bool = True):
+    """A tiny random GPT-2 (Conv1D linears, lm_head tied to wte), dropout off; converted to nn.Linear."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg)
+    return dl.tp.conv1d_to_linear(model) if convert else model
+
+
+def _gpt2_tp() -> dict:
+    """GPT-2 tensor-parallel over every rank (group: a dl.Mesh with one axis), the same batch everywhere."""
+    model = dl.tp.parallelize(gpt2(), plan=GPT2_PLAN, group=dl.Mesh(tp=dl.world_size()))
+    losses, _ = train(model, batch, lambda m: torch.zeros(()))
+    return {"losses": losses, "state": dl.tp.full_state_dict(model),
+            "split_size": model.transformer.h[0].attn.split_size}
+
+
+def _errors() -> dict:
+    """The messages of what must be refused: heads that do not split, TP after fully_shard."""
+    said = {}
+    try:
+        dl.tp.parallelize(llama(num_key_value_heads=2), plan=LLAMA_PLAN)            # tp = 4 > 2 kv heads
+    except ValueError as e:
+        said["kv_heads"] = str(e)
+    model = llama()
+    dl.fully_shard(model)
+    try:
+        dl.tp.parallelize(model, plan=LLAMA_PLAN, group=None)
+    except ValueError as e:
+        said["after_fsdp"] = str(e)
+    return said
+
+
 def _rank() -> dict:
-    return {(kind, data): _run(kind, data) for kind, data in
-            (("torch", "fsdp"), ("dl", "fsdp"), ("torch", "ddp"))}
+    out = {(kind, data): _run(kind, data) for kind, data in
+           (("torch", "fsdp"), ("dl", "fsdp"), ("torch", "ddp"))}
+    return {**out, "gpt2": _gpt2_tp(), "errors": _errors()}
+
+
+@pytest.fixture(scope="module")
+def results() -> list:
+    return dl.launch(_rank, world_size=4, output="quiet").results
 
 
 def _rel(mine: dict, want: dict) -> float:
-    """The largest ||mine - want|| / ||want|| over the parameters (the same names on both sides)."""
-    assert sorted(mine) == sorted(want), sorted(set(want) ^ set(mine))
-    return max(((mine[k] - want[k]).norm() / want[k].norm().clamp(min=1e-6)).item() for k in mine)
+    """The largest ||mine - want|| / ||want|| over ``want``'s parameters (each also in ``mine``)."""
+    assert set(want) <= set(mine), sorted(set(want) - set(mine))
+    return max(((mine[k] - want[k]).norm() / want[k].norm().clamp(min=1e-6)).item() for k in want)
 
 
-def test_llama_tp_times_fsdp_on_a_2x2_mesh_equals_one_process():
+def test_llama_tp_times_fsdp_on_a_2x2_mesh_equals_one_process(results):
     want = reference()
     assert min(want["norms"]) > MAX_NORM                 # clipping really acts in every step
-    run = dl.launch(_rank, world_size=4, output="quiet")
-    for r, res in enumerate(run.results):
-        for setup, got in res.items():
+    for r, res in enumerate(results):
+        for setup in (("torch", "fsdp"), ("dl", "fsdp"), ("torch", "ddp")):
+            got = res[setup]
+            assert sorted(got["state"]) == sorted(want["state"])
             assert got["losses"] == pytest.approx(want["losses"], rel=REL), (r, setup)
             assert got["norms"] == pytest.approx(want["norms"], rel=REL), (r, setup)
             assert _rel(got["state"], want["state"]) <= STATE_REL, (r, setup)
+
+
+def test_gpt2_conv1d_converted_then_tensor_parallel_equals_one_process(results):
+    ids = batch(0)
+    with torch.no_grad():                                # the conversion computes what Conv1D did
+        assert torch.allclose(gpt2(convert=False)(ids).logits, gpt2()(ids).logits, atol=1e-6)
+    model = gpt2()
+    losses, _ = train(model, batch, lambda m: torch.zeros(()))
+    want = _without_key_bias({k: v.detach() for k, v in model.named_parameters()})
+    for r, res in enumerate(results):
+        got = res["gpt2"]
+        assert got["split_size"] == 32 // 4                  # GPT2Attention's split width, per rank
+        assert got["losses"] == pytest.approx(losses, rel=REL), r
+        assert _rel(_without_key_bias(got["state"]), want) <= STATE_REL, r
+
+
+def _without_key_bias(state: dict) -> dict:
+    """c_attn's bias without its key third: softmax ignores a shift of every score by q.b_k, so that
+    gradient is zero up to rounding, and Adam turns the rounding into lr-sized steps of either sign."""
+    return {k: torch.cat([v[:32], v[64:]]) if k.endswith("c_attn.bias") else v for k, v in state.items()}
+
+
+def test_a_plan_naming_a_conv1d_says_so():
+    with pytest.raises(TypeError, match=r"Conv1D .*transposed, \(in, out\) = \(32, 96\).*conv1d_to_linear"):
+        dl.tp.parallelize(gpt2(convert=False), plan=GPT2_PLAN)
+
+
+def test_heads_that_do_not_split_and_tp_after_fully_shard_are_refused_clearly(results):
+    said = results[0]["errors"]
+    kv = said["kv_heads"]
+    assert "'model.layers.0.self_attn.k_proj' holds 2 heads (LlamaConfig.num_key_value_heads=2)" in kv
+    assert "do not split over tp=4" in kv and "Valid tp degrees for this attention: [1, 2]" in kv
+    assert "already fully_shard-ed" in said["after_fsdp"]
+    assert "apply tensor parallelism first, then fully_shard" in said["after_fsdp"]
