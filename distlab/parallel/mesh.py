@@ -274,34 +274,42 @@ def as_group(group_or_mesh):
 
     A mesh of several dimensions is refused, saying which one to pass (``mesh["tp"]``).
     """
-    dims = mesh_dims(group_or_mesh)
-    if dims is None:
+    names = dim_names(group_or_mesh)
+    if names is None:
         if isinstance(group_or_mesh, (list, tuple, str, int)):
             raise TypeError(f"group={group_or_mesh!r}: pass a process group (torch.distributed.new_group("
                             "ranks)), a 1-D DeviceMesh (mesh['tp']), a dl.Mesh axis (mesh['tp']) or None "
                             "(the world)")
         return group_or_mesh
-    if len(dims) != 1:
-        shown = ", ".join(f"mesh[{name!r}]" for name, _ in dims)
-        raise ValueError(f"group= got a {len(dims)}-D mesh {describe(group_or_mesh)}, where one process "
+    if len(names) != 1:
+        shown = ", ".join(f"mesh[{name!r}]" for name in names)
+        raise ValueError(f"group= got a {len(names)}-D mesh {describe(group_or_mesh)}, where one process "
                          f"group is needed: pass one of its dimensions, {shown}")
-    return dims[0][1]
+    return mesh_dims(group_or_mesh)[0][1]
+
+
+def dim_names(mesh) -> tuple[str, ...] | None:
+    """The names of a mesh's dimensions, slowest first (a dl.Mesh: its axes over more than one rank, or
+    its first axis when none is); None when ``mesh`` is not a mesh."""
+    if isinstance(mesh, DeviceMesh):
+        return mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    if isinstance(mesh, Mesh):
+        return tuple(a for a, n in mesh.sizes.items() if n > 1) or tuple(mesh.sizes)[:1]
+    return None
 
 
 def mesh_dims(mesh) -> list[tuple[str, object]] | None:
-    """[(name, this rank's group)] for each dimension of a mesh, slowest first (a dl.Mesh: its axes over
-    more than one rank, or its first axis when none is); None when ``mesh`` is not a mesh."""
-    if isinstance(mesh, DeviceMesh):
-        names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-        dims = [(name, mesh.get_group(i)) for i, name in enumerate(names)]
-        for name, group in dims:
-            if mesh.mesh_dim_names and group_name(group) is None:
-                name_group(group, name)                  # traced collectives on it say "tp", as dl.Mesh's do
-        return dims
+    """[(name, this rank's group)] for each dimension of a mesh (`dim_names`); None for a non-mesh."""
+    names = dim_names(mesh)
+    if names is None:
+        return None
     if isinstance(mesh, Mesh):
-        axes = [a for a, n in mesh.sizes.items() if n > 1] or list(mesh.sizes)[:1]
-        return [(a, mesh.group(a)) for a in axes]
-    return None
+        return [(a, mesh.group(a)) for a in names]
+    dims = [(name, mesh.get_group(i)) for i, name in enumerate(names)]
+    for name, group in dims:
+        if mesh.mesh_dim_names and group_name(group) is None:
+            name_group(group, name)                      # traced collectives on it say "tp", as dl.Mesh's do
+    return dims
 
 
 def span_group(mesh):
@@ -316,6 +324,6 @@ def span_group(mesh):
 def describe(mesh) -> str:
     """A mesh in a few words: ``DeviceMesh (dp=2, tp=2)`` or ``Mesh(dp=2, tp=2)``."""
     if isinstance(mesh, DeviceMesh):
-        names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+        names = dim_names(mesh)
         return "DeviceMesh (" + ", ".join(f"{n}={d}" for n, d in zip(names, mesh.shape)) + ")"
     return repr(mesh)
