@@ -47,7 +47,8 @@ def _grad_of(model: nn.Module, rank: int) -> torch.Tensor:
 
 def _data_parallel(mesh, r: int) -> dict:
     """DDP, ZeRO, ShardedOptimizer over mesh["dp"] (ranks r % 2 and r % 2 + 2: mean rank r % 2 + 1);
-    fully_shard over mesh["tp"] (mean 2 (r // 2) + 0.5) and HSDP over the 2-D mesh (all ranks: 1.5)."""
+    fully_shard over mesh["tp"] (mean 2 (r // 2) + 0.5), HSDP over the 2-D mesh (all ranks: 1.5) and over a
+    2-D sub-mesh of a 3-D one (its ranks flattened into one data-parallel group)."""
     dp_mean, tp_mean = r % 2 + 1.0, 2 * (r // 2) + 0.5
     got = {"ddp": _grad_of(dl.DDP(_ones_model(), group=mesh["dp"]), r).unique().tolist() == [dp_mean]}
     zero = dl.ZeRO(_ones_model(), stage=2, optim=torch.optim.SGD, lr=1.0, group=mesh["dp"])
@@ -61,8 +62,11 @@ def _data_parallel(mesh, r: int) -> dict:
     before = model.weight.detach().clone()
     opt.step()
     got["sharded_optimizer"] = torch.allclose(before - model.weight, torch.full_like(before, dp_mean))
+    from torch.distributed.device_mesh import init_device_mesh
+    sub = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "rep", "shard"))["rep", "shard"]
     cases = {"fsdp_tp": (dict(group=mesh["tp"]), tp_mean), "fsdp_mesh_1d": (dict(mesh=mesh["tp"]), tp_mean),
-             "hsdp_2d": (dict(mesh=mesh), 1.5), "hsdp_dl_mesh": (dict(mesh=dl.Mesh(dp=2, tp=2)), 1.5)}
+             "hsdp_2d": (dict(mesh=mesh), 1.5), "hsdp_dl_mesh": (dict(mesh=dl.Mesh(dp=2, tp=2)), 1.5),
+             "hsdp_sub_mesh": (dict(mesh=sub), tp_mean)}      # 1 x 2 of a 3-D mesh: over ranks 2p, 2p + 1
     for name, (kw, mean) in cases.items():
         sharded = dl.fully_shard(_ones_model(), **kw)
         grad = _grad_of(sharded, r)
@@ -122,7 +126,8 @@ def _rank() -> dict:
 
 
 CHECKS = {"members", "names", "dl_mesh", "refused_2d", "ddp", "zero2", "sharded_optimizer", "fsdp_tp",
-          "fsdp_mesh_1d", "hsdp_2d", "hsdp_dl_mesh", "column", "row", "cp_ring", "cp_ulysses", "ep", "pp"}
+          "fsdp_mesh_1d", "hsdp_2d", "hsdp_dl_mesh", "hsdp_sub_mesh", "column", "row", "cp_ring",
+          "cp_ulysses", "ep", "pp"}
 
 
 def test_every_entry_point_takes_a_device_mesh_on_a_2x2_mesh():
