@@ -92,7 +92,7 @@ def head_splits(model: nn.Module, chosen: dict) -> dict[str, dict[str, int]]:
         head_dim = getattr(parent, "head_dim", None)
         if not isinstance(head_dim, int) or not isinstance(child, nn.Linear):
             continue
-        rowwise = type(style).__name__ == "Rowwise"
+        rowwise = type(style).__name__ == "Rowwise"             # plan.Rowwise (plan.py imports this file)
         features = child.in_features if rowwise else child.out_features // getattr(style, "packed", 1)
         if features % head_dim == 0:
             found.setdefault(parent_name, {})[name] = features // head_dim
