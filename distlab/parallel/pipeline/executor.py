@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ...runtime import device, group_rank, group_size
+from ..mesh import as_group
 from ..weight_grads import WeightGradStore, accumulate_grads
 from .named import tensor_of
 from .p2p import Incoming, Links
@@ -88,6 +89,7 @@ class Pipeline:
         if len(modules) != len(ids):
             raise ValueError(f"got {len(modules)} stage modules but {len(ids)} stage ids: "
                              "pass one id per module")
+        group = as_group(group)                       # a 1-D mesh (mesh["pp"]): its process group
         self.p, self.rank = group_size(group), group_rank(group)
         v = len(modules)
         if num_stages != self.p * v:
