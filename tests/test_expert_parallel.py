@@ -247,7 +247,7 @@ def test_bad_input_says_what_to_change(monkeypatch):
 def test_balance_loss_riders_come_off():
     """ride_balance_losses: one term per MoE forward while riding, none after remove()."""
     model = torch.nn.Sequential(*[dl.ep.MoE(8, 16, 4, group=dl.ep.LOCAL) for _ in range(2)])
-    riders = dl.ep.ride_balance_losses(model, 0.01, lambda out: 1.0)
+    riders = dl.pp.ride_balance_losses(model, 0.01, lambda out: 1.0)
     model(torch.randn(6, 8))
     assert len(riders) == 2 and len(riders.handles) == 2
     riders.remove()

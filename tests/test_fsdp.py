@@ -174,6 +174,7 @@ def _optimizer_first():
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)       # built before sharding: would update nothing
     dl.fully_shard(model)
+    opt.step()                                               # refused at its first step
     return opt
 
 

@@ -29,7 +29,6 @@ import torch.nn.functional as F
 
 from .. import collectives as C
 from ..mesh import as_group
-from ..weight_grads import DEFERS_WEIGHT_GRAD, WeightGradStore
 from . import regions as ops
 from .regions import SEQ_DIM
 
@@ -68,14 +67,16 @@ class GatheredLinears(torch.autograd.Function):
     Saving the shard (sbh/t) rather than X (sbh) is how Korthikanti et al. 2022 (Sec. 4.2.2) reach
     activation memory sbh(34 + 5as/h)/t, for one extra all-gather per region in the backward.
 
-    Under a zero-bubble schedule the backward computes dX only, on the critical path (I), and hands
-    dW_j = dY_j^T X, db_j = sum dY_j to the active `WeightGradStore` for the W pass, keeping the
-    gathered X and dY_j alive until then (the memory zero bubble trades for its smaller bubble).
+    The weight products dW_j = dY_j^T X, db_j = sum dY_j are one closure, ``param_grads``. Whoever drives
+    backward may postpone them: set ``grad_fn.postpone`` (None from forward) to a list before backward,
+    and backward computes dX only and appends ``(weights and biases, param_grads)`` there, keeping the
+    gathered X and dY_j alive until the caller runs it.
     """
 
     @staticmethod
     def forward(ctx, x_shard, group, *weights_and_biases):
         ctx.group, ctx.params = group, weights_and_biases    # (w_1, b_1 or None, w_2, ...)
+        ctx.postpone = None                                 # or a list: backward leaves dW, db there
         x = C.all_gather(x_shard, SEQ_DIM, group)
         ctx.save_for_backward(x_shard)
         return tuple(F.linear(x, w, b) for w, b in zip(weights_and_biases[::2], weights_and_biases[1::2]))
@@ -89,14 +90,13 @@ class GatheredLinears(torch.autograd.Function):
         grad_x = sum(g2d @ w for g2d, w in zip(g2ds, ctx.params[::2]))             # (b s, h)
         grad_x = C.reduce_scatter(grad_x.view(x.shape), SEQ_DIM, ctx.group)
 
-        def weight_grads() -> list:                                                 # [dW_1, db_1, dW_2, ...]
+        def param_grads() -> list:                                                  # [dW_1, db_1, dW_2, ...]
             return [g for g2d, b in zip(g2ds, ctx.params[1::2])
                     for g in (g2d.t() @ x2d, g2d.sum(0) if b is not None else None)]
 
-        store = WeightGradStore.current()
-        if store is None:
-            return (grad_x, None, *weight_grads())
-        store.defer(list(ctx.params), weight_grads)
+        if ctx.postpone is None:
+            return (grad_x, None, *param_grads())
+        ctx.postpone.append((list(ctx.params), param_grads))
         return (grad_x, None, *[None] * len(ctx.params))
 
 
@@ -105,9 +105,6 @@ def gathered_linears(x_shard: torch.Tensor, linears: list, group=None) -> tuple:
     flat = [t for lin in linears for t in (lin.weight, lin.bias)]
     if C.group_size(group) == 1:
         return tuple(F.linear(x_shard, w, b) for w, b in zip(flat[::2], flat[1::2]))
-    for t in flat:
-        if t is not None:
-            setattr(t, DEFERS_WEIGHT_GRAD, True)            # zero bubble: its W comes from the store
     return GatheredLinears.apply(x_shard, group, *flat)
 
 

@@ -49,11 +49,12 @@ Scalars (0-dim parameters) are kept whole, like ``replicate=``. Tied parameters 
 from __future__ import annotations
 
 import contextlib
-import gc
+import functools
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..collectives import Collectives
 from ..mesh import as_group, describe, grid_groups, mesh_dims, span_group
@@ -69,10 +70,12 @@ def fully_shard(module: nn.Module, *, group=None, mesh=None, param_dtype=None, r
     the world, shards over S ranks, R replicas (a 2-D DeviceMesh or dl.Mesh: HSDP over it, (replicate,
     shard); a 1-D one: FSDP over it); ``param_dtype``/``reduce_dtype``: gather-and-compute and
     reduce-scatter dtypes (the shards stay in their own dtype); ``replicate``: parameters kept whole,
-    gradients averaged. Build the optimizer *after* sharding, on ``module.parameters()``.
+    gradients averaged. Build the optimizer *after* sharding, on ``module.parameters()`` (one built
+    before holds the replaced originals: its first ``step`` raises, `_refuse_stale_optimizers`).
     """
     replicate, group = list(replicate or []), as_group(group)      # a 1-D mesh: its process group
     fresh, replicated = _claim(module, replicate)
+    _refuse_stale_optimizers()
     dp, shard_comm, replica_comm = _comms(module, group, mesh)
     _broadcast([p for p, _ in fresh] + [p for _, _, p in replicated] + list(module.buffers()), dp)
     device = next((p.device for p, _ in fresh), torch.device("cpu"))
@@ -119,9 +122,6 @@ def _claim(module: nn.Module, replicate: list) -> tuple[list, list]:
                          "module parameters, to the fully_shard call of the module that holds them")
     fresh = [(p, s) for p, s in slots.values() if id(p) not in ids and p.dim() > 0]
     whole = [(m, n, p) for p, s in slots.values() if id(p) in ids or p.dim() == 0 for m, n in s]
-    if fresh and _in_an_optimizer([p for p, _ in fresh]):
-        raise ValueError("an optimizer already holds these parameters: build it *after* fully_shard, on "
-                         "module.parameters() (the shards); the one built before would update nothing")
     return fresh, whole
 
 
@@ -143,15 +143,19 @@ def _refuse_sharded(module: nn.Module) -> None:
                              "already shards this module): give fully_shard the plain module instead")
 
 
-def _in_an_optimizer(params: list) -> bool:
-    """Whether some torch optimizer's param group lists one of ``params`` (``group["params"]`` is a list
-    held by the group's dict): found through the garbage collector's referrers, no registry needed (two
-    scans of the heap at most: the lists holding a parameter, then the dicts holding one of those)."""
-    lists = [ref for ref in gc.get_referrers(*params) if isinstance(ref, list) and ref is not params]
-    if not lists:
-        return False
-    ids = {id(ref) for ref in lists}
-    return any(isinstance(d, dict) and id(d.get("params")) in ids for d in gc.get_referrers(*lists))
+@functools.cache
+def _refuse_stale_optimizers():
+    """Once per process: every torch optimizer's ``step`` first checks it holds no parameter that
+    ``fully_shard`` replaced by its shard (torch's public ``register_optimizer_step_pre_hook``). An
+    optimizer built before sharding holds the originals, emptied: it would silently update nothing."""
+    return register_optimizer_step_pre_hook(_refuse_if_stale)
+
+
+def _refuse_if_stale(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if any(getattr(p, "_fsdp_moved", False) for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError("this optimizer holds parameters that fully_shard replaced by their shards: build "
+                         "it *after* fully_shard, on module.parameters() (the shards); the one built before "
+                         "would update nothing")
 
 
 def _comms(module: nn.Module, group, mesh) -> tuple:

@@ -46,6 +46,7 @@ import torch
 import torch.nn as nn
 
 from ..data.backward_hooks import BackwardWatcher
+from .shards import ShardsFromBackward, flat_layout
 from .zero1 import ZeRO1
 
 
@@ -67,6 +68,11 @@ class ZeRO2(ZeRO1):
         self.overlap = overlap
         self.watcher = BackwardWatcher([b.params for b in self.optimizer.buckets],
                                        on_ready=self._bucket_ready, on_end=self._backward_done)
+
+    def _optimizer(self, params, optim, bucket_mb: float, max_inflight: int, optim_kwargs: dict):
+        """ZeRO-1's bucket layout; the gradient shards come during backward (`shards.ShardsFromBackward`)."""
+        buckets, shards = flat_layout(params, bucket_mb, self.comm)
+        return ShardsFromBackward(buckets, shards, optim, self.comm, max_inflight, **optim_kwargs)
 
     def _bucket_ready(self, b: int) -> None:
         if not self._sync:
