@@ -11,10 +11,10 @@ however it ends)::
 
 A flock belongs to one *open* of the file, so the kernel refuses a second open of the directory in the
 same process too. What this module adds is the other half: knowing when a lock this process holds
-belongs to a run that is over. A run gives its lock back however it ends (``Checkpointer`` is a context
-manager around the training loop); a lock whose holder is finished without giving it back (a thread
-that is gone, or this very thread, which cannot still be inside the run that took it) is taken over by
-the next run. A live holder in another thread is never touched: the new run is refused.
+belongs to a run that is over. A run gives its lock back however it ends (the training loop's checkpoint
+side is a context manager); a lock whose holder is finished without giving it back (a thread that is
+gone, or this very thread, which cannot still be inside the run that took it) is taken over by the next
+run. A live holder in another thread is never touched: the new run is refused.
 """
 from __future__ import annotations
 

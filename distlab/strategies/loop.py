@@ -32,13 +32,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import training as checkpointing
 from ..checkpoint.state import RankState
 from ..memory import Ledger, parse_bytes
 from ..parallel import collectives as C
 from ..progress import progress
 from ..runtime import device, group_size, rank, tracer
-from . import numerics
+from . import checkpointing, numerics
 from .base import TrainSpec
 
 @dataclass
