@@ -133,7 +133,7 @@ def fsdp_memory(model: nn.Module, optimizer):
     included) and gradients waiting for their reduce-scatter, sampled after every collective launch.
     """
     units = [m._fsdp for m in model.modules() if hasattr(m, "_fsdp")]
-    reducer = units[0].family.reducer
+    reducer = units[0].coordinator.reducer
     peak = PeakBytes(lambda: [*reducer.in_flight(), *(t for u in units for t in u.gathered())])
     comms = {id(c): c for u in units for c in (u.dp, u.shard_comm, u.replica_comm) if c is not None}
     for comm in comms.values():
