@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..runtime import group_members, group_rank, tracer
+from ..runtime import current_run, group_members, group_rank, tracer
 
 OPS = ("sum", "avg", "max", "min", "prod")
 _call_ids = itertools.count()
@@ -117,27 +117,23 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1) if t.is_contiguous() else t.reshape(-1).contiguous()
 
 
-
-
-_scratch: dict[tuple, torch.Tensor] = {}
-
-
 def scratch(numel: int, dtype: torch.dtype, device, slot: int = 0) -> torch.Tensor:
     """A reusable receive buffer of ``numel`` elements (grown on demand, kept between calls).
 
     Reusing it spares every call a fresh allocation and, for large messages, the page faults of
-    touching new memory (NCCL keeps its own buffers for the same reason). ``free_scratch()`` drops them.
+    touching new memory (NCCL keeps its own buffers for the same reason). They belong to the rank's run
+    (`runtime.current_run`: dropped when it ends); ``free_scratch()`` drops them sooner.
     """
-    key = (slot, dtype, torch.device(device))
-    buf = _scratch.get(key)
+    kept, key = current_run().comm_buffers, (slot, dtype, torch.device(device))
+    buf = kept.get(key)
     if buf is None or buf.numel() < numel:
-        buf = _scratch[key] = torch.empty(numel, dtype=dtype, device=device)
+        buf = kept[key] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel]
 
 
 def free_scratch() -> None:
     """Release the receive buffers the collectives keep between calls."""
-    _scratch.clear()
+    current_run().comm_buffers.clear()
 
 
 SEGMENT_BYTES = 1 << 20

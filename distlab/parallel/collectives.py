@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import ring_bytes
-from ..runtime import group_name, group_rank, group_size, tracer
+from ..runtime import current_run, group_name, group_rank, group_size, tracer
 from ..runtime import name_group  # noqa: F401  (re-exported; the flight recorder reads the names too)
 
 COMMS = ("torch", "ring")
@@ -54,24 +54,23 @@ COMMS = ("torch", "ring")
 #   with collectives.scope(phase="backward", microbatch=3): ...      (a strategy, a hook, a lesson)
 #   collectives.name_group(mesh.dp_group, "dp")                       (the mesh, once per group;
 #                                                                       kept in `runtime`)
-# and every event recorded meanwhile carries those tags, plus ``group=<name>`` for named groups.
-_scopes: list[dict] = []
-
-
+# and every event recorded meanwhile carries those tags, plus ``group=<name>`` for named groups. Both live
+# with the rank's run (`runtime`), not in this module.
 @contextlib.contextmanager
 def scope(**tags):
     """Tag every comm event recorded inside the block with ``tags`` (inner scopes win on a clash)."""
-    _scopes.append(tags)
+    opened = current_run().comm_scopes     # this run's stack (a block that outlives a run closes its own)
+    opened.append(tags)
     try:
         yield
     finally:
-        _scopes.pop()
+        opened.pop()
 
 
 def current_tags() -> dict:
     """The tags of every open `scope`, merged outermost first."""
     merged: dict = {}
-    for tags in _scopes:
+    for tags in current_run().comm_scopes:
         merged.update(tags)
     return merged
 
