@@ -33,8 +33,8 @@ def _ep_against_local(top_k: int, capacity_factor: float) -> dict:
     ((y_ref * g).sum() + ref.balance_loss).backward()
     ((y * g[rows]).sum() + par.balance_loss).backward()
     kept_ref, kept = ref.route(x)[2].kept, par.route(x[rows])[2].kept
-    aux_sum = C.all_reduce(par.balance_loss.detach().clone())
-    gate_grad = C.all_reduce(par.router.gate.weight.grad.clone())
+    aux_sum = C.all_reduce_sum(par.balance_loss.detach().clone())
+    gate_grad = C.all_reduce_sum(par.router.gate.weight.grad.clone())
     per = E // n
     mine = slice(r * per, (r + 1) * per)                 # this rank's experts in the reference
     expert_err = max((getattr(par.local, k).grad - getattr(ref.local, k).grad[mine]).abs().max()

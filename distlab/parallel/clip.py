@@ -79,7 +79,7 @@ def _norm(pieces: list, norm_type: float, group) -> torch.Tensor:
         elif counted:
             acc += g.detach().float().abs().pow(norm_type).sum()
     for grp in ([] if group is False else group if isinstance(group, list) else [group]):
-        C.all_reduce(acc, grp, op="max" if inf else "sum")
+        (C.all_reduce_max if inf else C.all_reduce_sum)(acc, grp)
     return (acc if inf else acc.pow(1.0 / norm_type)).reshape(())
 
 
@@ -200,5 +200,5 @@ def grad_square_sum(params, sharded=None) -> tuple[torch.Tensor, torch.Tensor]:
 def sum_over(sq: torch.Tensor, groups) -> torch.Tensor:
     """``sq`` summed over every group of ``groups`` in turn (each holds different parameters per rank)."""
     for group in groups:
-        sq = C.all_reduce(sq, group)
+        sq = C.all_reduce_sum(sq, group)
     return sq

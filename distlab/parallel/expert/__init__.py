@@ -14,8 +14,8 @@ capacity and which tokens are dropped, the load-balancing loss, the experts). Th
 ``group=dl.ep.LOCAL`` keeps every expert in this process (the single-process reference).
 """
 from ...models.moe import Experts, Router, capacity, load_balancing_loss
-from .dispatch import LOCAL, AllToAll, Dispatch
+from .dispatch import LOCAL, Dispatch, RowExchange
 from .moe import ExpertShard, MoE, expert_params, full_state_dict, parallelize, split
 
-__all__ = ["LOCAL", "AllToAll", "Dispatch", "MoE", "Experts", "ExpertShard", "expert_params",
+__all__ = ["LOCAL", "RowExchange", "Dispatch", "MoE", "Experts", "ExpertShard", "expert_params",
            "full_state_dict", "parallelize", "split", "Router", "capacity", "load_balancing_loss"]

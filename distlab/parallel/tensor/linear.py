@@ -51,7 +51,7 @@ def sync_replicated_grad(param: nn.Parameter, group) -> None:
     param.sequence_parallel = True
 
     def sum_over_group(grad: torch.Tensor) -> torch.Tensor:
-        return C.all_reduce(grad.clone(), group)
+        return C.all_reduce_sum(grad.clone(), group)
     param.register_hook(sum_over_group)
 
 

@@ -76,14 +76,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group):
         z = logits.float()                                        # (N, V/t)
-        m = C.all_reduce(z.max(dim=-1).values, group, op="max")  # (N,)
+        m = C.all_reduce_max(z.max(dim=-1).values, group)  # (N,)
         shifted = z - m.unsqueeze(-1)
         owned = (targets >= vocab_start) & (targets < vocab_start + z.shape[-1])
         local_target = (targets - vocab_start).masked_fill(~owned, 0)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
-        target_logit = C.all_reduce(target_logit, group)
+        target_logit = C.all_reduce_sum(target_logit, group)
         exp = shifted.exp()
-        sum_exp = C.all_reduce(exp.sum(dim=-1), group)
+        sum_exp = C.all_reduce_sum(exp.sum(dim=-1), group)
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), owned, local_target)
         ctx.dtype = logits.dtype
         return sum_exp.log() - target_logit

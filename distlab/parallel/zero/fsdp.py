@@ -26,7 +26,7 @@ on ``module.parameters()`` updates the shards:
     ||shard|| = ceil(d0 / N) rows; bytes per rank per step 3 (N-1)/N Psi, as ZeRO-3 (2 without resharding)
 
 Applied bottom-up: ``fully_shard(block)`` for each block, then ``fully_shard(model)`` for what is left
-(embeddings, head); the root then drives its units as one family (forward order recorded on the
+(embeddings, head); the root then drives its units with one `Coordinator` (forward order recorded on the
 first step: the next unit prefetched in forward, the previous one in backward; one bounded queue of
 reduce-scatters, `reducer.GradReducer`, shared with ZeRO). Mixed precision: ``param_dtype`` for the
 all-gather and compute (the shards stay fp32 masters), ``reduce_dtype`` for the reduce-scatter.
@@ -74,7 +74,7 @@ def fully_shard(module: nn.Module, *, group=None, mesh=None, param_dtype=None, r
     before holds the replaced originals: its first ``step`` raises, `_refuse_stale_optimizers`).
     """
     replicate, group = list(replicate or []), as_group(group)      # a 1-D mesh: its process group
-    fresh, replicated = _claim(module, replicate)
+    fresh, replicated = _params_to_shard(module, replicate)
     _refuse_stale_optimizers()
     dp, shard_comm, replica_comm = _comms(module, group, mesh)
     _broadcast([p for p, _ in fresh] + [p for _, _, p in replicated] + list(module.buffers()), dp)
@@ -92,14 +92,14 @@ def fully_shard(module: nn.Module, *, group=None, mesh=None, param_dtype=None, r
     unit = FSDPUnit(module, params, replicated, (dp, shard_comm, replica_comm), param_dtype=dtype,
                     reduce_dtype=reduce_dtype or dtype, reshard=reshard_after_forward, device=device)
     unit.cast_inputs, unit.mesh, unit.group = param_dtype is not None, mesh, group
-    _adopt(unit, [m._fsdp for m in module.modules() if m is not module and hasattr(m, "_fsdp")])
+    _coordinate_inner(unit, [m._fsdp for m in module.modules() if m is not module and hasattr(m, "_fsdp")])
     module._fsdp = unit
     module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
     module.register_forward_hook(unit.post_forward)
     return module
 
 
-def _claim(module: nn.Module, replicate: list) -> tuple[list, list]:
+def _params_to_shard(module: nn.Module, replicate: list) -> tuple[list, list]:
     """([(parameter, its slots)] to shard, [(module, name, parameter)] kept whole); refuses bad input."""
     if hasattr(module, "_fsdp"):
         raise ValueError(f"{type(module).__name__} is already fully_shard-ed: call fully_shard once per "
@@ -207,13 +207,13 @@ def _broadcast(tensors: list, comm: Collectives) -> None:
         comm.broadcast(t.data, src=0)
 
 
-def _adopt(root: FSDPUnit, inner: list[FSDPUnit]) -> None:
-    """The root drives its inner units: one family, one forward order, one reduce-scatter queue."""
-    fam = root.family
-    for unit in {id(u.family): u.family for u in inner}.values():
-        fam.units[:0] = [u for u in unit.units if u not in fam.units]
-    for unit in fam.units:
-        unit.family = fam
+def _coordinate_inner(root: FSDPUnit, inner: list[FSDPUnit]) -> None:
+    """The root drives its inner units: one coordinator, one forward order, one reduce-scatter queue."""
+    shared = root.coordinator
+    for inner_coordinator in {id(u.coordinator): u.coordinator for u in inner}.values():
+        shared.units[:0] = [u for u in inner_coordinator.units if u not in shared.units]
+    for unit in shared.units:
+        unit.coordinator = shared
 
 
 def units(module: nn.Module) -> list[FSDPUnit]:
@@ -227,21 +227,21 @@ def units(module: nn.Module) -> list[FSDPUnit]:
 def set_requires_gradient_sync(module: nn.Module, requires: bool) -> None:
     """``False``: backward passes sum each unit's gradients locally, unsharded (FSDP2's switch)."""
     for unit in units(module):
-        unit.family.sync = requires
+        unit.coordinator.sync = requires
 
 
 @contextlib.contextmanager
 def no_sync(module: nn.Module):
     """Backward passes inside accumulate locally; the first one outside reduce-scatters the sum."""
-    fams = {id(u.family): u.family for u in units(module)}.values()
-    before = [f.sync for f in fams]
-    for f in fams:
-        f.sync = False
+    coordinators = {id(u.coordinator): u.coordinator for u in units(module)}.values()
+    before = [c.sync for c in coordinators]
+    for c in coordinators:
+        c.sync = False
     try:
         yield
     finally:
-        for f, b in zip(fams, before):
-            f.sync = b
+        for c, b in zip(coordinators, before):
+            c.sync = b
 
 
 @torch.no_grad()
