@@ -11,6 +11,7 @@ rank's norm: a regression to it is caught here.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -117,35 +118,35 @@ def _fully_shard(mesh=None, as_params=False):
     return run
 
 
-def _tp(norm_type, max_norm):
+def _tp(norm_type, max_norm, as_params=False):
     model = dl.tp.parallelize(_model(), plan=LM_PLAN)
     _backward(model)
     local = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], norm_type)
-    norm = dl.clip_grad_norm_(model, max_norm, norm_type)
+    norm = dl.clip_grad_norm_(model.parameters() if as_params else model, max_norm, norm_type)
     return norm, local, dl.tp.full_grads(model)
 
 
-def _ddp_over_tp(norm_type, max_norm):
+def _ddp_over_tp(norm_type, max_norm, as_params=False):
     from distlab.parallel.mesh import Mesh
     mesh = Mesh(dp=2, tp=2)
     model = dl.DDP(dl.tp.parallelize(_model(), plan=LM_PLAN, group=mesh.tp_group), group=mesh.dp_group)
     _backward(model, _rows(2, mesh.dp_rank))
-    norm = dl.clip_grad_norm_(model, max_norm, norm_type)
+    norm = dl.clip_grad_norm_(model.parameters() if as_params else model, max_norm, norm_type)
     return norm, None, dl.tp.full_grads(model.module)
 
 
-def _pipeline(norm_type, max_norm):
+def _pipeline(norm_type, max_norm, as_params=False):
     model, r = _model(), dl.rank()
     stages = dl.pp.cut(dl.pp.chain(model), at=["blocks.1"])
     stage = dl.pp.named_stage(model, stages[r])
     pipe = dl.pp.Pipeline(stage, r, 2, schedule="1f1b", microbatches=4)
     x, y = _data("lm", 0)
     pipe.step(x if pipe.first else None, y if pipe.last else None)
-    norm = dl.clip_grad_norm_(pipe, max_norm, norm_type)
+    norm = dl.clip_grad_norm_(pipe.parameters() if as_params else pipe, max_norm, norm_type)
     return norm, None, {n: p.grad for n, p in stage.named_parameters()}
 
 
-def _expert_parallel(norm_type, max_norm):
+def _expert_parallel(norm_type, max_norm, as_params=False):
     """A mixture-of-experts GPT, experts split over the ranks (`dl.ep`), the rest data parallel: each rank
     its rows, its share of the loss; dense gradients summed (as `strategies/expert.py` does)."""
     n, r = dl.world_size(), dl.rank()
@@ -158,7 +159,7 @@ def _expert_parallel(norm_type, max_norm):
     for p in model.parameters():
         if id(p) not in experts:
             dist.all_reduce(p.grad)
-    norm = dl.clip_grad_norm_(model, max_norm, norm_type)
+    norm = dl.clip_grad_norm_(model.parameters() if as_params else model, max_norm, norm_type)
     pieces = {}
     for name, p in model.named_parameters():              # an expert stack: this rank's E/n experts
         pieces[(name, r * len(p), (r + 1) * len(p)) if id(p) in experts else name] = p.grad
@@ -174,7 +175,7 @@ def _context_parallel(norm_type, max_norm):
     return norm, None, {n: p.grad for n, p in model.module.named_parameters()}
 
 
-def _ddp_over_pipeline(norm_type, max_norm):
+def _ddp_over_pipeline(norm_type, max_norm, as_params=False):
     """Two pipeline stages, each a DDP pair (dp=2 x pp=2): the stage's gradients averaged over its pair."""
     from distlab.parallel.mesh import Mesh
     mesh, model = Mesh(dp=2, pp=2), _model()
@@ -185,11 +186,11 @@ def _ddp_over_pipeline(norm_type, max_norm):
     with ddp.no_sync():                                   # one all-reduce after the last microbatch
         pipe.step(x if pipe.first else None, y if pipe.last else None)
     ddp.finish_grad_sync()
-    norm = dl.clip_grad_norm_(pipe, max_norm, norm_type)
+    norm = dl.clip_grad_norm_(pipe.parameters() if as_params else pipe, max_norm, norm_type)
     return norm, None, {n: p.grad for n, p in stage.named_parameters()}
 
 
-def _fully_shard_over_tp(norm_type, max_norm):
+def _fully_shard_over_tp(norm_type, max_norm, as_params=False):
     """fully_shard over dp=2 of a model tensor-parallel over tp=2 (each tp shard sharded again by rows)."""
     from distlab.parallel.mesh import Mesh
     mesh = Mesh(dp=2, tp=2)
@@ -199,17 +200,24 @@ def _fully_shard_over_tp(norm_type, max_norm):
     dl.fully_shard(model, group=mesh.dp_group)
     _backward(model, _rows(2, mesh.dp_rank))
     local = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], norm_type)
-    return dl.clip_grad_norm_(model, max_norm, norm_type), local, {}    # the norm only: shards of shards
+    norm = dl.clip_grad_norm_(model.parameters() if as_params else model, max_norm, norm_type)
+    return norm, local, {}                                               # the norm only: shards of shards
 
 
 LAYOUTS = {2: {"ddp": _ddp, "zero1": _zero(1), "zero2": _zero(2), "zero3": _zero(3), "fsdp": _fully_shard(),
                "zero3-params": _zero(3, as_params=True), "zero-beside-ddp": _sharded_optimizer_under_ddp,
                "fsdp-params": _fully_shard(as_params=True), "tp": _tp, "pipeline": _pipeline,
-               "ep": _expert_parallel, "cp": _context_parallel},
+               "ep": _expert_parallel, "cp": _context_parallel,
+               # bare parameters: the tp, ep and pipeline markers (`clip.mark_cut`, `_pipeline_of`)
+               "tp-params": partial(_tp, as_params=True),
+               "pipeline-params": partial(_pipeline, as_params=True),
+               "ep-params": partial(_expert_parallel, as_params=True)},
            4: {"hsdp": _fully_shard(mesh=(2, 2)), "ddp-over-tp": _ddp_over_tp,
-               "ddp-over-pipeline": _ddp_over_pipeline,
-               "fsdp-over-tp": _fully_shard_over_tp}}
-MODEL_OF = {"ep": "gpt-moe-tiny", "cp": "gpt-tiny"}     # the others: TinyLM
+               "ddp-over-pipeline": _ddp_over_pipeline, "fsdp-over-tp": _fully_shard_over_tp,
+               "ddp-over-tp-params": partial(_ddp_over_tp, as_params=True),
+               "ddp-over-pipeline-params": partial(_ddp_over_pipeline, as_params=True),
+               "fsdp-over-tp-params": partial(_fully_shard_over_tp, as_params=True)}}
+MODEL_OF = {"ep": "gpt-moe-tiny", "ep-params": "gpt-moe-tiny", "cp": "gpt-tiny"}     # the others: TinyLM
 
 
 def _rank(world: int) -> dict:

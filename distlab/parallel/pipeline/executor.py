@@ -94,6 +94,8 @@ class Pipeline:
         if sorted(ids) != expected:
             raise ValueError(f"pipeline rank {self.rank} of {self.p} must hold stages {expected}, got {ids}")
         self.modules = dict(zip(ids, modules))
+        for param in (q for m in modules for q in m.parameters()) if self.p > 1 else ():
+            param._pipeline_of = (group,)               # a stage's: dl.clip_grad_norm_ on bare parameters
         self.num_stages, self.microbatches = num_stages, microbatches
         self.loss_fn = loss_fn or default_loss
         if isinstance(schedule, str):
