@@ -250,3 +250,26 @@ def test_clip_grad_norm_is_the_whole_models_under_every_layout(world):
             if local is not None and p == 2.0 and local == pytest.approx(want, rel=1e-3):
                 wrong.append(f"rank {r} {name}: torch's clipper on this rank's shards found the global norm")
     assert not wrong, "\n".join(wrong)
+
+
+def _two_cut_groups() -> tuple[str, tuple]:
+    """Bare parameters cut over two different groups; and a marked parameter through torch.save."""
+    import io
+    a = dl.tp.ColumnParallelLinear(4, 4)                         # over the world
+    b = dl.tp.RowParallelLinear(4, 4, group=dist.new_group([0, 1]))   # the same ranks, another group
+    (a(torch.ones(1, 4)).sum() + b(torch.ones(1, 2)).sum()).backward()
+    try:
+        dl.clip_grad_norm_([*a.parameters(), *b.parameters()], 1.0)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    buf = io.BytesIO()
+    torch.save(a.weight, buf)                                    # a process group cannot be pickled
+    buf.seek(0)
+    return refused, getattr(torch.load(buf, weights_only=False), "_cut_over", None)
+
+
+def test_bare_parameters_cut_over_two_groups_are_refused():
+    for refused, mark in dl.launch(_two_cut_groups, world_size=2, output="quiet").results:
+        assert "more than one group" in refused and "pass the model" in refused, refused
+        assert mark == ()                                        # pickled: the mark dropped

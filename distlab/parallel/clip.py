@@ -135,19 +135,30 @@ def mark_cut(module: nn.Module, group) -> None:
         for name in module.shard_dims:
             p = getattr(module, name, None)
             if isinstance(p, torch.Tensor):
-                p._cut_over = (group,)                 # a tuple: group None (the world) is a group too
+                p._cut_over = Mark((group,))           # a tuple: group None (the world) is a group too
+
+
+class Mark(tuple):
+    """A parameter's marker, ``(group,)``. A process group can be neither copied nor pickled, so a
+    ``copy.deepcopy`` of the parameter shares the mark and a pickled one drops it (``()``: unmarked)."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return tuple, ()
 
 
 def _marked(params: list) -> tuple[dict, list]:
     """Bare parameters' tensor/expert-parallel and pipeline markers -> ({id(parameter): [the group it is
     replicated over]}, [the group they were cut over, the pipeline's group]); two cut groups: ambiguous."""
-    cut = {id(m[0]): m[0] for p in params if (m := getattr(p, "_cut_over", None)) is not None}
+    cut = {id(m[0]): m[0] for p in params if (m := getattr(p, "_cut_over", ()))}
     if len(cut) > 1:
         raise ValueError("these parameters were cut over more than one group (tensor and expert "
                          "parallelism?): from bare parameters dl.clip_grad_norm_ cannot tell which are "
                          "replicas where; pass the model (or the dl.pp.Pipeline), whose layers say so")
-    stages = {id(m[0]): m[0] for p in params if (m := getattr(p, "_pipeline_of", None)) is not None}
-    copies = {id(p): list(cut.values()) for p in params if getattr(p, "_cut_over", None) is None}
+    stages = {id(m[0]): m[0] for p in params if (m := getattr(p, "_pipeline_of", ()))}
+    copies = {id(p): list(cut.values()) for p in params if not getattr(p, "_cut_over", ())}
     return copies, [*cut.values(), *stages.values()]
 
 

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ...runtime import device, group_rank, group_size
+from ..clip import Mark
 from ..weight_grads import WeightGradStore, accumulate_grads
 from .p2p import Incoming, Links
 from .schedule import Action, schedule as make_schedule
@@ -95,7 +96,7 @@ class Pipeline:
             raise ValueError(f"pipeline rank {self.rank} of {self.p} must hold stages {expected}, got {ids}")
         self.modules = dict(zip(ids, modules))
         for param in (q for m in modules for q in m.parameters()) if self.p > 1 else ():
-            param._pipeline_of = (group,)               # a stage's: dl.clip_grad_norm_ on bare parameters
+            param._pipeline_of = Mark((group,))         # a stage's: dl.clip_grad_norm_ on bare parameters
         self.num_stages, self.microbatches = num_stages, microbatches
         self.loss_fn = loss_fn or default_loss
         if isinstance(schedule, str):
