@@ -180,7 +180,7 @@ CASES = {
     4: {"dl.fully_shard hsdp": P(_fully_shard, torch_side=False, hsdp=True),
         "torch fully_shard hsdp": P(_fully_shard, torch_side=True, hsdp=True)},
 }
-#: what each distlab case is compared with: (torch's case, or None), the reference's precision
+#: the torch case each distlab case is compared with (None: torch has no such wrapper)
 PAIRS = {"dl.DDP": "torch DDP", "dl.ZeRO-1": "torch ZeroRedundancyOptimizer", "dl.ZeRO-2": None,
          "dl.ZeRO-3": "torch fully_shard", "dl.ShardedOptimizer": "torch ZeroRedundancyOptimizer",
          "dl.fully_shard": "torch fully_shard", "dl.fully_shard bf16": "torch fully_shard bf16",
