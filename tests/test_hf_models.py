@@ -189,6 +189,7 @@ PAIRS = {"dl.DDP": "torch DDP", "dl.ZeRO-1": "torch ZeroRedundancyOptimizer", "d
 #: GPT-2's Conv1D (weight stored (in, out)) is not an nn.Linear a plan splits. Llama's attention reads its
 #: head count from the tensor since transformers 4.48 (before: ``view(b, s, self.num_heads, d)``, which a
 #: plan cannot split without rewriting the module's head counts, as torchtitan does).
+TP_CASES = ("dl.tp", "torch tp")
 TP_MODELS = ("llama",) if tuple(int(v) for v in transformers.__version__.split(".")[:2]) >= (4, 48) else ()
 
 
@@ -213,7 +214,7 @@ def _train(kind: str, case: str, world: int) -> dict:
 
 def _rank(world: int) -> dict:
     return {(kind, case): _train(kind, case, world) for kind in MODELS for case in CASES[world]
-            if "tp" not in case or kind in TP_MODELS}
+            if case not in TP_CASES or kind in TP_MODELS}
 
 
 @functools.cache
@@ -277,7 +278,7 @@ def _compare(world: int) -> list[str]:
             continue
         bf16 = "bf16" in case
         tol = BF16_TOL if bf16 else FP32_TOL
-        want = _reference(kind, bf16, 1 if "tp" in case else world)
+        want = _reference(kind, bf16, 1 if case in TP_CASES else world)
         errs = {"loss": _loss_rel(got["losses"], want["losses"]), "params": _rel(_no_key_bias(got["params"]),
                                                                          _no_key_bias(want["params"]))}
         theirs = results[0].get((kind, PAIRS[case]))
