@@ -47,6 +47,7 @@ import torch.nn as nn
 
 from ..runtime import device, group_rank, group_size
 from . import collectives as C
+from .mesh import as_group
 
 
 @torch.no_grad()
@@ -58,10 +59,13 @@ def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0, *,
     ``model_or_params``: a model (any distlab wrapper, or a module holding them), a ``dl.pp.Pipeline``, or
     parameters (fully_shard's shards carry their layout; unmarked ones are clipped by this rank's norm);
     ``norm_type``: p of the p-norm, or ``math.inf``; ``group``: the ranks that hold the model between
-    them (default: every rank, once a wrapper spreads it). ``sharded``/``groups``: the explicit form.
+    them (default: every rank, once a wrapper spreads it; a 1-D mesh stands for its group).
+    ``sharded``/``groups``: the explicit form.
     """
+    group = as_group(group)                             # a 1-D mesh: its process group
     if groups is not None:
-        pieces, grads, group = _explicit(list(model_or_params), sharded, list(groups))
+        groups = [as_group(g) for g in groups]
+        pieces, grads, group = _explicit(list(model_or_params), sharded, groups)
     else:
         pieces, grads, over = layout(model_or_params)
         group = over if group is None else group

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from ..comm import ring_bytes
 from ..runtime import group_name, group_rank, group_size, tracer
+from .mesh import as_group
 from ..runtime import name_group  # noqa: F401  (re-exported; the flight recorder reads the names too)
 
 COMMS = ("torch", "ring")
@@ -111,7 +112,8 @@ class Handle:
 
 
 class Collectives:
-    """all_reduce, reduce_scatter, all_gather and broadcast over ``group`` (default: the world)."""
+    """all_reduce, reduce_scatter, all_gather and broadcast over ``group`` (default: the world; a 1-D mesh:
+    its group, `mesh.as_group`: so DDP, ZeRO and fully_shard take one)."""
 
     def __init__(self, comm: str = "torch", group=None):
         if comm not in COMMS:
@@ -120,8 +122,8 @@ class Collectives:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("data parallelism needs a process group: "
                                "run inside dl.launch(fn, world_size=N)")
-        self.comm, self.group = comm, group
-        self.size, self.rank = group_size(group), group_rank(group)
+        self.comm, self.group = comm, as_group(group)            # a 1-D DeviceMesh: its process group
+        self.size, self.rank = group_size(self.group), group_rank(self.group)
         self._pool: ThreadPoolExecutor | None = None
         self._launch_hooks: list = []
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from ...comm import all_to_all
 from ...runtime import group_size
+from ..mesh import as_group
 from .layout import check_length, to_rank_order, to_sequence_order
 from .ring_attention import check_qkv
 
@@ -51,6 +52,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     zigzag=zigzag)``; heads must divide by the group size. Returns this rank's rows, same layout.
     """
     check_qkv(q, k, v)
+    group = as_group(group)                              # a 1-D mesh (mesh["cp"]): its process group
     n = group_size(group)
     b, h, s_local, d = q.shape
     if h % n:

@@ -28,6 +28,7 @@ from ...models import moe
 from ...runtime import group_members
 from .. import collectives as C
 from ..clip import mark_cut
+from ..mesh import as_group
 from . import dispatch as D
 
 
@@ -60,6 +61,7 @@ class MoE(moe.MoE):
 
     def __init__(self, hidden: int, ffn: int, experts: int, top_k: int = 2, capacity_factor: float = 1.25,
                  group=None, replicate: bool = False, batch_group=None):
+        group, batch_group = as_group(group), as_group(batch_group)   # a 1-D mesh (mesh["ep"]): its group
         n = 1 if replicate else D.size(group)
         if experts % n:
             raise ValueError(f"experts={experts} cannot be split over {n} ranks: choose a number of experts "
@@ -101,7 +103,7 @@ def split(layer: moe.MoE, group=None, replicate: bool = False, batch_group=None)
     new = MoE(layer.router.gate.in_features, layer.local.w1.shape[2], layer.experts, layer.top_k,
               layer.capacity_factor, group, replicate, batch_group)
     count = new.local.w1.shape[0]
-    first = 0 if replicate else D.rank(group) * count
+    first = 0 if replicate else D.rank(new.group) * count
     with torch.no_grad():
         new.router.gate.weight.copy_(layer.router.gate.weight)
         for name, param in new.local.named_parameters():

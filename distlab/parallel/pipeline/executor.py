@@ -35,7 +35,9 @@ import torch.nn.functional as F
 
 from ...runtime import device, group_rank, group_size
 from ..clip import Mark
+from ..mesh import as_group
 from ..weight_grads import WeightGradStore, accumulate_grads
+from .named import tensor_of
 from .p2p import Incoming, Links
 from .schedule import Action, schedule as make_schedule
 from .zero_bubble import WeightUses
@@ -76,16 +78,19 @@ class Pipeline:
     lists: this rank's modules and their stage ids, which must be ``r, r + p, r + 2p, ...``
     (``num_stages = p * v``). ``schedule`` is a name from `distlab.parallel.pipeline.schedule` or the
     per-rank action lists themselves. ``group`` is the pipeline's process group (default: every rank).
-    ``observers``: see `Observer`; append to ``pipe.observers`` to attach one later.
+    ``observers``: see `Observer`; append to ``pipe.observers`` to attach one later. ``output``: which
+    tensor flows on when a stage returns a ``ModelOutput``, tuple or dict (`named.tensor_of`: a key or
+    index; by default ``last_hidden_state``, ``logits`` or the first tensor).
     """
 
     def __init__(self, stage_module, stage_id, num_stages: int, schedule="1f1b", microbatches: int = 8,
-                 loss_fn=None, group=None, static_shapes: bool = True, observers=()):
+                 loss_fn=None, group=None, static_shapes: bool = True, observers=(), output=None):
         modules = list(stage_module) if isinstance(stage_module, (list, tuple)) else [stage_module]
         ids = list(stage_id) if isinstance(stage_id, (list, tuple)) else [stage_id]
         if len(modules) != len(ids):
             raise ValueError(f"got {len(modules)} stage modules but {len(ids)} stage ids: "
                              "pass one id per module")
+        group = as_group(group)                       # a 1-D mesh (mesh["pp"]): its process group
         self.p, self.rank = group_size(group), group_rank(group)
         v = len(modules)
         if num_stages != self.p * v:
@@ -98,7 +103,7 @@ class Pipeline:
         for param in (q for m in modules for q in m.parameters()) if self.p > 1 else ():
             param._pipeline_of = Mark((group,))         # a stage's: dl.clip_grad_norm_ on bare parameters
         self.num_stages, self.microbatches = num_stages, microbatches
-        self.loss_fn = loss_fn or default_loss
+        self.loss_fn, self.output = loss_fn or default_loss, output
         if isinstance(schedule, str):
             self.schedule_name = schedule
             self.actions: list[Action] = make_schedule(schedule, self.p, microbatches, virtual=v)[self.rank]
@@ -231,7 +236,7 @@ class Pipeline:
         uses = WeightUses(self.modules[s]) if self.split_backward else None
         stash = self.stash[(s, j)] = Stash(inp, None, uses)
         with uses or contextlib.nullcontext():
-            out = self.modules[s](inp)                   # (b, ...) -> (b, ...): microbatch j through stage s
+            out = tensor_of(self.modules[s](inp), self.output, f"stage {s}")   # microbatch j through stage s
             if s == self.num_stages - 1:
                 loss = self.loss_fn(out, self._targets[j])
                 self._losses[j] = loss.detach()

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from .. import collectives as C
 from ..clip import mark_cut
+from ..mesh import as_group
 from ..weight_grads import DEFERS_WEIGHT_GRAD, WeightGradStore
 from . import regions as ops
 from .regions import SEQ_DIM
@@ -128,6 +129,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_f: int, out_f: int, bias: bool = True, gather_output: bool = False, group=None,
                  sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
+        group = as_group(group)                          # a 1-D mesh: its process group
         t = C.group_size(group)
         check_divisible("out_features", out_f, t, "choose out_features divisible by the TP degree")
         self.in_features, self.out_features, self.tp = in_f, out_f, t
@@ -145,9 +147,9 @@ class ColumnParallelLinear(nn.Module):
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
                     device=linear.weight.device, dtype=linear.weight.dtype, **kw)
         with torch.no_grad():
-            layer.weight.copy_(C.split(linear.weight, 0, group))
+            layer.weight.copy_(C.split(linear.weight, 0, layer.group))
             if layer.bias is not None:
-                layer.bias.copy_(C.split(linear.bias, 0, group))
+                layer.bias.copy_(C.split(linear.bias, 0, layer.group))
         return layer
 
     @property
@@ -177,6 +179,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_f: int, out_f: int, bias: bool = True, input_is_parallel: bool = True, group=None,
                  sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
+        group = as_group(group)                          # a 1-D mesh: its process group
         t = C.group_size(group)
         check_divisible("in_features", in_f, t, "choose in_features divisible by the TP degree")
         self.in_features, self.out_features, self.tp = in_f, out_f, t
@@ -196,7 +199,7 @@ class RowParallelLinear(nn.Module):
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
                     device=linear.weight.device, dtype=linear.weight.dtype, **kw)
         with torch.no_grad():
-            layer.weight.copy_(C.split(linear.weight, 1, group))
+            layer.weight.copy_(C.split(linear.weight, 1, layer.group))
             if layer.bias is not None:
                 layer.bias.copy_(linear.bias)
         return layer

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from .. import collectives as C
 from ..clip import mark_cut
 from . import regions as ops
+from ..mesh import as_group
 from .linear import check_divisible
 
 
@@ -37,6 +38,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, dim: int, group=None, sequence_parallel: bool = False,
                  device=None, dtype=None):
         super().__init__()
+        group = as_group(group)                          # a 1-D mesh: its process group
         t = C.group_size(group)
         check_divisible("vocab", num_embeddings, t, "pad the vocabulary to a multiple of the TP degree")
         self.num_embeddings, self.dim, self.group, self.tp = num_embeddings, dim, group, t

@@ -56,7 +56,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..collectives import Collectives
-from ..mesh import grid_groups
+from ..mesh import as_group, describe, grid_groups, mesh_dims, span_group
 from .fsdp_unit import FSDPUnit, ShardedParam
 
 
@@ -65,12 +65,13 @@ def fully_shard(module: nn.Module, *, group=None, mesh=None, param_dtype=None, r
                 reshard_after_forward: bool = True, replicate=None) -> nn.Module:
     """Shard ``module``'s parameters (those no inner ``fully_shard`` took) on dim 0, in place; returns it.
 
-    ``group``: the data-parallel ranks (default: the world); ``mesh=(R, S)``: HSDP over the world,
-    shards over S ranks, R replicas; ``param_dtype``/``reduce_dtype``: gather-and-compute and
+    ``group``: the data-parallel ranks (default: the world; or a 1-D mesh); ``mesh=(R, S)``: HSDP over
+    the world, shards over S ranks, R replicas (a 2-D DeviceMesh or dl.Mesh: HSDP over it, (replicate,
+    shard); a 1-D one: FSDP over it); ``param_dtype``/``reduce_dtype``: gather-and-compute and
     reduce-scatter dtypes (the shards stay in their own dtype); ``replicate``: parameters kept whole,
     gradients averaged. Build the optimizer *after* sharding, on ``module.parameters()``.
     """
-    replicate = list(replicate or [])
+    replicate, group = list(replicate or []), as_group(group)      # a 1-D mesh: its process group
     fresh, replicated = _claim(module, replicate)
     dp, shard_comm, replica_comm = _comms(module, group, mesh)
     _broadcast([p for p, _ in fresh] + [p for _, _, p in replicated] + list(module.buffers()), dp)
@@ -161,13 +162,22 @@ def _comms(module: nn.Module, group, mesh) -> tuple:
         inner = getattr(m, "_fsdp", None)
         if inner is not None and inner.mesh == mesh and inner.group is group:
             return inner.dp, inner.shard_comm, inner.replica_comm
-    dp = Collectives("torch", group)
-    if mesh is None:
-        return dp, dp, None
-    if group is not None:
+    if mesh is not None and group is not None:
         raise ValueError("give fully_shard either group= (plain FSDP) or mesh= (HSDP over the world), "
                          "not both")
-    shard_group, replica_group = hsdp_groups(*_check_mesh(mesh, dist.get_world_size()))
+    dims = mesh_dims(mesh)                     # a DeviceMesh or dl.Mesh: 1-D is FSDP, 2-D HSDP over it
+    if dims is not None and len(dims) == 1:
+        group, mesh, dims = dims[0][1], None, None
+    dp = Collectives("torch", span_group(mesh) if dims else group)
+    if mesh is None:
+        return dp, dp, None
+    if dims is None:
+        shard_group, replica_group = hsdp_groups(*_check_mesh(mesh, dist.get_world_size()))
+    elif len(dims) == 2:
+        (_, replica_group), (_, shard_group) = dims
+    else:
+        raise ValueError(f"mesh={describe(mesh)}: fully_shard takes a 1-D mesh (FSDP) or a 2-D one (HSDP: "
+                         "replicate, shard); pass a sub-mesh, e.g. mesh['dp_replicate', 'dp_shard']")
     return dp, Collectives("torch", shard_group), Collectives("torch", replica_group)
 
 
