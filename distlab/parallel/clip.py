@@ -57,7 +57,8 @@ def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0, *,
     (before clipping, a 0-dim tensor), the same on every rank, as torch's does on one process.
 
     ``model_or_params``: a model (any distlab wrapper, or a module holding them), a ``dl.pp.Pipeline``, or
-    parameters (fully_shard's shards carry their layout; unmarked ones are clipped by this rank's norm);
+    parameters (fully_shard's and ZeRO's shards, tp/ep layers' cut parameters and pipeline stages' carry
+    their layout: `layout`; parameters nothing marked are clipped by this rank's norm);
     ``norm_type``: p of the p-norm, or ``math.inf``; ``group``: the ranks that hold the model between
     them (default: every rank, once a wrapper spreads it; a 1-D mesh stands for its group).
     ``sharded``/``groups``: the explicit form.
