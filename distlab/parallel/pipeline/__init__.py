@@ -24,6 +24,8 @@ Reading order:
     p2p.py           activations forward, gradients backward between neighbouring stages
     executor.py      Pipeline: runs one rank's list of actions (receive, compute, send)
     zero_bubble.py   the split backward (I and W) of zero-bubble schedules
+    grad_sync.py     ReplicaGradSync: data-parallel replicas of a stage all-reduce during the last backward
+    aux_loss.py      ride_balance_losses: a stage's MoE layers carry their balance losses into backward
     measure.py       ActionTrace (a span per action) and reading a run back from its trace
 
 ``dl.pp.schedule`` and ``dl.pp.split`` are the functions; import from their modules by name
@@ -32,6 +34,8 @@ Reading order:
 from __future__ import annotations
 
 from .executor import Observer, Pipeline, Stash, default_loss
+from .aux_loss import AuxLoss, ride_balance_losses
+from .grad_sync import ReplicaGradSync
 from .schedule import SCHEDULES, Action, DeadlockError, Timeline, peak_activations, schedule, simulate
 from .named import NamedStage, chain, check_stages, cut, named_stage, tensor_of
 from .one_f_one_b import one_f_one_b
@@ -43,4 +47,5 @@ __all__ = ["one_f_one_b", "schedule", "simulate", "Action", "Timeline", "Deadloc
            "SCHEDULES", "Pipeline", "Observer", "Stash", "default_loss", "split", "stage_module",
            "stage_names", "boundaries", "partition", "GPTStage", "MLPStage", "SequentialStage", "TimedStage",
            "ActionTrace", "measured_bubble", "Bubble", "executed", "in_flight", "peak_in_flight",
-           "NamedStage", "named_stage", "chain", "cut", "check_stages", "tensor_of"]
+           "NamedStage", "named_stage", "chain", "cut", "check_stages", "tensor_of", "ReplicaGradSync",
+           "AuxLoss", "ride_balance_losses"]
