@@ -88,11 +88,11 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def place_on(where) -> None:
-    """Compute on ``where`` (e.g. ``"cuda:0"``) for the rest of this rank, whatever the backend: gloo ranks
+def place_on(dev) -> None:
+    """Compute on ``dev`` (e.g. ``"cuda:0"``) for the rest of this rank, whatever the backend: gloo ranks
     sharing one GPU (NCCL refuses two ranks on one GPU) use CUDA tensors through gloo where gloo takes
     them. Called inside a rank, after the launch made it (each launch starts from the backend's rule)."""
-    _state.placed = torch.device(where)
+    _state.placed = torch.device(dev)
 
 
 def tracer() -> Tracer:
