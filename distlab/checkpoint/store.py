@@ -338,13 +338,15 @@ def load(directory, step: int | str = "latest", *, map_location="cpu", verify: b
     return _rank_state(path, info, r, verify, map_location)
 
 
-def load_all(directory, step: int | str = "latest", *, map_location="cpu", verify: bool = True) -> list[dict]:
-    """Every rank's state of checkpoint ``step``, in rank order, whatever the world size of this run
-    (for consolidating or resharding a checkpoint; each file is read and verified once)."""
+def load_all(directory, step: int | str = "latest", *, map_location="cpu", verify: bool = True,
+             ranks=None) -> list[dict]:
+    """Every rank's state of checkpoint ``step`` (only those of ``ranks``, if given), in rank order, whatever
+    the world size of this run (for consolidating or resharding; each file is read and verified once)."""
     path = _step_dir(directory, step)
     info = manifest(directory, step)
     files: dict[int, dict] = {}
-    return [_rank_state(path, info, r, verify, map_location, files) for r in range(info["world_size"])]
+    ranks = range(info["world_size"]) if ranks is None else ranks
+    return [_rank_state(path, info, r, verify, map_location, files) for r in ranks]
 
 
 def _rank_state(path: Path, info: dict, r: int, verify: bool, map_location,
