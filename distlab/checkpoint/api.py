@@ -108,7 +108,8 @@ def _model_state(directory, info: dict, optimizer: bool) -> dict:
         raise CheckpointError(f"checkpoint step {info['step']} in {directory} holds no optimizer state (saved "
                               f"with model= only): consolidate(directory) gives its model")
     from ..parallel.placement import Cut
-    state = {name: {key: source.get(name, key, Cut()) for key in keys} for name, keys in meta["state"].items()}
+    state = {name: {key: source.get(name, key, Cut()) for key in meta["state"][name]}
+             for name in meta["names"] if name in meta["state"]}          # (the manifest's dicts are sorted)
     return {"model": model, "optimizer": state, "optimizer_class": meta["optimizer"], "step": info["step"]}
 
 
