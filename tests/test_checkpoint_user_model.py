@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo  # noqa: F401  (torch.optim imports it on a first optimizer: here once, not in every rank)
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
+from transformers.models.llama import modeling_llama  # noqa: F401  (imported lazily otherwise: in every rank)
 
 import distlab as dl
 from distlab.checkpoint import CheckpointError
