@@ -83,7 +83,8 @@ class Setup:
             self.pipe = dl.pp.Pipeline(self.model, dl.rank(), 2, schedule="1f1b", microbatches=2)
         else:
             self.model = mlp(seed)
-        self.opt = self.model.optimizer if layout == "zero3" else torch.optim.AdamW(self.model.parameters(), lr=LR)
+        self.opt = (self.model.optimizer if layout == "zero3"
+                    else torch.optim.AdamW(self.model.parameters(), lr=LR))
 
     def step(self, step: int) -> None:
         x, y = batch(self.kind, step)
@@ -229,12 +230,15 @@ def test_replicas_and_shards_are_written_once(saved):
     assert ddp[1] == [] and all(p["held_by"] == [0, 1] for p in ddp[0])
     rows = [(p["cut"], p["held_by"]) for r in pieces("fsdp") for p in r if p["name"] == "2.weight"
             and p["key"] is None]
-    assert rows == [({"kind": "rows", "start": 0, "stop": 3}, [0]), ({"kind": "rows", "start": 3, "stop": 5}, [1])]
+    assert rows == [({"kind": "rows", "start": 0, "stop": 3}, [0]),
+                    ({"kind": "rows", "start": 3, "stop": 5}, [1])]
     hsdp = pieces("hsdp")
     assert hsdp[2] == hsdp[3] == [] and hsdp[0] and hsdp[1]
-    assert {p["held_by"][0] + 2 in p["held_by"] for r in hsdp for p in r if p["cut"]["kind"] == "rows"} == {True}
+    assert {p["held_by"][0] + 2 in p["held_by"] for r in hsdp for p in r
+            if p["cut"]["kind"] == "rows"} == {True}
     tp = pieces("tp")
-    q = [p["cut"] for r in tp for p in r if p["name"] == "model.layers.0.self_attn.q_proj.weight" and not p["key"]]
+    q = [p["cut"] for r in tp for p in r
+         if p["name"] == "model.layers.0.self_attn.q_proj.weight" and not p["key"]]
     assert q == [{"kind": "block", "dim": 0, "index": i, "parts": 2, "packed": 1} for i in (0, 1)]
     assert all(p["held_by"] == [0, 1] for p in tp[0] if p["name"] == "model.norm.weight")
 
@@ -251,7 +255,8 @@ def test_export_loads_with_from_pretrained(saved, tmp_path, monkeypatch):
 
     tied = llama(seed=3, tied=True)
     dl.checkpoint.save(tmp_path / "ck", 0, model=tied)
-    assert dl.checkpoint.manifest(tmp_path / "ck")["meta"]["aliases"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    aliases = dl.checkpoint.manifest(tmp_path / "ck")["meta"]["aliases"]
+    assert aliases == {"lm_head.weight": "model.embed_tokens.weight"}
     tied.config.save_pretrained(tmp_path / "tied")
     dl.checkpoint.export(tmp_path / "ck", tmp_path / "tied" / "model.safetensors")
     again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "tied").eval()
@@ -271,11 +276,12 @@ def test_errors_say_what_to_do(saved, tmp_path):
     small = mlp()
     dl.checkpoint.save(tmp_path / "m", 0, model=small)
     other = nn.Sequential(nn.Linear(6, 10), nn.GELU(), nn.Linear(10, 4), nn.GELU(), nn.Linear(4, 3))
-    with pytest.raises(CheckpointError, match=r"shapes differ: 2.weight: checkpoint \(5, 10\), model \(4, 10\)"
-                                              r".*same class and config"):
+    with pytest.raises(CheckpointError, match=r"shapes differ: 2.weight: checkpoint \(5, 10\), model "
+                                              r"\(4, 10\).*same class and config"):
         dl.checkpoint.load(tmp_path / "m", model=other)
     longer = nn.Sequential(*mlp(), nn.GELU(), nn.Linear(3, 2))
-    with pytest.raises(CheckpointError, match=r"not in the checkpoint: \['6.weight', '6.bias'\].*strict=False"):
+    with pytest.raises(CheckpointError, match=r"not in the checkpoint: \['6.weight', '6.bias'\].*"
+                                              r"strict=False"):
         dl.checkpoint.load(tmp_path / "m", model=longer)
     with pytest.raises(CheckpointError, match=r"not in the model: \['4.bias', '4.weight'\]"):
         dl.checkpoint.load(tmp_path / "m", model=nn.Sequential(*mlp()[:3]))
@@ -283,10 +289,11 @@ def test_errors_say_what_to_do(saved, tmp_path):
     assert torch.equal(longer[4].weight, small[4].weight)
     with pytest.raises(CheckpointError, match="no optimizer state.*without optimizer="):
         dl.checkpoint.load(tmp_path / "m", model=small, optimizer=torch.optim.AdamW(small.parameters()))
-    with pytest.raises(CheckpointError, match="holds AdamW state, this optimizer is SGD: build a torch.optim.AdamW"):
+    with pytest.raises(CheckpointError, match="holds AdamW state, this optimizer is SGD: build a "
+                                              "torch.optim.AdamW"):
         dl.checkpoint.load(root / "ddp", model=small, optimizer=torch.optim.SGD(small.parameters(), lr=1))
-    with pytest.raises(CheckpointError, match=r"holds a model's pieces: load it with dl.checkpoint.load\(directory, "
-                                              r"model=model"):
+    with pytest.raises(CheckpointError, match=r"holds a model's pieces: load it with "
+                                              r"dl.checkpoint.load\(directory, model=model"):
         dl.checkpoint.load(tmp_path / "m")
 
 
@@ -296,7 +303,8 @@ def test_other_kinds_of_checkpoint_point_forward(tmp_path):
     dl.train("single", steps=1, checkpoint_dir=str(tmp_path / "train"), checkpoint_every=1)
     gpt = dl.models.build("gpt-tiny", seed=5)
     with pytest.raises(CheckpointError, match=r"written by dl.train \(strategy 'single'.*resume=True.*"
-                                              r"model.load_state_dict\(\{\*\*full\['params'\], \*\*full\['buffers'\]\}\)"):
+                                              r"model.load_state_dict\(\{\*\*full\['params'\], "
+                                              r"\*\*full\['buffers'\]\}\)"):
         dl.checkpoint.load(tmp_path / "train", model=gpt)
     full = dl.checkpoint.consolidate(tmp_path / "train")
     gpt.load_state_dict({**full["params"], **full["buffers"]})            # what the message says works

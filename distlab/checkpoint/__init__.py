@@ -26,4 +26,5 @@ commit written in a thread). The checkpoint layer knows formats and placements, 
 from .api import consolidate, export, load, save
 from .store import CheckpointError, latest, load_all, manifest, steps
 
-__all__ = ["save", "load", "load_all", "latest", "steps", "manifest", "consolidate", "export", "CheckpointError"]
+__all__ = ["save", "load", "load_all", "latest", "steps", "manifest", "consolidate", "export",
+           "CheckpointError"]

@@ -1,11 +1,11 @@
 """The functions ``dl.checkpoint`` offers, for three kinds of checkpoint, each pointing to the next step:
 
-    kind                       written by                                   read back by
-    a model's pieces           save(d, step, model=m, optimizer=opt)        load(d, model=..., optimizer=...) at any
-                                                                            world size and layout; consolidate(d)
-                                                                            -> the model's own state_dict(); export
-    a training run's state     dl.train(..., checkpoint_dir=d)              dl.train(..., resume=True); consolidate(d)
-    your own state dicts       save(d, step, state)                         load(d) on as many ranks; load_all(d)
+    kind                    written by                              read back by
+    a model's pieces        save(d, step, model=m, optimizer=opt)   load(d, model=..., optimizer=...): any
+                                                                    world size and layout; consolidate(d):
+                                                                    the model's own state_dict(); export
+    a training run's state  dl.train(..., checkpoint_dir=d)         dl.train(..., resume=True); consolidate(d)
+    your own state dicts    save(d, step, state)                    load(d) on as many ranks; load_all(d)
 
 `export` writes a consolidated model as one safetensors file (the format of Hugging Face's
 ``model.safetensors``: a JSON header of names, dtypes, shapes and offsets, then the raw bytes; no code
@@ -52,9 +52,10 @@ def load(directory, step: int | str = "latest", *, model=None, optimizer=None, s
         if optimizer is not None:
             raise ValueError("optimizer= needs model= too: load(directory, model=model, optimizer=opt)")
         if fmt == pieces.FORMAT:
-            raise CheckpointError(f"checkpoint step {info['step']} in {directory} holds a model's pieces: load "
-                                  f"it with dl.checkpoint.load(directory, model=model, optimizer=opt) (any "
-                                  f"world size), or take dl.checkpoint.consolidate(directory), its state_dict")
+            raise CheckpointError(f"checkpoint step {info['step']} in {directory} holds a model's pieces: "
+                                  f"load it with dl.checkpoint.load(directory, model=model, optimizer=opt) "
+                                  f"(any world size), or take dl.checkpoint.consolidate(directory), its "
+                                  f"state_dict")
         return store.load(directory, info["step"], map_location=map_location, verify=verify)
     if fmt in reshard.FORMATS:
         raise CheckpointError(_from_training(directory, info))
@@ -73,10 +74,10 @@ def _from_training(directory, info: dict) -> str:
     meta = info["meta"]
     return (f"checkpoint step {info['step']} in {directory} was written by dl.train (strategy "
             f"{meta.get('strategy')!r}, model {meta.get('spec', {}).get('model')!r}), not by "
-            f"dl.checkpoint.save(model=...): continue that run with dl.train(..., checkpoint_dir={str(directory)!r}, "
-            f"resume=True) (any strategy or world size), or take its weights into your model with "
-            f"full = dl.checkpoint.consolidate(directory); model.load_state_dict({{**full['params'], "
-            f"**full['buffers']}})")
+            f"dl.checkpoint.save(model=...): continue that run with dl.train(..., "
+            f"checkpoint_dir={str(directory)!r}, resume=True) (any strategy or world size), or take its "
+            f"weights into your model with full = dl.checkpoint.consolidate(directory); "
+            f"model.load_state_dict({{**full['params'], **full['buffers']}})")
 
 
 def consolidate(directory, step: int | str = "latest", *, optimizer: bool = False) -> dict:
@@ -94,8 +95,8 @@ def consolidate(directory, step: int | str = "latest", *, optimizer: bool = Fals
                           f"directory, step, state), a state dict of your own, so there is nothing to "
                           f"consolidate by: read every rank's state in one process with "
                           f"dl.checkpoint.load_all(directory) (or load(directory) on {info['world_size']} "
-                          f"ranks); a checkpoint saved with save(directory, step, model=model, optimizer=opt) "
-                          f"consolidates and loads into any layout")
+                          f"ranks); a checkpoint saved with save(directory, step, model=model, "
+                          f"optimizer=opt) consolidates and loads into any layout")
 
 
 def _model_state(directory, info: dict, optimizer: bool) -> dict:
@@ -105,8 +106,8 @@ def _model_state(directory, info: dict, optimizer: bool) -> dict:
     if not optimizer:
         return model
     if meta["optimizer"] is None:
-        raise CheckpointError(f"checkpoint step {info['step']} in {directory} holds no optimizer state (saved "
-                              f"with model= only): consolidate(directory) gives its model")
+        raise CheckpointError(f"checkpoint step {info['step']} in {directory} holds no optimizer state "
+                              f"(saved with model= only): consolidate(directory) gives its model")
     from ..parallel.placement import Cut
     state = {name: {key: source.get(name, key, Cut()) for key in meta["state"][name]}
              for name in meta["names"] if name in meta["state"]}          # (the manifest's dicts are sorted)

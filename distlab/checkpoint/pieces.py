@@ -1,7 +1,7 @@
 """A user's own model, under any layout, saved as pieces of its logical tensors and read back into any other.
 
     dl.checkpoint.save("ck", step, model=model, optimizer=opt)    # on every rank
-    dl.checkpoint.load("ck", model=model, optimizer=opt)          # any layout, any world size, one process too
+    dl.checkpoint.load("ck", model=model, optimizer=opt)          # any layout, any world size, one process
 
 Saving. Each rank asks `distlab.parallel.placement` what it holds: pieces of the model's *logical*
 tensors (their names in the model's own ``state_dict()``, their full shapes), each with its cut (whole,
@@ -96,10 +96,10 @@ def _same_copy(rec: dict, e: dict, r: int) -> None:
     if rec["_print"] != e["print"]:
         what = e["name"] + ("" if e["key"] is None else f" (optimizer state {e['key']!r})")
         raise CheckpointError(
-            f"ranks {rec['held_by'][0]} and {r} both hold {what} with the same cut {e['cut']}, but their copies "
-            f"differ: the replicas have diverged (a rank that skipped a step, or an unsynchronised update), "
-            f"or a layer cuts this parameter in a way distlab cannot see (give the layer shard_dims and a "
-            f"group, as dl.tp's layers have). Nothing was saved")
+            f"ranks {rec['held_by'][0]} and {r} both hold {what} with the same cut {e['cut']}, but their "
+            f"copies differ: the replicas have diverged (a rank that skipped a step, or an unsynchronised "
+            f"update), or a layer cuts this parameter in a way distlab cannot see (give the layer "
+            f"shard_dims and a group, as dl.tp's layers have). Nothing was saved")
     rec["held_by"].append(r)
 
 
@@ -110,8 +110,8 @@ def _facts(everyone: list[tuple[list, dict]], records) -> dict:
     for _, facts in everyone:
         for name, spec in facts["tensors"].items():
             if tensors.setdefault(name, spec) != spec:
-                raise CheckpointError(f"ranks disagree on {name}: {tensors[name]} and {spec}: every rank must "
-                                      f"save the same model")
+                raise CheckpointError(f"ranks disagree on {name}: {tensors[name]} and {spec}: every rank "
+                                      f"must save the same model")
         aliases.update(facts["aliases"])
         classes.add(facts["optimizer"])
     if len(classes) > 1:
@@ -263,9 +263,9 @@ def _mismatch(directory, step: int, missing: list, extra: list, wrong: list) -> 
 def check_optimizer(info: dict, optimizer, directory) -> None:
     saved, ours = info["meta"]["optimizer"], placement.optimizer_class(optimizer)
     if saved is None:
-        raise CheckpointError(f"checkpoint step {info['step']} in {directory} holds no optimizer state (it was "
-                              f"saved with model= only): load it without optimizer= and let the optimizer "
-                              f"start fresh, or save with optimizer=opt next time")
+        raise CheckpointError(f"checkpoint step {info['step']} in {directory} holds no optimizer state (it "
+                              f"was saved with model= only): load it without optimizer= and let the "
+                              f"optimizer start fresh, or save with optimizer=opt next time")
     if saved != ours:
         raise CheckpointError(f"checkpoint step {info['step']} in {directory} holds {saved} state, this "
                               f"optimizer is {ours}: build a torch.optim.{saved} on the model's parameters, "

@@ -266,7 +266,8 @@ def _sharded_state(layout: Layout, opt) -> list[tuple[str, str, Piece | object]]
             name, shape = names[id(bucket.params[i])], tuple(bucket.params[i].shape)
             for key, v in state.items():
                 if torch.is_tensor(v) and v.dim() > 0 and v.numel() == bucket.shard_numel:
-                    out.append((name, key, Piece(name, shape, Cut("flat", elems.start, elems.stop), v[piece])))
+                    cut = Cut("flat", elems.start, elems.stop)
+                    out.append((name, key, Piece(name, shape, cut, v[piece])))
                 else:
                     out.append((name, key, _state_piece(Piece(name, shape, Cut(), v), v, ())))
     return out
