@@ -63,7 +63,7 @@ class Setup:
 
     def __init__(self, layout: str, seed: int):
         self.layout, self.kind = layout, "llama" if layout == "tp" else "mlp"
-        self.dp = layout in ("fsdp", "hsdp", "ddp", "zero3")
+        self.dp = layout in ("fsdp", "hsdp", "ddp", "zero1", "zero3")
         if layout == "tp":
             self.model = dl.tp.parallelize(llama(seed), plan=LLAMA_PLAN)
         elif layout in ("fsdp", "hsdp"):
@@ -74,8 +74,9 @@ class Setup:
             dl.fully_shard(self.model, mesh=mesh)
         elif layout == "ddp":
             self.model = dl.DDP(mlp(seed))
-        elif layout == "zero3":
-            self.model = dl.ZeRO(mlp(seed), stage=3, lr=LR)
+        elif layout in ("zero1", "zero3"):
+            m = mlp(seed)                                  # several buckets: a unit (3), ~a parameter (1) each
+            self.model = dl.ZeRO(m, stage=int(layout[-1]), lr=LR, bucket_mb=1e-4, units=list(m[::2]))
         elif layout == "stage":
             full = mlp(seed)
             names = dl.pp.cut(dl.pp.chain(full), at=["2"])[dl.rank()]
@@ -83,7 +84,7 @@ class Setup:
             self.pipe = dl.pp.Pipeline(self.model, dl.rank(), 2, schedule="1f1b", microbatches=2)
         else:
             self.model = mlp(seed)
-        self.opt = (self.model.optimizer if layout == "zero3"
+        self.opt = (self.model.optimizer if layout.startswith("zero")
                     else torch.optim.AdamW(self.model.parameters(), lr=LR))
 
     def step(self, step: int) -> None:
@@ -155,7 +156,8 @@ def _saves_and_loads(root: str) -> dict:
     out["stage"] = tuple({**run.results[0]["stage"][i], **run.results[1]["stage"][i]} for i in (0, 1))
     out["diverged"] = dl.launch(_diverged, world_size=2, args=(root,), output="quiet").results[0]
     out["zero3"] = dl.launch(_save, world_size=3, args=(root, ["zero3"]), output="quiet").results[0]["zero3"]
-    dl.launch(_load, world_size=3, args=(root, [("fsdp", "ddp"), ("hsdp", "fsdp")]), output="quiet")
+    dl.launch(_load, world_size=3, args=(root, [("fsdp", "ddp"), ("hsdp", "fsdp"), ("fsdp", "zero3"),
+                                                ("hsdp", "zero1")]), output="quiet")
     dl.launch(_load, world_size=2, args=(root, [("zero3", "fsdp")]), output="quiet")
     return out
 
@@ -204,9 +206,11 @@ def test_checkpoint_is_the_model_and_one_process_continues_it(saved, layout):
     assert_close({k: v for k, v in s.model.state_dict().items() if k in at_3}, at_3)
 
 
-@pytest.mark.parametrize("saved_as, loaded_as", [("fsdp", "ddp"), ("hsdp", "fsdp"), ("zero3", "fsdp")])
+@pytest.mark.parametrize("saved_as, loaded_as", [("fsdp", "ddp"), ("hsdp", "fsdp"), ("zero3", "fsdp"),
+                                                 ("fsdp", "zero3"), ("hsdp", "zero1")])
 def test_another_layout_at_another_world_size_continues_it(saved, saved_as, loaded_as):
-    """fully_shard on 2 -> DDP on 3, HSDP (2, 2) -> fully_shard on 3, ZeRO-3 on 3 -> fully_shard on 2: right
+    """fully_shard on 2 -> DDP on 3, HSDP (2, 2) -> fully_shard on 3, ZeRO-3 on 3 -> fully_shard on 2, and
+    into ZeRO's flat buckets (stages 3 and 1, on 3 ranks, 3 buckets each): right
     after loading, parameters and optimizer state (every moment, every step count) are exactly the saved
     ones; one more step equals the saving layout's own third step."""
     root, out = saved
