@@ -75,7 +75,7 @@ class Setup:
         elif layout == "ddp":
             self.model = dl.DDP(mlp(seed))
         elif layout in ("zero1", "zero3"):
-            m = mlp(seed)                                  # several buckets: a unit (3), ~a parameter (1) each
+            m = mlp(seed)                                  # buckets: one per unit (3), ~per parameter (1)
             self.model = dl.ZeRO(m, stage=int(layout[-1]), lr=LR, bucket_mb=1e-4, units=list(m[::2]))
         elif layout == "stage":
             full = mlp(seed)

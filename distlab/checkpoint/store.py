@@ -332,9 +332,9 @@ def load(directory, step: int | str = "latest", *, map_location="cpu", verify: b
     if info["world_size"] != n:
         raise CheckpointError(
             f"checkpoint {path} was saved by {info['world_size']} ranks, this run has {n}: each rank's file "
-            f"belongs to the rank that wrote it. Load it with world_size={info['world_size']}, or read all "
-            f"of them with dl.checkpoint.consolidate (dl.train's resume does that when the world size or "
-            f"the layout changes)")
+            f"belongs to the rank that wrote it. Load it with world_size={info['world_size']}, or read every "
+            f"rank's state in one process with dl.checkpoint.load_all (a model saved with save(..., model=) "
+            f"loads at any world size: load(..., model=))")
     return _rank_state(path, info, r, verify, map_location)
 
 

@@ -156,6 +156,10 @@ def describe(model: nn.Module) -> Layout:
             out.tensors[name] = (tuple(p.shape), p.dtype)
             out.pieces += [Piece(name, tuple(p.shape), cut, t) for cut, t in flat[id(p)]]
             continue
+        if id(p) in rows and id(p) in blocks:
+            raise ValueError(f"{name} is a fully_shard shard of a tensor-parallel block: a cut of a cut, "
+                             "which placement does not describe yet; save the tensor-parallel model without "
+                             "fully_shard, or gather it first (dl.full_state_dict)")
         cut, shape = rows.get(id(p)) or blocks.get(id(p)) or (Cut(), tuple(p.shape))
         out.tensors[name] = (shape, p.dtype)
         out.by_param[id(p)] = Piece(name, shape, cut, p.detach())
@@ -279,6 +283,12 @@ def _names(layout: Layout, opt) -> dict[int, str]:
     if len(found) < len(opt.params):
         raise ValueError("the ZeRO optimizer holds parameters that are not the model's: pass the model it "
                          "was built on (for dl.ZeRO: optimizer=model.optimizer)")
+    cut = [layout.by_param[id(p)].name for p in opt.params
+           if id(p) in layout.by_param and layout.by_param[id(p)].cut.kind != "whole"]
+    if cut:
+        raise ValueError(f"the ZeRO optimizer holds {cut[:2]}, parameters already cut (tensor parallel or "
+                         "fully_shard): flat shards of a cut, which placement does not describe yet; use a "
+                         "plain torch optimizer on them")
     return found
 
 
