@@ -115,6 +115,8 @@ def _save(root: str, layouts: list[str]) -> dict:
     for layout in layouts:
         s = Setup(layout, seed=0)
         s.step(0), s.step(1)
+        for group in s.opt.param_groups:                # as a learning-rate schedule would: saved, restored
+            group["lr"] = LR / 2
         dl.checkpoint.save(f"{root}/{layout}", 2, model=s.model, optimizer=s.opt)
         at_2 = s.full()
         s.step(2)
@@ -221,7 +223,8 @@ def test_another_layout_at_another_world_size_continues_it(saved, saved_as, load
     for name, state in before["optimizer"].items():
         assert sorted(state) == ["exp_avg", "exp_avg_sq", "step"]
         assert_equal(after["optimizer"][name], state)
-    assert before["optimizer"]["0.weight"]["step"] == 2
+    assert before["optimizer"]["0.weight"]["step"] == 2 and before["settings"]["0.weight"]["lr"] == LR / 2
+    assert after["settings"] == before["settings"]
     assert_close(dl.checkpoint.consolidate(root / f"{saved_as}-{loaded_as}-stepped"), out[saved_as][1])
 
 

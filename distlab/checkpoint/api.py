@@ -83,7 +83,8 @@ def _from_training(directory, info: dict) -> str:
 def consolidate(directory, step: int | str = "latest", *, optimizer: bool = False) -> dict:
     """One tensor per name, in one process. For ``save(model=)``: the model's own ``state_dict()`` (names
     and full shapes; tied names share a tensor), so ``model.load_state_dict(consolidate(d))`` works; with
-    ``optimizer=True``: ``{"model": that, "optimizer": {name: {key: tensor}}, "optimizer_class", "step"}``.
+    ``optimizer=True``: ``{"model": that, "optimizer": {name: {key: tensor}}, "settings": {name: its param
+    group's lr, betas...}, "optimizer_class", "step"}``.
     For ``dl.train``'s checkpoints: its logical state (`reshard.consolidate`)."""
     info = store.manifest(directory, step)
     fmt = info["meta"].get("format")
@@ -111,7 +112,8 @@ def _model_state(directory, info: dict, optimizer: bool) -> dict:
     from ..parallel.placement import Cut
     state = {name: {key: source.get(name, key, Cut()) for key in meta["state"][name]}
              for name in meta["names"] if name in meta["state"]}          # (the manifest's dicts are sorted)
-    return {"model": model, "optimizer": state, "optimizer_class": meta["optimizer"], "step": info["step"]}
+    return {"model": model, "optimizer": state, "optimizer_class": meta["optimizer"], "step": info["step"],
+            "settings": {name: meta["groups"][name] for name in state if name in meta["groups"]}}
 
 
 def export(directory, path, step: int | str = "latest") -> Path:

@@ -52,7 +52,8 @@ def save(directory, step: int, model, optimizer=None, *, keep_last: int | None =
     entries = [_entry(name, key, piece) for name, key, piece in items]
     facts = {"tensors": {n: [list(s), str(d).removeprefix("torch.")] for n, (s, d) in layout.tensors.items()},
              "aliases": layout.aliases, "stage": layout.partial,
-             "optimizer": None if optimizer is None else placement.optimizer_class(optimizer)}
+             "optimizer": None if optimizer is None else placement.optimizer_class(optimizer),
+             "groups": {} if optimizer is None else placement.group_settings(layout, optimizer)}
     everyone = store._all_gather((entries, facts))
     meta, writes = _plan(everyone)
     r = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -106,8 +107,9 @@ def _same_copy(rec: dict, e: dict, r: int) -> None:
 def _facts(everyone: list[tuple[list, dict]], records) -> dict:
     """Every logical tensor (the union over ranks: pipeline stages hold different ones), tied names,
     the optimizer class, and the logical shape of each optimizer state (per element: the parameter's)."""
-    tensors, aliases, classes = {}, {}, set()
+    tensors, aliases, classes, groups = {}, {}, set(), {}
     for _, facts in everyone:
+        groups.update(facts["groups"])
         for name, spec in facts["tensors"].items():
             if tensors.setdefault(name, spec) != spec:
                 raise CheckpointError(f"ranks disagree on {name}: {tensors[name]} and {spec}: every rank "
@@ -123,7 +125,8 @@ def _facts(everyone: list[tuple[list, dict]], records) -> dict:
             state.setdefault(rec["name"], {})[rec["key"]] = rec.get("shape")
     names = [n for _, facts in everyone for n in [*facts["tensors"], *facts["aliases"]]]
     return {"tensors": tensors, "aliases": aliases, "names": list(dict.fromkeys(names)),
-            "stages": any(f["stage"] for _, f in everyone), "optimizer": classes.pop(), "state": state}
+            "stages": any(f["stage"] for _, f in everyone), "optimizer": classes.pop(), "state": state,
+            "groups": groups}
 
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -206,6 +209,9 @@ def load(directory, info: dict, model, optimizer=None, *, strict: bool = True, v
     placement.refresh_masters(layout)
     if optimizer is not None:
         placement.load_optimizer(layout, optimizer, _Only(source, rename))
+        settings = info["meta"].get("groups", {})
+        placement.set_group_settings(layout, optimizer,
+                                     lambda n: settings.get(source.saved_name(n)) if n in rename else None)
 
 
 class _Only:
