@@ -229,6 +229,38 @@ def optimizer_class(optimizer) -> str:
     return type(getattr(optimizer, "optimizer", optimizer)).__name__
 
 
+def group_settings(layout: Layout, optimizer) -> dict[str, dict]:
+    """{parameter name: the settings of its param group} (lr, betas, weight_decay...: plain values only),
+    what a learning-rate schedule changes; restored with the state, as torch's ``load_state_dict`` does."""
+    out = {}
+    for group, names in _groups(layout, optimizer):
+        plain = {k: list(v) if isinstance(v, tuple) else v for k, v in group.items() if k != "params"
+                 and (isinstance(v, (bool, int, float, str, type(None)))
+                      or isinstance(v, tuple) and all(isinstance(x, (int, float)) for x in v))}
+        out.update(dict.fromkeys(names, plain))
+    return out
+
+
+def set_group_settings(layout: Layout, optimizer, saved) -> None:
+    """Each param group takes the saved settings (``saved(name)``: a dict or None) of its first parameter
+    that has some; a setting this optimizer's groups do not have is left out."""
+    for group, names in _groups(layout, optimizer):
+        found = next((s for n in names if (s := saved(n))), {})
+        for k, v in found.items():
+            if k in group and k != "params":
+                group[k] = tuple(v) if isinstance(group[k], tuple) else v
+
+
+def _groups(layout: Layout, optimizer) -> list[tuple[dict, list[str]]]:
+    """(param group, the names of the parameters it updates) of a torch or a ZeRO optimizer."""
+    if not hasattr(optimizer, "buckets"):
+        return [(g, [_piece_of(layout, p).name for p in g["params"]]) for g in optimizer.param_groups]
+    names = _names(layout, optimizer)
+    bucket_of = {id(m): b for b, m in enumerate(optimizer.masters)}
+    return [(g, [names[id(p)] for m in g["params"] for p in optimizer.buckets[bucket_of[id(m)]].params])
+            for g in optimizer.optimizer.param_groups]
+
+
 def optimizer_pieces(layout: Layout, optimizer) -> list[tuple[str, str, Piece | object]]:
     """(parameter name, state key, piece or a plain scalar) for this rank's optimizer state: per-element
     state (``exp_avg``...) cut like the parameter, scalar state (``step``) whole."""
