@@ -64,11 +64,11 @@ def save(directory, step: int, model, optimizer=None, *, keep_last: int | None =
 def _entry(name: str, key: str | None, piece) -> dict:
     """What a rank tells the others about one piece it holds (a plain scalar travels as its value)."""
     if not isinstance(piece, placement.Piece):
-        return {"name": name, "key": key, "cut": {"kind": "whole"}, "value": piece, "print": repr(piece)}
+        return {"name": name, "key": key, "cut": {"kind": "whole"}, "value": piece, "digest": repr(piece)}
     t = piece.tensor.detach().cpu().contiguous()
     digest = hashlib.blake2b(t.reshape(-1).view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()
     return {"name": name, "key": key, "cut": piece.cut.as_dict(), "shape": list(piece.shape),
-            "dtype": str(t.dtype).removeprefix("torch."), "print": digest}
+            "dtype": str(t.dtype).removeprefix("torch."), "digest": digest}
 
 
 def _plan(everyone: list[tuple[list, dict]]) -> tuple[dict, list[list[int]]]:
@@ -82,19 +82,19 @@ def _plan(everyone: list[tuple[list, dict]]) -> tuple[dict, list[list[int]]]:
             if ident in first:
                 _same_copy(first[ident], e, r)
                 continue
-            rec = {k: v for k, v in e.items() if k != "print"} | {"held_by": [r]}
+            rec = {k: v for k, v in e.items() if k != "digest"} | {"held_by": [r]}
             if "value" not in e:
                 rec["slot"] = len(writes[r])
                 writes[r].append(i)
-            first[ident], rec["_print"] = rec, e["print"]
+            first[ident], rec["_digest"] = rec, e["digest"]
             pieces[r].append(rec)
     for rec in first.values():
-        del rec["_print"]
+        del rec["_digest"]
     return {"format": FORMAT, **_facts(everyone, first.values()), "pieces": pieces}, writes
 
 
 def _same_copy(rec: dict, e: dict, r: int) -> None:
-    if rec["_print"] != e["print"]:
+    if rec["_digest"] != e["digest"]:
         what = e["name"] + ("" if e["key"] is None else f" (optimizer state {e['key']!r})")
         raise CheckpointError(
             f"ranks {rec['held_by'][0]} and {r} both hold {what} with the same cut {e['cut']}, but their "
@@ -208,13 +208,13 @@ def load(directory, info: dict, model, optimizer=None, *, strict: bool = True, v
                 piece.tensor.copy_(source.get(piece.name, None, piece.cut))
     placement.refresh_masters(layout)
     if optimizer is not None:
-        placement.load_optimizer(layout, optimizer, _Only(source, rename))
+        placement.load_optimizer(layout, optimizer, _Matched(source, rename))
         settings = info["meta"].get("groups", {})
         placement.set_group_settings(layout, optimizer,
                                      lambda n: settings.get(source.saved_name(n)) if n in rename else None)
 
 
-class _Only:
+class _Matched:
     """A source that knows no optimizer state for the names ``strict=False`` left out."""
 
     def __init__(self, source: Source, names: dict):

@@ -16,8 +16,11 @@ the same spirit; Megatron's and DeepSpeed's universal checkpoints convert to suc
     block   block `index` of `parts` along `dim`            dl.tp's layers (``shard_dims``); ``packed=k``:
                                                             the tensor is k blocks (q|k|v), each cut so
 
-    W (5, 2), 2 ranks        rows: [0, 3) | [3, 5)    flat (a 12-element bucket [W b ...]): [0, 6) | [6, 10)
-                             block dim 1: W[:, 0:1] | W[:, 1:2]
+    W (5, 2) over 2 ranks    rank 0                     rank 1
+      rows                   W[0:3]                     W[3:5]              (ceil(5 / 2) = 3 rows a rank)
+      block, dim 1           W[:, 0:1]                  W[:, 1:2]
+      flat, in a bucket      W.flatten()[0:6]           W.flatten()[6:10]   (bucket [W | b (2,)], 12
+                                                        and b whole          elements, 6 a rank)
 
 `describe(model)` reads the wrappers and the layers of ``model`` (nothing is registered anywhere) and
 returns a `Layout`: every logical tensor's name and shape, and this rank's `Piece`\\ s, each a view of
