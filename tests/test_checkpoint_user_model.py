@@ -63,7 +63,7 @@ class Setup:
 
     def __init__(self, layout: str, seed: int):
         self.layout, self.kind = layout, "llama" if layout in ("tp", "fsdp-llama") else "mlp"
-        self.dp = layout in ("fsdp", "hsdp", "ddp", "zero1", "zero3", "fsdp-llama")
+        self.dp = layout in ("fsdp", "hsdp", "ddp", "zero1", "zero3", "fsdp-llama", "zero1-bf16")
         if layout == "tp":
             self.model = dl.tp.parallelize(llama(seed), plan=LLAMA_PLAN)
         elif layout == "fsdp-llama":
@@ -79,9 +79,10 @@ class Setup:
             dl.fully_shard(self.model, mesh=mesh)
         elif layout == "ddp":
             self.model = dl.DDP(mlp(seed))
-        elif layout in ("zero1", "zero3"):
-            m = mlp(seed)                                  # buckets: one per unit (3), ~per parameter (1)
-            self.model = dl.ZeRO(m, stage=int(layout[-1]), lr=LR, bucket_mb=1e-4, units=list(m[::2]))
+        elif layout in ("zero1", "zero3", "zero1-bf16"):
+            m = mlp(seed).to(torch.bfloat16 if layout.endswith("bf16") else torch.float32)
+            self.model = dl.ZeRO(m, stage=int(layout[4]), lr=LR, bucket_mb=1e-4,   # buckets: one per unit
+                                 units=list(m[::2]))                                # (3), ~per parameter (1)
         elif layout == "stage":
             full = mlp(seed)
             names = dl.pp.cut(dl.pp.chain(full), at=["2"])[dl.rank()]
@@ -99,6 +100,8 @@ class Setup:
         else:
             if self.dp:
                 x, y = x.tensor_split(dl.world_size())[dl.rank()], y.tensor_split(dl.world_size())[dl.rank()]
+            if self.layout.endswith("bf16"):
+                x, y = x.to(torch.bfloat16), y.to(torch.bfloat16)
             loss_of(self.kind, self.model, x, y).backward()
         self.opt.step()
         self.opt.zero_grad()
@@ -157,14 +160,16 @@ def _saves_and_loads(root: str) -> dict:
     out = {}
     for r in dl.launch(_save, world_size=4, args=(root, ["hsdp"]), output="quiet").results:
         out.setdefault("hsdp", r["hsdp"])
-    run = dl.launch(_save, world_size=2, args=(root, ["fsdp", "ddp", "tp", "stage"]), output="quiet")
+    run = dl.launch(_save, world_size=2, args=(root, ["fsdp", "ddp", "tp", "stage", "zero1-bf16"]),
+                    output="quiet")
     for layout in ("fsdp", "ddp", "tp"):
         out[layout] = run.results[0][layout]
     out["stage"] = tuple({**run.results[0]["stage"][i], **run.results[1]["stage"][i]} for i in (0, 1))
     out["diverged"] = dl.launch(_diverged, world_size=2, args=(root,), output="quiet").results[0]
     out["zero3"] = dl.launch(_save, world_size=3, args=(root, ["zero3"]), output="quiet").results[0]["zero3"]
     dl.launch(_load, world_size=3, args=(root, [("fsdp", "ddp"), ("hsdp", "fsdp"), ("fsdp", "zero3"),
-                                                ("hsdp", "zero1")]), output="quiet")
+                                                ("hsdp", "zero1"), ("zero1-bf16", "zero1-bf16")]),
+              output="quiet")
     dl.launch(_load, world_size=2, args=(root, [("zero3", "fsdp"), ("ddp", "stage"), ("tp", "fsdp-llama"),
                                                 ("tp-fsdp-llama-loaded", "tp")]), output="quiet")
     return out
@@ -236,6 +241,21 @@ def test_another_layout_at_another_world_size_continues_it(saved, saved_as, load
     assert after["settings"] == before["settings"]
     stepped = dl.checkpoint.consolidate(root / f"{saved_as}-{loaded_as}-stepped")
     assert_close(stepped, out[saved_as.split("-")[0]][1])
+
+
+def test_low_precision_zero_keeps_its_fp32_masters(saved):
+    """ZeRO-1 with bf16 parameters on 2 ranks -> on 3: the fp32 masters come along exactly (not the bf16
+    parameters upcast), beside the moments."""
+    root, _ = saved
+    before = dl.checkpoint.consolidate(root / "zero1-bf16", optimizer=True)
+    after = dl.checkpoint.consolidate(root / "zero1-bf16-zero1-bf16-loaded", optimizer=True)
+    assert_equal(after["model"], before["model"])
+    for name, state in before["optimizer"].items():
+        assert sorted(state) == ["exp_avg", "exp_avg_sq", "master", "step"]
+        assert_equal(after["optimizer"][name], state)
+    weight, master = before["model"]["0.weight"], before["optimizer"]["0.weight"]["master"]
+    assert weight.dtype == torch.bfloat16 and master.dtype == torch.float32
+    assert torch.equal(master.bfloat16(), weight) and not torch.equal(master, weight.float())
 
 
 def test_replicas_and_shards_are_written_once(saved):

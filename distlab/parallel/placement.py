@@ -40,6 +40,9 @@ import torch.nn as nn
 from . import collectives as C
 
 
+MASTER = "master"       # the optimizer-state key of ZeRO's fp32 master copy of low-precision parameters
+
+
 @dataclass(frozen=True)
 class Cut:
     """How a piece is cut out of its logical tensor (see the module docstring for the four kinds)."""
@@ -300,7 +303,9 @@ def _sharded_state(layout: Layout, opt) -> list[tuple[str, str, Piece | object]]
     names = _names(layout, opt)
     out = []
     for b, bucket in enumerate(opt.buckets):
-        state = opt.optimizer.state.get(opt.masters[b], {})
+        state = dict(opt.optimizer.state.get(opt.masters[b], {}))
+        if opt.masters[b] is not opt.shards[b]:            # low-precision shards: their fp32 masters too
+            state[MASTER] = opt.masters[b]
         for i, elems, piece in bucket.owner_slices(opt.comm.rank):
             name, shape = names[id(bucket.params[i])], tuple(bucket.params[i].shape)
             for key, v in state.items():
@@ -339,34 +344,41 @@ def load_optimizer(layout: Layout, optimizer, source) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             piece = _piece_of(layout, p)
-            state[index] = {key: source.get(piece.name, key, piece.cut) for key in source.keys(piece.name)}
+            state[index] = {key: source.get(piece.name, key, piece.cut) for key in source.keys(piece.name)
+                            if key != MASTER}
             index += 1
     optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
 
 
 def _load_sharded(layout: Layout, opt, source) -> None:
-    """ZeRO: each bucket's shard of every per-element state assembled from its parameters' flat pieces."""
+    """ZeRO: each bucket's shard of every per-element state assembled from its parameters' flat pieces;
+    fp32 masters of low-precision shards from the saved ones (else from the shards)."""
     names = _names(layout, opt)
     state = {}
     for b, bucket in enumerate(opt.buckets):
-        if opt.masters[b] is not opt.shards[b]:                    # low-precision shards: fp32 masters
-            opt.masters[b].copy_(opt.shards[b])
-        owned = bucket.owner_slices(opt.comm.rank) or [(0, slice(0, 0), slice(0, 0))]   # (none: read dtype)
-        state[b] = {}
-        for key in source.keys(names[id(bucket.params[0])]):
-            flat = None
-            for i, elems, piece in owned:
-                value = source.get(names[id(bucket.params[i])], key, Cut("flat", elems.start, elems.stop))
-                if not torch.is_tensor(value) or value.dim() == 0:
-                    state[b][key] = value                          # a scalar: the same for every parameter
-                    break
-                if flat is None:
-                    flat = torch.zeros(bucket.shard_numel, dtype=value.dtype, device=opt.masters[b].device)
-                flat[piece] = value.reshape(-1)
-            if flat is not None:
-                state[b][key] = flat
+        keys = source.keys(names[id(bucket.params[0])])
+        if opt.masters[b] is not opt.shards[b]:
+            opt.masters[b].copy_(_bucket_shard(opt, b, names, source, MASTER) if MASTER in keys
+                                 else opt.shards[b])
+        state[b] = {key: _bucket_shard(opt, b, names, source, key) for key in keys if key != MASTER}
     inner = opt.optimizer
     inner.load_state_dict({"state": state, "param_groups": inner.state_dict()["param_groups"]})
+
+
+def _bucket_shard(opt, b: int, names: dict, source, key: str):
+    """This rank's shard of bucket ``b`` for state ``key``, from its parameters' saved flat pieces
+    (padding zero); a scalar state (Adam's step) as saved, the same for every parameter."""
+    bucket = opt.buckets[b]
+    owned = bucket.owner_slices(opt.comm.rank) or [(0, slice(0, 0), slice(0, 0))]   # (none: read dtype)
+    flat = None
+    for i, elems, piece in owned:
+        value = source.get(names[id(bucket.params[i])], key, Cut("flat", elems.start, elems.stop))
+        if not torch.is_tensor(value) or value.dim() == 0:
+            return value
+        if flat is None:
+            flat = torch.zeros(bucket.shard_numel, dtype=value.dtype, device=opt.masters[b].device)
+        flat[piece] = value.reshape(-1)
+    return flat
 
 
 @torch.no_grad()
