@@ -14,6 +14,7 @@ dl.tp.full_state_dict, ZeRO's full_state_dict, the stages' state dicts) and take
 from __future__ import annotations
 
 import pytest
+import safetensors
 import torch
 import torch._dynamo  # noqa: F401  (torch.optim imports it on a first optimizer: here once, not in every rank)
 import torch.nn as nn
@@ -296,6 +297,8 @@ def test_export_loads_with_from_pretrained(saved, tmp_path, monkeypatch):
     assert aliases == {"lm_head.weight": "model.embed_tokens.weight"}
     tied.config.save_pretrained(tmp_path / "tied")
     dl.checkpoint.export(tmp_path / "ck", tmp_path / "tied" / "model.safetensors")
+    with safetensors.safe_open(tmp_path / "tied" / "model.safetensors", "pt") as f:   # as save_pretrained
+        assert "model.embed_tokens.weight" in f.keys() and "lm_head.weight" not in f.keys()
     again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "tied").eval()
     assert again.lm_head.weight is again.model.embed_tokens.weight
     ids = batch("llama", 0)[0]
