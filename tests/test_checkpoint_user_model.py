@@ -305,7 +305,10 @@ def test_export_loads_with_from_pretrained(saved, tmp_path, monkeypatch):
     with torch.no_grad():
         assert torch.equal(again(ids).logits, tied(ids).logits)
     plain = llama(seed=4, tied=True)
-    plain.load_state_dict(dl.checkpoint.consolidate(tmp_path / "ck"))       # the one-line way back
+    full = dl.checkpoint.consolidate(tmp_path / "ck")
+    assert list(full) == list(tied.state_dict())
+    assert full["lm_head.weight"] is full["model.embed_tokens.weight"]
+    plain.load_state_dict(full)                                             # the one-line way back
     assert torch.equal(plain.lm_head.weight, tied.lm_head.weight)
 
 

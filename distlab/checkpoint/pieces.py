@@ -51,7 +51,7 @@ def save(directory, step: int, model, optimizer=None, *, keep_last: int | None =
         items += placement.optimizer_pieces(layout, optimizer)
     entries = [_entry(name, key, piece) for name, key, piece in items]
     facts = {"tensors": {n: [list(s), str(d).removeprefix("torch.")] for n, (s, d) in layout.tensors.items()},
-             "aliases": layout.aliases, "stage": layout.partial,
+             "aliases": layout.aliases, "names": layout.order, "stage": layout.partial,
              "optimizer": None if optimizer is None else placement.optimizer_class(optimizer),
              "groups": {} if optimizer is None else placement.group_settings(layout, optimizer)}
     everyone = store._all_gather((entries, facts))
@@ -123,7 +123,7 @@ def _facts(everyone: list[tuple[list, dict]], records) -> dict:
     for rec in records:
         if rec["key"] is not None:
             state.setdefault(rec["name"], {})[rec["key"]] = rec.get("shape")
-    names = [n for _, facts in everyone for n in [*facts["tensors"], *facts["aliases"]]]
+    names = [n for _, facts in everyone for n in facts["names"]]        # state_dict() order (stages: in turn)
     return {"tensors": tensors, "aliases": aliases, "names": list(dict.fromkeys(names)),
             "stages": any(f["stage"] for _, f in everyone), "optimizer": classes.pop(), "state": state,
             "groups": groups}

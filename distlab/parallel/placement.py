@@ -118,14 +118,16 @@ class Layout:
     persistent buffers, in ``state_dict()`` order (tied parameters under their first name);
     ``aliases`` {other name of a tied parameter: its first name}; ``pieces`` this rank holds;
     ``by_param`` {id of a parameter an optimizer may hold: its piece}; ``names`` {id of a parameter: its
-    name}; ``partial``: the model is one part of a larger one (a pipeline stage), so other ranks hold
-    the names missing here; ``sharded_optimizer``: ZeRO's optimizer, where the model wrapper owns one."""
+    name}; ``order``: every name ``state_dict()`` has (tied ones too), in its order; ``partial``: the
+    model is one part of a larger one (a pipeline stage), so other ranks hold the names missing here;
+    ``sharded_optimizer``: ZeRO's optimizer, where the model wrapper owns one."""
 
     tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     pieces: list[Piece] = field(default_factory=list)
     by_param: dict[int, Piece] = field(default_factory=dict)
     names: dict[int, str] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
     partial: bool = False
     sharded_optimizer: object = None
 
@@ -148,6 +150,9 @@ def describe(model: nn.Module) -> Layout:
     """This rank's pieces of ``model`` (a plain module, or one under DDP, ZeRO 1-3, fully_shard, a
     tensor-parallel plan, a pipeline stage, or a mix of them), with every logical tensor's name."""
     from .pipeline.named import NamedStage
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model= takes an nn.Module, got {type(model).__name__}: for a pipeline, the stage "
+                        "module this rank gave dl.pp.Pipeline (dl.pp.named_stage(model, names))")
     inner, owner = unwrap(model)
     flat = _flat_params(owner) if owner is not None and owner.sharded_params else {}
     rows, blocks = _row_shards(inner), _blocks(inner)
@@ -173,8 +178,8 @@ def describe(model: nn.Module) -> Layout:
     for name, b in _persistent_buffers(inner):
         out.tensors[name] = (tuple(b.shape), b.dtype)
         out.pieces.append(Piece(name, tuple(b.shape), Cut(), b))
-    order = [k for k in inner.state_dict(keep_vars=True) if k in out.tensors]
-    out.tensors = {k: out.tensors[k] for k in order + [k for k in out.tensors if k not in order]}
+    out.order = [k for k in inner.state_dict(keep_vars=True) if k in out.tensors or k in out.aliases]
+    out.tensors = {k: out.tensors[k] for k in out.order if k in out.tensors} | out.tensors
     return out
 
 
