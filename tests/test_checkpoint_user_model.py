@@ -143,17 +143,22 @@ def _load(root: str, jobs: list[tuple[str, str]]) -> None:
         dl.checkpoint.save(f"{root}/{saved}-{layout}-stepped", 3, model=s.model)
 
 
-def _diverged(root: str) -> str:
-    """DDP replicas that differ (rank 1 alone changed a weight): the save refuses."""
+def _refusals(root: str) -> list[str]:
+    """DDP replicas that differ (rank 1 alone changed a weight): the save refuses; a checkpoint of one's
+    own state dicts saved by one process: loading it on two says how to read it."""
     s = Setup("ddp", seed=0)
     with torch.no_grad():
         if dl.rank() == 1:
             s.model.module[0].weight[0, 0] += 1
-    try:
-        dl.checkpoint.save(f"{root}/diverged", 0, model=s.model)
-    except CheckpointError as err:
-        return str(err)
-    return "saved"
+    said = []
+    for attempt in (lambda: dl.checkpoint.save(f"{root}/diverged", 0, model=s.model),
+                    lambda: dl.checkpoint.load(f"{root}/own")):
+        try:
+            attempt()
+            said.append("done")
+        except CheckpointError as err:
+            said.append(str(err))
+    return said
 
 
 def _saves_and_loads(root: str) -> dict:
@@ -166,7 +171,8 @@ def _saves_and_loads(root: str) -> dict:
     for layout in ("fsdp", "ddp", "tp"):
         out[layout] = run.results[0][layout]
     out["stage"] = tuple({**run.results[0]["stage"][i], **run.results[1]["stage"][i]} for i in (0, 1))
-    out["diverged"] = dl.launch(_diverged, world_size=2, args=(root,), output="quiet").results[0]
+    dl.checkpoint.save(f"{root}/own", 0, {"x": torch.ones(2)})
+    out["refusals"] = dl.launch(_refusals, world_size=2, args=(root,), output="quiet").results[0]
     out["zero3"] = dl.launch(_save, world_size=3, args=(root, ["zero3"]), output="quiet").results[0]["zero3"]
     dl.launch(_load, world_size=3, args=(root, [("fsdp", "ddp"), ("hsdp", "fsdp"), ("fsdp", "zero3"),
                                                 ("hsdp", "zero1"), ("zero1-bf16", "zero1-bf16")]),
@@ -314,8 +320,9 @@ def test_export_loads_with_from_pretrained(saved, tmp_path, monkeypatch):
 
 def test_errors_say_what_to_do(saved, tmp_path):
     root, out = saved
-    assert "copies differ" in out["diverged"] and "shard_dims" in out["diverged"]
-    assert not (root / "diverged").exists()
+    diverged, elsewhere = out["refusals"]
+    assert "copies differ" in diverged and "shard_dims" in diverged and not (root / "diverged").exists()
+    assert "saved by 1 ranks, this run has 2" in elsewhere and "dl.checkpoint.load_all" in elsewhere
     small = mlp()
     dl.checkpoint.save(tmp_path / "m", 0, model=small)
     other = nn.Sequential(nn.Linear(6, 10), nn.GELU(), nn.Linear(10, 4), nn.GELU(), nn.Linear(4, 3))

@@ -329,12 +329,13 @@ def load(directory, step: int | str = "latest", *, map_location="cpu", verify: b
     path = _step_dir(directory, step)
     info = manifest(directory, step)
     r, n = _rank_world()
-    if info["world_size"] != n:
-        raise CheckpointError(
-            f"checkpoint {path} was saved by {info['world_size']} ranks, this run has {n}: each rank's file "
-            f"belongs to the rank that wrote it. Load it with world_size={info['world_size']}, or read every "
-            f"rank's state in one process with dl.checkpoint.load_all (a model saved with save(..., model=) "
-            f"loads at any world size: load(..., model=))")
+    if info["world_size"] != n:                   # dl.train's formats consolidate; your own dicts do not
+        other = ("read all of them with dl.checkpoint.consolidate (dl.train's resume does that when the "
+                 "world size or the layout changes)" if info["meta"].get("format") else "read every rank's "
+                 "state in one process with dl.checkpoint.load_all (save(model=) loads at any world size)")
+        raise CheckpointError(f"checkpoint {path} was saved by {info['world_size']} ranks, this run has {n}: "
+                              f"each rank's file belongs to the rank that wrote it. Load it with "
+                              f"world_size={info['world_size']}, or {other}")
     return _rank_state(path, info, r, verify, map_location)
 
 
