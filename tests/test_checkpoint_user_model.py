@@ -63,10 +63,16 @@ class Setup:
     global batch of ``step``, and the full weights gathered by the layout's own means."""
 
     def __init__(self, layout: str, seed: int):
-        self.layout, self.kind = layout, "llama" if layout in ("tp", "fsdp-llama") else "mlp"
+        self.layout, self.kind = layout, "llama" if layout in ("tp", "fsdp-llama", "tp-ddp") else "mlp"
         self.dp = layout in ("fsdp", "hsdp", "ddp", "zero1", "zero3", "fsdp-llama", "zero1-bf16")
+        self.dp_rank, self.dp_size = dl.rank(), dl.world_size()
         if layout == "tp":
             self.model = dl.tp.parallelize(llama(seed), plan=LLAMA_PLAN)
+        elif layout == "tp-ddp":                       # 2 x 2: tp blocks in each row, DDP down each column
+            mesh = dl.Mesh(dp=2, tp=2)
+            self.dp, self.dp_rank, self.dp_size = True, mesh.dp_rank, 2
+            tp = dl.tp.parallelize(llama(seed), plan=LLAMA_PLAN, group=mesh.tp_group)
+            self.model = dl.DDP(tp, group=mesh.dp_group)
         elif layout == "fsdp-llama":
             self.model = llama(seed)
             for layer in self.model.model.layers:
@@ -100,7 +106,7 @@ class Setup:
             self.pipe.step(x if self.pipe.first else None, y if self.pipe.last else None)
         else:
             if self.dp:
-                x, y = x.tensor_split(dl.world_size())[dl.rank()], y.tensor_split(dl.world_size())[dl.rank()]
+                x, y = x.tensor_split(self.dp_size)[self.dp_rank], y.tensor_split(self.dp_size)[self.dp_rank]
             if self.layout.endswith("bf16"):
                 x, y = x.to(torch.bfloat16), y.to(torch.bfloat16)
             loss_of(self.kind, self.model, x, y).backward()
@@ -110,8 +116,8 @@ class Setup:
     def full(self) -> dict:
         if self.layout in ("fsdp", "hsdp", "fsdp-llama"):
             return dl.full_state_dict(self.model)
-        if self.layout == "tp":
-            return dl.tp.full_state_dict(self.model)
+        if self.layout in ("tp", "tp-ddp"):
+            return dl.tp.full_state_dict(getattr(self.model, "module", self.model))
         if self.layout == "zero3":
             return self.model.full_state_dict()
         inner = self.model.module if self.layout == "ddp" else self.model
@@ -164,8 +170,9 @@ def _refusals(root: str) -> list[str]:
 def _saves_and_loads(root: str) -> dict:
     """The whole matrix in four launches (world sizes 4, 2, 3, 2)."""
     out = {}
-    for r in dl.launch(_save, world_size=4, args=(root, ["hsdp"]), output="quiet").results:
+    for r in dl.launch(_save, world_size=4, args=(root, ["hsdp", "tp-ddp"]), output="quiet").results:
         out.setdefault("hsdp", r["hsdp"])
+        out.setdefault("tp-ddp", r["tp-ddp"])
     run = dl.launch(_save, world_size=2, args=(root, ["fsdp", "ddp", "tp", "stage", "zero1-bf16"]),
                     output="quiet")
     for layout in ("fsdp", "ddp", "tp"):
@@ -210,13 +217,13 @@ def one_process(directory, kind: str):
     return s
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "ddp", "tp", "stage", "hsdp", "zero3"])
+@pytest.mark.parametrize("layout", ["fsdp", "ddp", "tp", "stage", "hsdp", "zero3", "tp-ddp"])
 def test_checkpoint_is_the_model_and_one_process_continues_it(saved, layout):
     """Consolidated: the layout's own full weights, the model's own names and shapes, bit for bit. Loaded
     in one process: the same parameters, and one more AdamW step equals the layout's third step."""
     root, out = saved
     at_2, at_3 = out[layout]
-    kind = "llama" if layout == "tp" else "mlp"
+    kind = "llama" if layout.startswith("tp") else "mlp"
     full = dl.checkpoint.consolidate(root / layout)
     assert_equal({k: full[k] for k in at_2}, at_2)
     s = one_process(root / layout, kind)
@@ -267,7 +274,8 @@ def test_low_precision_zero_keeps_its_fp32_masters(saved):
 
 def test_replicas_and_shards_are_written_once(saved):
     """DDP: rank 0 writes everything, rank 1 nothing; fully_shard: each rank its rows, the uneven last
-    shard shorter; HSDP (2, 2): only the first replica group writes; tp: blocks per rank, the rest once."""
+    shard shorter; HSDP (2, 2): only the first replica group writes; tp: blocks per rank, the rest once;
+    DDP over tp: the first replica of each block."""
     root, _ = saved
     pieces = lambda name: dl.checkpoint.manifest(root / name)["meta"]["pieces"]   # noqa: E731
     ddp = pieces("ddp")
@@ -285,6 +293,9 @@ def test_replicas_and_shards_are_written_once(saved):
          if p["name"] == "model.layers.0.self_attn.q_proj.weight" and not p["key"]]
     assert q == [{"kind": "block", "dim": 0, "index": i, "parts": 2, "packed": 1} for i in (0, 1)]
     assert all(p["held_by"] == [0, 1] for p in tp[0] if p["name"] == "model.norm.weight")
+    mixed = pieces("tp-ddp")                # tp blocks over ranks (0, 1), DDP replicas (2, 3) of them
+    assert mixed[2] == mixed[3] == [] and {p["cut"]["kind"] for p in mixed[1]} == {"block"}
+    assert {tuple(p["held_by"]) for p in mixed[1]} == {(1, 3)}
 
 
 def test_export_loads_with_from_pretrained(saved, tmp_path, monkeypatch):
