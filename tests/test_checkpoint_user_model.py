@@ -10,6 +10,10 @@ dl.tp.full_state_dict, ZeRO's full_state_dict, the stages' state dicts) and take
   state came along: a wrong moment or step count would change the update);
 * another layout at another world size loads it: a save right after the load consolidates to exactly the
   saved parameters and optimizer state, and its third step equals the saver's.
+
+Layouts: fully_shard (uneven rows), HSDP (2, 2), DDP, ZeRO-1 (fp32 and bf16 with fp32 masters) and ZeRO-3,
+pipeline stages by name, a tensor-parallel Llama by plan, and DDP over it on a 2 x 2 mesh; an MLP and a tiny
+random Llama (nothing downloaded). Six launches in all (world sizes 2 to 4), a few seconds of CPU each.
 """
 from __future__ import annotations
 
