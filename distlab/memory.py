@@ -44,7 +44,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .memory_budget import Budget, MemoryLimitExceeded, parse_bytes  # noqa: F401  (re-exported)
-from .runtime import tracer
+from .runtime import current_run, tracer
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 
@@ -133,7 +133,7 @@ def fsdp_memory(model: nn.Module, optimizer):
     included) and gradients waiting for their reduce-scatter, sampled after every collective launch.
     """
     units = [m._fsdp for m in model.modules() if hasattr(m, "_fsdp")]
-    reducer = units[0].family.reducer
+    reducer = units[0].coordinator.reducer
     peak = PeakBytes(lambda: [*reducer.in_flight(), *(t for u in units for t in u.gathered())])
     comms = {id(c): c for u in units for c in (u.dp, u.shard_comm, u.replica_comm) if c is not None}
     for comm in comms.values():
@@ -228,13 +228,11 @@ class SavedTensors:
         return contextlib.nullcontext(), _Rebuilt(self)
 
 
-_running: list = []          # the `SavedTensors` of the ledger of the run in progress in this process
-
-
 def recompute_context():
     """``context_fn`` for a recomputing block (`models.Block`, attached by the strategies): what it rebuilds
     in backward is counted by the ledger of the run in progress (none: counted nowhere)."""
-    return _running[-1].recompute_context() if _running else (contextlib.nullcontext(),) * 2
+    saved = current_run().saved_tensors
+    return saved.recompute_context() if saved is not None else (contextlib.nullcontext(),) * 2
 
 
 class _Rebuilt(TorchDispatchMode):
@@ -341,7 +339,7 @@ class Ledger:
     def __init__(self, limit: int | None = None, measure=None):
         self.timeline: list[tuple[str, dict[str, int]]] = []
         self.saved = SavedTensors()
-        _running[:] = [self.saved]                  # recomputations count here (`recompute_context`)
+        current_run().saved_tensors = self.saved    # recomputations count here (`recompute_context`)
         self.budget = None
         if limit is not None:                       # checked at every saved tensor (see `Budget`)
             self.budget = Budget(limit, measure, lambda: self.saved.current)

@@ -17,11 +17,17 @@ from .trace import Tracer
 
 @dataclass
 class _RankState:
+    """What one rank's run holds (a fresh one per run: `_enter`, `_leave`)."""
+
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     backend: str | None = None
     tracer: Tracer = field(default_factory=lambda: Tracer(0))
+    group_names: dict = field(default_factory=dict)       # group -> what it is called (`name_group`)
+    comm_scopes: list = field(default_factory=list)       # the tags of every open `collectives.scope`
+    comm_buffers: dict = field(default_factory=dict)      # dl.comm's receive buffers, kept between calls
+    saved_tensors: object = None                          # what the memory ledger counts recomputations into
 
 
 _state = _RankState()
@@ -37,6 +43,12 @@ def _enter(rank: int, world_size: int, local_rank: int, backend: str) -> Tracer:
 def _leave() -> None:
     global _state
     _state = _RankState()
+
+
+def current_run() -> _RankState:
+    """What this rank's run in progress holds (its tracer, group names, comm scopes and buffers): one per
+    run, made fresh at `_enter` and dropped at `_leave`, so nothing of one run leaks into the next."""
+    return _state
 
 
 def rank() -> int:
@@ -113,15 +125,15 @@ def barrier(group=None) -> None:
 
 
 # -- group names: what a mesh calls its groups ("dp", "tp", ...), read by whoever records a collective --
-_group_names: dict[int, str] = {}
-
-
 def name_group(group, name: str) -> None:
-    """Call ``group`` by ``name`` (e.g. a mesh axis): the traced collectives on it (`parallel.collectives`)
-    and the flight recorder's records (`launch.flight`) say so."""
-    _group_names[id(group)] = name
+    """Call ``group`` by ``name`` (e.g. a mesh axis) for the rest of this rank's run: the traced collectives
+    on it (`parallel.collectives`) and the flight recorder's records (`launch.flight`) say so."""
+    _state.group_names[group] = name
 
 
 def group_name(group) -> str | None:
-    """The name given to ``group`` by `name_group`, if any."""
-    return _group_names.get(id(group))
+    """The name given to ``group`` by `name_group` in this run, if any."""
+    try:
+        return _state.group_names.get(group)
+    except TypeError:                    # an unhashable stand-in for a group: never named
+        return None

@@ -40,8 +40,9 @@
 # distlab's ledger, and see where the bytes go.
 #
 # **The code, one file per stage, in reading order** ([distlab/parallel/zero/](../distlab/parallel/zero/__init__.py)):
-# [zero1.py](../distlab/parallel/zero/zero1.py) is `ShardedOptimizer` (stage 1, and the optimizer of every stage)
-# and the stage-1 model wrapper; [zero2.py](../distlab/parallel/zero/zero2.py) reduce-scatters each gradient bucket
+# [zero1.py](../distlab/parallel/zero/zero1.py) is `ShardedOptimizer` (stage 1: reduce-scatter, step my shard,
+# all-gather) and the stage-1 model wrapper; [shards.py](../distlab/parallel/zero/shards.py) what every stage's
+# optimizer shares; [zero2.py](../distlab/parallel/zero/zero2.py) reduce-scatters each gradient bucket
 # during backward; [zero3.py](../distlab/parallel/zero/zero3.py) owns the model's flat parameter buffers, gathers
 # and frees them unit by unit, and hands its shards to the optimizer; [reducer.py](../distlab/parallel/zero/reducer.py)
 # is the bounded queue of reduce-scatters they share. `dl.ZeRO(module, stage=...)` picks the stage's wrapper.

@@ -173,7 +173,7 @@ for r in range(8):
 #    and run the 1F1B schedule with the other stages;
 # 3. `dl.DDP(stage, group=mesh.dp_group)` (or ZeRO-1 with `zero=1`): average gradients with the other replicas,
 #    once per step: DDP starts each bucket's all-reduce during the rank's last backward, as soon as the bucket
-#    is full (`DDP.start_grad_sync`), and waits for them after the pipeline flush (`DDP.finish_grad_sync`).
+#    is full (`dl.pp.ReplicaGradSync.last_backward`), and waits for them after the pipeline flush (`.finish`).
 #
 # Each replica trains on its rows of the global batch, the last stage computes the vocabulary-parallel loss. With
 # plain SGD in fp32, every mesh must reproduce single-process training to rounding error: same losses, same
@@ -304,7 +304,7 @@ print(f"rank 0 holds {per_rank_params} of {full_params} parameter bytes ({per_ra
 # idle time rather than traffic.
 #
 # **Prediction:** DDP starts a bucket's all-reduce as soon as the last microbatch's backward has filled it and
-# does not wait for it there (`DDP.start_grad_sync`); the wait comes after the pipeline flush. So on every rank,
+# does not wait for it there (`dl.pp.ReplicaGradSync`); the wait comes after the pipeline flush. So on every rank,
 # every DP all-reduce of the step starts *inside* that rank's last backward.
 
 # %%

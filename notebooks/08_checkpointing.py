@@ -44,7 +44,8 @@
 # The code this lesson explains:
 # [distlab/checkpoint/store.py](../distlab/checkpoint/store.py) (the files and the atomic commit),
 # [distlab/checkpoint/state.py](../distlab/checkpoint/state.py) (what a rank hands over to be saved, in one of three
-# formats), [distlab/checkpoint/training.py](../distlab/checkpoint/training.py) (save, resume, fault injection),
+# formats), [distlab/strategies/checkpointing.py](../distlab/strategies/checkpointing.py) (save, resume), with
+# [distlab/strategies/faults.py](../distlab/strategies/faults.py) (fault injection),
 # [distlab/checkpoint/reshard.py](../distlab/checkpoint/reshard.py) (one tensor per name, cut again for another
 # layout), called once per step by the training loop of every strategy,
 # [distlab/strategies/loop.py](../distlab/strategies/loop.py).

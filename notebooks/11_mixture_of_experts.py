@@ -439,7 +439,7 @@ print(f"Mixtral-shaped (two-matrix experts; Mixtral's SwiGLU experts have three)
 # * It always saves memory; it also saves bytes while T < T* = P_experts / (2 L k h).
 # * Strategies that would train an MoE wrongly (tp, cp, a 3d mesh without an ep axis) refuse it, naming the ones
 #   that run it. A pipeline routes per microbatch, and each stage's MoE layers carry their balance loss into
-#   backward themselves (`dl.ep.ride_balance_losses`), since the loss lives on the last stage.
+#   backward themselves (`dl.pp.ride_balance_losses`), since the loss lives on the last stage.
 #
 # **Try it**: set `N = 4` in the first cell (one expert per rank) and re-run: the rows per rank split four ways,
 # the all-to-all sends 3/4 of the rows instead of 1/2, and T* stays where it was (it does not depend on n).

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import distlab as dl
-from distlab.checkpoint import CheckpointError, store, training
+from distlab.checkpoint import CheckpointError, directory, store
 
 KW = dict(steps=2, model="gpt-tiny", global_batch=8, checkpoint_every=1, progress=False)
 BUSY = "another training run is writing checkpoints to"
@@ -185,10 +185,10 @@ def test_the_write_test_of_two_threads_at_once_is_not_mistaken_for_an_unwritable
             b_done.wait(30)
         return real_unlink(self, *args, **kw)
     monkeypatch.setattr(pathlib.Path, "unlink", unlink)
-    thread, out = _in_thread(training.writable, name="a", directory=tmp_path)
+    thread, out = _in_thread(directory.writable, name="a", directory=tmp_path)
     try:
         assert a_waiting.wait(30)
-        training.writable(tmp_path)
+        directory.writable(tmp_path)
     finally:
         b_done.set()
         thread.join()
@@ -199,7 +199,7 @@ def test_the_write_test_of_two_threads_at_once_is_not_mistaken_for_an_unwritable
 def test_a_forked_rank_does_not_keep_its_parents_lock(tmp_path):
     """A rank forked while a run of this process holds a directory (a launch in another thread) gets a
     copy of the lock's descriptor; it closes it, so the directory is free once the run gives it back."""
-    held = training.lock(tmp_path)
+    held = directory.lock(tmp_path)
     ready_r, ready_w = os.pipe()
     go_r, go_w = os.pipe()
     pid = os.fork()
@@ -210,7 +210,7 @@ def test_a_forked_rank_does_not_keep_its_parents_lock(tmp_path):
     try:
         assert os.read(ready_r, 1) == b"1"
         held.release()
-        training.lock(tmp_path).release()                   # free, though the child lives on
+        directory.lock(tmp_path).release()                   # free, though the child lives on
     finally:
         os.write(go_w, b"1")
         os.waitpid(pid, 0)

@@ -105,8 +105,8 @@ def test_bad_resume_values_are_clear_errors(tmp_path, resume):
 
 
 def test_a_run_that_failed_in_this_process_does_not_keep_the_directory_locked(tmp_path):
-    from distlab.checkpoint import training
-    training.lock(tmp_path)              # what a failed run's frames, kept by a notebook's traceback, hold
+    from distlab.checkpoint import directory
+    directory.lock(tmp_path)              # what a failed run's frames, kept by a notebook's traceback, hold
     dl.train("single", **KW, checkpoint_dir=str(tmp_path))
     assert _names(tmp_path) == ["step_2", "step_4"]
 

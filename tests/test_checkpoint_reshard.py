@@ -5,7 +5,7 @@ import torch
 
 import distlab as dl
 from distlab.checkpoint import reshard
-from distlab.checkpoint.training import Checkpointer
+from distlab.strategies.checkpointing import Checkpointer
 from distlab.strategies import parse
 from distlab.strategies.base import build_model
 

@@ -83,14 +83,15 @@ def _ddp_invariants():
     reduces = [e for e in tr.events() if e.kind == "comm" and e.start >= probe.start]
     out["buckets"], out["reduces"] = len(ddp.buckets), len(reduces)
     out["first_starts_inside_backward"] = reduces[0].start < reduces[-1].start <= probe.end
-    # start_grad_sync (a pipeline's last microbatch): backward starts every bucket and does not wait
+    # a pipeline's last backward (dl.pp.ReplicaGradSync): backward starts every bucket and does not wait
     for q in [*model.parameters(), *ref.parameters()]:
         q.grad = None
     x, y = data.batch(10, 12)
-    with ddp.no_sync(), ddp.start_grad_sync():
+    sync = dl.pp.ReplicaGradSync(ddp)
+    with ddp.no_sync(), sync.last_backward():
         _loss(ddp, x.chunk(n)[r], y.chunk(n)[r]).backward()
     out["in_flight_after_backward"] = ddp.in_flight
-    ddp.finish_grad_sync()
+    sync.finish()
     out["in_flight_after_finish"] = ddp.in_flight
     _loss(ref, x, y).backward()
     out["started_sync_grads"] = all(torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)

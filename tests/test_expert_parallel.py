@@ -33,8 +33,8 @@ def _ep_against_local(top_k: int, capacity_factor: float) -> dict:
     ((y_ref * g).sum() + ref.balance_loss).backward()
     ((y * g[rows]).sum() + par.balance_loss).backward()
     kept_ref, kept = ref.route(x)[2].kept, par.route(x[rows])[2].kept
-    aux_sum = C.all_reduce(par.balance_loss.detach().clone())
-    gate_grad = C.all_reduce(par.router.gate.weight.grad.clone())
+    aux_sum = C.all_reduce_sum(par.balance_loss.detach().clone())
+    gate_grad = C.all_reduce_sum(par.router.gate.weight.grad.clone())
     per = E // n
     mine = slice(r * per, (r + 1) * per)                 # this rank's experts in the reference
     expert_err = max((getattr(par.local, k).grad - getattr(ref.local, k).grad[mine]).abs().max()
@@ -247,7 +247,7 @@ def test_bad_input_says_what_to_change(monkeypatch):
 def test_balance_loss_riders_come_off():
     """ride_balance_losses: one term per MoE forward while riding, none after remove()."""
     model = torch.nn.Sequential(*[dl.ep.MoE(8, 16, 4, group=dl.ep.LOCAL) for _ in range(2)])
-    riders = dl.ep.ride_balance_losses(model, 0.01, lambda out: 1.0)
+    riders = dl.pp.ride_balance_losses(model, 0.01, lambda out: 1.0)
     model(torch.randn(6, 8))
     assert len(riders) == 2 and len(riders.handles) == 2
     riders.remove()

@@ -139,7 +139,7 @@ def _probe(cfg: dict) -> dict:
         loss = _loss(model, ids, targets, 1)
         after_forward = [len(u.gathered()) for u in units]
         loss.backward()
-    after_backward = [len(u.gathered()) for u in units] + [len(model._fsdp.family.reducer.in_flight())]
+    after_backward = [len(u.gathered()) for u in units] + [len(model._fsdp.coordinator.reducer.in_flight())]
     return {"shards": shards, "seen": seen, "after_forward": after_forward, "after_backward": after_backward,
             "full_shape": tuple(used[0].shape)}
 
@@ -174,6 +174,7 @@ def _optimizer_first():
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)       # built before sharding: would update nothing
     dl.fully_shard(model)
+    opt.step()                                               # refused at its first step
     return opt
 
 

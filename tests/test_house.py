@@ -29,7 +29,6 @@ INSTRUMENTATION = {
     "parallel/pipeline/measure.py": "the pipeline's observers: a span per action, the step's mark",
     "strategies/": "where a run is assembled and measured: the step loop's marks and spans, the ledger",
     "train.py": "runs a strategy and reports what its trace measured",
-    "checkpoint/training.py": "the training run around checkpoints: times its saves",
     "viz/": "draws traces and memory records; runs no algorithm",
     "recomputation.py": "hands the ledger's counting context to torch's checkpoint (its context_fn): the "
                         "ledger measures what backward rebuilds from outside the recomputed module",

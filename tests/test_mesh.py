@@ -174,7 +174,7 @@ def test_3d_options_match_single(name, kw):
 
 @pytest.mark.parametrize("schedule, overlapped", [("1f1b", True), ("zb-h1", False)])
 def test_dp_all_reduce_starts_during_the_last_backward(schedule, overlapped):
-    """1F1B: every dp bucket's all-reduce starts inside the rank's last B (DDP.start_grad_sync);
+    """1F1B: every dp bucket's all-reduce starts inside the rank's last B (dl.pp.ReplicaGradSync);
     zero bubble's W sets gradients outside autograd, so there they all start after the last W."""
     report = dl.train("3d:dp=2,tp=1,pp=2,bucket_mb=0.05", world_size=4, options={"schedule": schedule}, **SGD)
     assert report.losses == pytest.approx(dl.train("single", **SGD).losses, rel=1e-5)

@@ -123,12 +123,12 @@ def _dp_ep_layer(top_k: int) -> dict:
     ((y * g[rows]).sum() + par.balance_loss).backward()
     kept_ref, kept = ref.route(x)[2].kept, par.route(x[rows])[2].kept
     mine = slice((r % 2) * 2, (r % 2) * 2 + 2)                 # this rank's experts in the reference
-    expert = max((C.all_reduce(getattr(par.local, k).grad.clone(), dp_group)
+    expert = max((C.all_reduce_sum(getattr(par.local, k).grad.clone(), dp_group)
                   - getattr(ref.local, k).grad[mine]).abs().max().item() for k in ("w1", "b1", "w2", "b2"))
     return {"y": (y - y_ref[rows]).abs().max().item(), "kept": torch.equal(kept, kept_ref[rows]),
             "dropped": int((~kept_ref).sum()), "x_grad": (xp.grad - xr.grad[rows]).abs().max().item(),
-            "aux": abs(C.all_reduce(par.balance_loss.detach().clone()).item() - ref.balance_loss.item()),
-            "gate": (C.all_reduce(par.router.gate.weight.grad.clone()) - ref.router.gate.weight.grad)
+            "aux": abs(C.all_reduce_sum(par.balance_loss.detach().clone()).item() - ref.balance_loss.item()),
+            "gate": (C.all_reduce_sum(par.router.gate.weight.grad.clone()) - ref.router.gate.weight.grad)
             .abs().max().item(), "expert": expert}
 
 

@@ -306,13 +306,13 @@ def test_a_full_disk_is_not_restarted_and_leaves_no_heartbeat_part(tmp_path, no_
 
 
 def test_the_heartbeat_cleans_its_part(tmp_path):
-    from distlab.checkpoint.training import HEARTBEAT, _beat, clear_heartbeat, heartbeat
+    from distlab.strategies.faults import HEARTBEAT, beat, clear_heartbeat, heartbeat
     part = tmp_path / (HEARTBEAT + ".part")
     part.symlink_to("/dev/full")
     with pytest.raises(OSError, match="No space left"):
-        _beat(tmp_path, 3)
+        beat(tmp_path, 3)
     assert not os.path.lexists(part) and heartbeat(tmp_path) is None
-    _beat(tmp_path, 3)
+    beat(tmp_path, 3)
     assert heartbeat(tmp_path)["step"] == 3 and not part.exists()
     part.write_text("{")                        # a writer killed between its write and its rename
     clear_heartbeat(tmp_path)

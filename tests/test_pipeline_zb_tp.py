@@ -5,7 +5,7 @@ gradients, later). On a Megatron stage the activation path crosses the f operato
 all-reduces; W must not cross it again. So, per step and per rank, ZB-H1 moves exactly the
 tensor-parallel bytes 1F1B moves, no collective of the activation path runs inside a W span, and
 training still equals the single process; under sequence parallelism the fused all-gather + linears
-hand their weight gradients to W too (`WeightGradStore`). The single-process tests pin the bookkeeping
+hand their weight gradients to W too (``grad_fn.postpone``). The single-process tests pin the bookkeeping
 that makes W local: a weight used twice (tied embeddings) counted once, and a weight held by a custom
 ``autograd.Function`` that does not defer (which W cannot isolate) differentiated inside I, never twice.
 """

@@ -16,12 +16,14 @@
 
 Files: `store` (the on-disk format and the atomic commit), `api` (the functions above, for the three
 kinds of checkpoint), `pieces` (a user's model: each rank's pieces of the logical tensors, as
-`distlab.parallel.placement` describes them, written once and read back into any layout), `state`
-(what a training rank hands over: its own and its replicated state in one of three formats, and how to
-restore them), `training` (the checkpoint side of the training loop: save, resume, fault injection with
-``fail_at_step``), `reshard` (a training checkpoint rebuilt into one tensor per name and cut again for
-another world size or layout), `background` (``async_save``: snapshot at the step boundary, the same
-commit written in a thread). The checkpoint layer knows formats and placements, never strategy names.
+`distlab.parallel.placement` describes them, written once and read back into any layout), `state` (what
+a training rank hands over: its own and its replicated state in one of three formats, and how to
+restore them), `directory` (the run's checkpoint directory: proved writable, locked by one run at a
+time, its newest checkpoint that verifies), `reshard` (a training checkpoint rebuilt into one tensor per
+name and cut again for another world size or layout), `background` (``async_save``: snapshot at the step
+boundary, the same commit written in a thread). The checkpoint layer knows formats, files and
+placements, never strategy names: each strategy builds its `state.RankState`, and the training loop's
+checkpoint side (when to save, resume, planted failures) is `distlab.strategies.checkpointing`.
 """
 from .api import consolidate, export, load, save
 from .store import CheckpointError, latest, load_all, manifest, steps

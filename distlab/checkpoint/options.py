@@ -1,7 +1,7 @@
 """The checkpoint options of `dl.train`: one typed concern of the spec, `Checkpointing`, each field with
 its rule and docstring, and what the fields must say together.
 
-Checked once, in the parent, before any rank starts (`training.check_options`, which then proves the
+Checked once, in the parent, before any rank starts (`directory.check_options`, which then proves the
 directory writable): a value of the wrong type or range (each field's rule, see `distlab.rules`),
 checkpoint options without a ``checkpoint_dir``, a planted failure that would never fire, ``resume=s``
 for a step that the directory does not hold. The field names are `dl.train`'s keywords.
@@ -16,7 +16,8 @@ from . import store
 
 @dataclass(frozen=True)
 class Checkpointing:
-    """Saving, resuming and the planted failures that test them (`distlab.checkpoint.training`)."""
+    """Saving, resuming and the planted failures that test them (the training loop reads them:
+    `distlab.strategies.checkpointing`, `distlab.strategies.faults`)."""
 
     checkpoint_dir: object = option(None, Directory(example="ck", none="no checkpoints"),
                                     "where the step_<k> folders go (created, and proved writable, before any "

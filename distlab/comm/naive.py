@@ -26,7 +26,7 @@ def naive_all_reduce(t: torch.Tensor, op: str = "sum", group=None, root: int = 0
     check_op(op, t)
     ring = Ring.of(group)
     n = ring.size
-    root_g = ring.local(root, "root")
+    root_g = ring.group_rank_of(root, "root")
     if n == 1:
         return t
     flat = flat_view(t)

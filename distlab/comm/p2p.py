@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..runtime import group_members, group_rank, tracer
+from ..runtime import current_run, group_members, group_rank, tracer
 
 OPS = ("sum", "avg", "max", "min", "prod")
 _call_ids = itertools.count()
@@ -59,11 +59,11 @@ class Ring:
         members = group_members(group)
         return cls(group, group_rank(group), len(members), members)
 
-    def glob(self, group_rank: int) -> int:
+    def global_rank(self, group_rank: int) -> int:
         """Global rank of the member ``group_rank`` (taken modulo the size, so rank-1 and rank+1 work)."""
         return self.members[group_rank % self.size]
 
-    def local(self, global_rank: int, what: str) -> int:
+    def group_rank_of(self, global_rank: int, what: str) -> int:
         """Group rank of the member whose global rank is ``global_rank`` (``what`` names it in errors)."""
         if global_rank not in self.members:
             raise ValueError(f"{what}={global_rank} is not in the group (its global ranks are "
@@ -117,27 +117,23 @@ def flat_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1) if t.is_contiguous() else t.reshape(-1).contiguous()
 
 
-
-
-_scratch: dict[tuple, torch.Tensor] = {}
-
-
 def scratch(numel: int, dtype: torch.dtype, device, slot: int = 0) -> torch.Tensor:
     """A reusable receive buffer of ``numel`` elements (grown on demand, kept between calls).
 
     Reusing it spares every call a fresh allocation and, for large messages, the page faults of
-    touching new memory (NCCL keeps its own buffers for the same reason). ``free_scratch()`` drops them.
+    touching new memory (NCCL keeps its own buffers for the same reason). They belong to the rank's run
+    (`runtime.current_run`: dropped when it ends); ``free_scratch()`` drops them sooner.
     """
-    key = (slot, dtype, torch.device(device))
-    buf = _scratch.get(key)
+    kept, key = current_run().comm_buffers, (slot, dtype, torch.device(device))
+    buf = kept.get(key)
     if buf is None or buf.numel() < numel:
-        buf = _scratch[key] = torch.empty(numel, dtype=dtype, device=device)
+        buf = kept[key] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel]
 
 
 def free_scratch() -> None:
     """Release the receive buffers the collectives keep between calls."""
-    _scratch.clear()
+    current_run().comm_buffers.clear()
 
 
 SEGMENT_BYTES = 1 << 20
@@ -186,8 +182,8 @@ def _exchange(ring: Ring, send, dst, recv, src, reduce, info: dict) -> None:
     if recv is not None and recv.numel() == 0:
         recv = None
     step = _step(info)
-    dst_g = ring.glob(dst) if send is not None else None
-    src_g = ring.glob(src) if recv is not None else None
+    dst_g = ring.global_rank(dst) if send is not None else None
+    src_g = ring.global_rank(src) if recv is not None else None
     recv_parts = torch.tensor_split(recv, _segments(recv)) if recv is not None else ()
     send_parts = torch.tensor_split(send, _segments(send)) if send is not None else ()
     if dist.get_backend(ring.group) == "nccl":
@@ -248,14 +244,14 @@ class Flight:
         """Post ``t`` to group rank ``dst``; returns the Work (None for an empty tensor)."""
         if not t.numel():
             return None
-        self.sent, self.dst = self.sent + nbytes(t), self.ring.glob(dst)
+        self.sent, self.dst = self.sent + nbytes(t), self.ring.global_rank(dst)
         return self._posted(self._post(dist.isend, t, self.dst))
 
     def irecv(self, t: torch.Tensor, src: int):
         """Post the receive of ``t`` from group rank ``src``; returns the Work (None for an empty tensor)."""
         if not t.numel():
             return None
-        self.received, self.src = self.received + nbytes(t), self.ring.glob(src)
+        self.received, self.src = self.received + nbytes(t), self.ring.global_rank(src)
         return self._posted(self._post(dist.irecv, t, self.src))
 
     def _post(self, fn, t: torch.Tensor, peer: int):
@@ -292,7 +288,7 @@ def post_exchanges(ring: Ring, pairs) -> list[Flight]:
     posts = []
     for f, (send, dst, recv, src) in zip(flights, pairs):
         posts += [(f, dist.isend, send, dst), (f, dist.irecv, recv, src)]
-    live = [(f, fn, t, ring.glob(peer)) for f, fn, t, peer in posts if t.numel()]
+    live = [(f, fn, t, ring.global_rank(peer)) for f, fn, t, peer in posts if t.numel()]
     if live and dist.get_backend(ring.group) == "nccl":
         works = dist.batch_isend_irecv([dist.P2POp(fn, t, peer, ring.group) for _, fn, t, peer in live])
     else:

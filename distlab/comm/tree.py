@@ -30,7 +30,7 @@ def broadcast(t: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
     """
     ring = Ring.of(group)
     n = ring.size
-    root = ring.local(src, "src")
+    root = ring.group_rank_of(src, "src")
     if n == 1:
         return t
     flat = flat_view(t)

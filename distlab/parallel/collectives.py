@@ -12,9 +12,9 @@ Three surfaces:
 
       comm = Collectives("torch"); h = comm.all_reduce(flat, async_op=True); ...; h.wait()
 
-* ``all_reduce(t, group)``, ``all_gather(shard, dim, group)``, ``reduce_scatter(t, dim, group)``,
-  ``split``, ``all_to_all(t, send, recv, group)``: the shaped collectives (tensor and expert
-  parallelism), synchronous, torch.distributed.
+* ``all_reduce_sum(t, group)`` (and ``all_reduce_max``), ``all_gather(shard, dim, group)``,
+  ``reduce_scatter(t, dim, group)``, ``split``, ``all_to_all(t, send, recv, group)``: the shaped
+  collectives (tensor and expert parallelism), synchronous, torch.distributed; each returns its result.
 
 * ``Transfer(send, tensor, peer, group, tag, **address)``: a pipeline's isend or irecv, ``.wait()``.
 
@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import ring_bytes
-from ..runtime import group_name, group_rank, group_size, tracer
+from ..runtime import current_run, group_name, group_rank, group_size, tracer
+from .mesh import as_group
 from ..runtime import name_group  # noqa: F401  (re-exported; the flight recorder reads the names too)
 
 COMMS = ("torch", "ring")
@@ -54,24 +55,23 @@ COMMS = ("torch", "ring")
 #   with collectives.scope(phase="backward", microbatch=3): ...      (a strategy, a hook, a lesson)
 #   collectives.name_group(mesh.dp_group, "dp")                       (the mesh, once per group;
 #                                                                       kept in `runtime`)
-# and every event recorded meanwhile carries those tags, plus ``group=<name>`` for named groups.
-_scopes: list[dict] = []
-
-
+# and every event recorded meanwhile carries those tags, plus ``group=<name>`` for named groups. Both live
+# with the rank's run (`runtime`), not in this module.
 @contextlib.contextmanager
 def scope(**tags):
     """Tag every comm event recorded inside the block with ``tags`` (inner scopes win on a clash)."""
-    _scopes.append(tags)
+    opened = current_run().comm_scopes     # this run's stack (a block that outlives a run closes its own)
+    opened.append(tags)
     try:
         yield
     finally:
-        _scopes.pop()
+        opened.pop()
 
 
 def current_tags() -> dict:
     """The tags of every open `scope`, merged outermost first."""
     merged: dict = {}
-    for tags in _scopes:
+    for tags in current_run().comm_scopes:
         merged.update(tags)
     return merged
 
@@ -111,7 +111,8 @@ class Handle:
 
 
 class Collectives:
-    """all_reduce, reduce_scatter, all_gather and broadcast over ``group`` (default: the world)."""
+    """all_reduce, reduce_scatter, all_gather and broadcast over ``group`` (default: the world; a 1-D mesh:
+    its group, `mesh.as_group`: so DDP, ZeRO and fully_shard take one)."""
 
     def __init__(self, comm: str = "torch", group=None):
         if comm not in COMMS:
@@ -120,8 +121,8 @@ class Collectives:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("data parallelism needs a process group: "
                                "run inside dl.launch(fn, world_size=N)")
-        self.comm, self.group = comm, group
-        self.size, self.rank = group_size(group), group_rank(group)
+        self.comm, self.group = comm, as_group(group)            # a 1-D DeviceMesh: its process group
+        self.size, self.rank = group_size(self.group), group_rank(self.group)
         self._pool: ThreadPoolExecutor | None = None
         self._launch_hooks: list = []
 
@@ -287,8 +288,6 @@ def start_together(transfers: list[Transfer]) -> None:
 
 
 # -- tensor-parallel collectives ----------------------------------------------------------------
-
-
 def _record(op: str, start: float, t: torch.Tensor, numel: int, group, tags: dict) -> None:
     n = group_size(group)
     sent, received = ring_bytes(numel, t.element_size(), n, group_rank(group), op)
@@ -296,12 +295,22 @@ def _record(op: str, start: float, t: torch.Tensor, numel: int, group, tags: dic
            tags={**derived_tags(), **tags}, size=numel * t.element_size(), world=n)
 
 
-def all_reduce(t: torch.Tensor, group=None, op: str = "sum", **tags) -> torch.Tensor:
-    """Sum (or max) ``t`` over the group, in place; returns ``t`` (``tags``: callers outside algorithms)."""
+def all_reduce_sum(t: torch.Tensor, group=None, **tags) -> torch.Tensor:
+    """Sum ``t`` over the group, in place, and return it (``tags``: callers outside algorithms). Not to
+    be confused with `Collectives.all_reduce`: a data-parallel flat buffer, averaged, a `Handle` back."""
+    return _all_reduce(t, group, dist.ReduceOp.SUM, tags)
+
+
+def all_reduce_max(t: torch.Tensor, group=None, **tags) -> torch.Tensor:
+    """The elementwise maximum of ``t`` over the group, in place; returns ``t``."""
+    return _all_reduce(t, group, dist.ReduceOp.MAX, tags)
+
+
+def _all_reduce(t: torch.Tensor, group, op, tags: dict) -> torch.Tensor:
     if group_size(group) == 1:
         return t
     start = tracer().now()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(t, op=op, group=group)
     _record("all_reduce", start, t, t.numel(), group, tags)
     return t
 

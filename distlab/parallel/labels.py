@@ -25,25 +25,22 @@ def label_modules(model: nn.Module) -> list:
               and of the gradient accumulators of its parameters: `collectives.derived_tags` reads it from
               the node the engine runs (backward collectives, parameter gradient hooks, recomputation alike).
     """
-    handles = []
+    handles, running = [], []      # running: (scope, first autograd node number) of each module in forward
     for name, module in model.named_modules():
         if name:
-            handles += [module.register_forward_pre_hook(partial(_enter, name)),
-                        module.register_forward_hook(partial(_leave, name), always_call=True)]
+            handles += [module.register_forward_pre_hook(partial(_enter, name, running)),
+                        module.register_forward_hook(partial(_leave, name, running), always_call=True)]
     return handles
 
 
-_open: list = []          # (scope, first autograd node number) of each module whose forward runs
-
-
-def _enter(name: str, module, args) -> None:
+def _enter(name: str, running: list, module, args) -> None:
     tags = scope(where=name, phase="forward")
     tags.__enter__()
-    _open.append((tags, torch._C._autograd._get_sequence_nr()))       # the next node's number
+    running.append((tags, torch._C._autograd._get_sequence_nr()))     # the next node's number
 
 
-def _leave(name: str, module, args, output) -> None:
-    tags, first = _open.pop()
+def _leave(name: str, running: list, module, args, output) -> None:
+    tags, first = running.pop()
     tags.__exit__(None, None, None)
     outputs = output if isinstance(output, (tuple, list)) else (output,)
     _label_nodes([t.grad_fn for t in outputs if isinstance(t, torch.Tensor)], name, first)

@@ -34,6 +34,11 @@ rank creates every group on every rank in the same order (``torch.distributed.ne
 collective over the world) and names each by its axis, so every traced collective on it says which
 link it used (``event.args["group"]``); outside one (or with ``groups=False``) it is the pure layout,
 for drawing and checking.
+
+A mesh wherever a group is taken: `as_group` turns a 1-D torch ``DeviceMesh`` (``mesh["tp"]`` of
+``init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))``) or a dl.Mesh axis into its process
+group; every ``group=`` of distlab passes through it once, where the parallelism receives it, so
+torchtitan-style code (``parallelize(model, group=mesh["tp"])``) runs unchanged on distlab.
 """
 from __future__ import annotations
 
@@ -43,7 +48,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import collectives
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..runtime import group_name, name_group
 
 ORDER = ("dp", "pp", "cp", "ep", "tp")   # every axis a mesh may have, slowest to fastest
 AXES = ("dp", "pp", "tp")                # the 3D mesh's: always there (cp and ep when asked for)
@@ -146,6 +153,13 @@ class Mesh:
             self._groups[span] = grid_groups(self.sizes, {"_".join(span): span})["_".join(span)]
         return self._groups[span]
 
+    def __getitem__(self, axis: str):
+        """``mesh["tp"]``: this rank's group along one axis, spelled as for torch's ``DeviceMesh``."""
+        if not isinstance(axis, str):
+            raise TypeError(f"mesh[{axis!r}]: name one axis (mesh['tp']); for one group over several axes "
+                            "call mesh.group('dp', 'cp')")
+        return self.group(axis)
+
     @property
     def dp_group(self):
         return self.group("dp")
@@ -224,7 +238,7 @@ def grid_groups(sizes: dict[str, int], spans: dict[str, tuple[str, ...]]) -> dic
     """This rank's process group for each name in ``spans``: the ranks that differ from it only along
     ``spans[name]`` (`grid_rows`). Every rank creates every group, name by name and row by row in the
     same order (``new_group`` is collective over the world), and keeps its own, named by ``name``
-    (`collectives.name_group`), so each traced collective on it says which link it used.
+    (`runtime.name_group`), so each traced collective on it says which link it used.
 
         grid_groups({"dp": D, "ep": E}, {"ep": ("ep",), "dp": ("dp",)})     expert x data parallelism
         grid_groups({"dp": D, "cp": C, "tp": T}, {"tp": ("tp",), "cp": ("cp",), "dp": ("dp", "cp")})
@@ -235,7 +249,7 @@ def grid_groups(sizes: dict[str, int], spans: dict[str, tuple[str, ...]]) -> dic
             group = dist.new_group(members)
             if me in members:
                 mine[name] = group
-                collectives.name_group(group, name)
+                name_group(group, name)
     return mine
 
 
@@ -245,3 +259,71 @@ def _suggest(world: int) -> str:
             if world % (tp * pp) == 0:
                 return f"dp={world // (tp * pp)}, tp={tp}, pp={pp}"
     return f"dp={world}, tp=1, pp=1"
+
+
+# -- a mesh wherever a group is taken -----------------------------------------------------------------
+def as_group(group_or_mesh):
+    """The process group ``group_or_mesh`` stands for: how every ``group=`` of distlab also takes a mesh
+    (called once, where a parallelism receives its group)::
+
+        None or a ProcessGroup               itself (None: the world)
+        a 1-D torch DeviceMesh               its group: ``init_device_mesh("cpu", (2, 2),
+                                             mesh_dim_names=("dp", "tp"))["tp"]`` (named "tp" in traces)
+        a dl.Mesh with one axis over 1 rank  that axis's group (``mesh["tp"]``: the group of a named axis)
+        anything else                        unchanged (e.g. ``dl.ep.LOCAL``)
+
+    A mesh of several dimensions is refused, saying which one to pass (``mesh["tp"]``).
+    """
+    names = dim_names(group_or_mesh)
+    if names is None:
+        if isinstance(group_or_mesh, (list, tuple, str, int)):
+            raise TypeError(f"group={group_or_mesh!r}: pass a process group (torch.distributed.new_group("
+                            "ranks)), a 1-D DeviceMesh (mesh['tp']), a dl.Mesh axis (mesh['tp']) or None "
+                            "(the world)")
+        return group_or_mesh
+    if len(names) != 1:
+        shown = ", ".join(f"mesh[{name!r}]" for name in names)
+        raise ValueError(f"group= got a {len(names)}-D mesh {describe(group_or_mesh)}, where one process "
+                         f"group is needed: pass one of its dimensions, {shown}")
+    return mesh_dims(group_or_mesh)[0][1]
+
+
+def dim_names(mesh) -> tuple[str, ...] | None:
+    """The names of a mesh's dimensions, slowest first (a dl.Mesh: its axes over more than one rank, or
+    its first axis when none is); None when ``mesh`` is not a mesh."""
+    if isinstance(mesh, DeviceMesh):
+        return mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    if isinstance(mesh, Mesh):
+        return tuple(a for a, n in mesh.sizes.items() if n > 1) or tuple(mesh.sizes)[:1]
+    return None
+
+
+def mesh_dims(mesh) -> list[tuple[str, object]] | None:
+    """[(name, this rank's group)] for each dimension of a mesh (`dim_names`); None for a non-mesh."""
+    names = dim_names(mesh)
+    if names is None:
+        return None
+    if isinstance(mesh, Mesh):
+        return [(a, mesh.group(a)) for a in names]
+    dims = [(name, mesh.get_group(i)) for i, name in enumerate(names)]
+    for name, group in dims:
+        if mesh.mesh_dim_names and group_name(group) is None:
+            name_group(group, name)                      # traced collectives on it say "tp", as dl.Mesh's do
+    return dims
+
+
+def span_group(mesh):
+    """The group of every rank in ``mesh`` (None: the world); under HSDP the ranks holding one model.
+    A sub-mesh of torch's is flattened by ``DeviceMesh._flatten`` (every rank makes every group, as
+    `grid_groups` does)."""
+    if isinstance(mesh, Mesh) or mesh.size() == dist.get_world_size():
+        return None
+    return mesh.get_group() if mesh.ndim == 1 else mesh._flatten().get_group()
+
+
+def describe(mesh) -> str:
+    """A mesh in a few words: ``DeviceMesh (dp=2, tp=2)`` or ``Mesh(dp=2, tp=2)``."""
+    if isinstance(mesh, DeviceMesh):
+        names = dim_names(mesh)
+        return "DeviceMesh (" + ", ".join(f"{n}={d}" for n, d in zip(names, mesh.shape)) + ")"
+    return repr(mesh)

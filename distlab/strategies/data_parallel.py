@@ -21,7 +21,7 @@ and ``error_feedback``, True; `distlab.parallel.data.powersgd`), ``prefetch`` (Z
 ``max_inflight`` (ZeRO, 1: flat gradient buckets alive at once), ``no_sync`` (accumulate locally;
 True except for ZeRO-3). Checkpoints: ``checkpoint_dir``, ``checkpoint_every``, ``keep_last``,
 ``resume`` (True: the latest; or a step), and fault injection ``fail_at_step``/``fail_rank``/``fail_in``
-(see `distlab.checkpoint.training`). The steps themselves run in `distlab.strategies.loop`, whose own
+(see `distlab.strategies.checkpointing`). The steps themselves run in `distlab.strategies.loop`, whose own
 options apply here too: ``memory_limit``, and the numerics of `distlab.strategies.numerics` (fp16 loss
 scaling: ``loss_scale``, ``growth_interval``; ``skip_nonfinite``; ``spike_factor``; ``nan_at_step``).
 """

@@ -17,29 +17,28 @@ optimizer steps, how gradients are clipped, what a checkpoint holds); `run` driv
 Losses: ``plan.forward`` returns the loss this rank backpropagates, already scaled so that the
 gradients summed over micro-steps (and averaged over data-parallel replicas) are those of the global
 batch's mean loss; ``plan.loss_share`` turns it into this rank's share of the step's reported loss.
-Instrumentation lives here, not in the strategies: the "step" mark, spans, memory-ledger samples
-(when ``plan.memory`` is given; with ``memory_limit`` the ledger raises the moment the budget is
-crossed), the bytes sent during the steps, the gradient norm of every step, and ``dl.progress``.
+Instrumentation lives here, not in the strategies, and in one object: a `StepObserver` (`observer`)
+wraps the forward, the backward and the optimizer step (the "step" mark, spans, memory-ledger samples when
+``plan.memory`` is given; with ``memory_limit`` the ledger raises the moment the budget is crossed). The
+loop itself adds the bytes sent during the steps, the gradient norm of every step, and ``dl.progress``.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import training as checkpointing
 from ..checkpoint.state import RankState
-from ..memory import Ledger, parse_bytes
 from ..parallel import collectives as C
 from ..progress import progress
-from ..runtime import device, group_size, rank, tracer
-from . import numerics
+from ..runtime import device, group_size, rank
+from . import checkpointing, numerics
 from .base import TrainSpec
+from .observer import StepObserver
 
 @dataclass
 class Plan:
@@ -87,101 +86,70 @@ def run(spec: TrainSpec, plan: Plan) -> Trained:
     # the checkpoint side holds checkpoint_dir for the run; leaving `with`, however the run ends, frees it
     with checkpointing.for_spec(spec, guard.checkpointed(plan.state)) as ckpt:
         start, losses = ckpt.resume()
-        tr, ledger = tracer(), _ledger(spec, plan)
-        t_start = tr.now()
+        observe = StepObserver(spec, plan)                # spans, marks, memory samples
         for step in range(start, spec.steps):
             ckpt.before_step(step)                        # fault injection (fail_at_step)
-            tr.mark("step", step=step, cpu=time.process_time())   # CPU seconds this rank has run so far
-            share = _micro_steps(spec, plan, step, ledger, guard)
+            observe.step(step)
+            share = _micro_steps(spec, plan, step, observe, guard)
             losses.append(0.0 if share is None else share)
-            _sample(ledger, "backward", plan)
-            _optimizer_step(spec, plan, step, ledger, guard)
+            _optimizer_step(spec, plan, step, observe, guard)
             ckpt.after_step(step + 1, losses)
             shown = {} if share is None or not plan.loss_share else {"loss": share / plan.loss_share}
             progress(step + 1, spec.steps, **shown)       # this rank's loss on its part of the batch
-        t_end = tr.now()
-        events = [e for e in tr.events() if e.kind == "comm" and t_start <= e.start <= t_end]
+        events = observe.comm_events()
         info = {"comm": comm_totals(events, max(1, spec.steps - start)), **ckpt.summary(start),
                 "numerics": guard.summary()}
-    if ledger is not None:
-        info["memory"] = ledger.as_dict()
-    return Trained(losses, start, events, info)
+    return Trained(losses, start, events, {**info, **observe.memory()})
 
 
-def _ledger(spec: TrainSpec, plan: Plan) -> Ledger | None:
-    """The memory ledger when the strategy measures memory; with ``memory_limit`` (bytes or "64MB") it
-    raises `distlab.memory.MemoryLimitExceeded` the moment the bytes held cross the budget."""
-    limit = spec.memory.memory_limit
-    if plan.memory is None:
-        if limit is not None:
-            raise ValueError(f"memory_limit: strategy {spec.strategy!r} does not measure its memory")
-        return None
-    return Ledger(limit=None if limit is None else parse_bytes(limit), measure=plan.memory)
-
-
-def _micro_steps(spec: TrainSpec, plan: Plan, step: int, ledger: Ledger | None,
+def _micro_steps(spec: TrainSpec, plan: Plan, step: int, observe: StepObserver,
                  guard: numerics.StepGuard) -> float | None:
     """Forward and backward of every micro-step of ``step``; returns this rank's share of its loss
     (None on a rank that holds no loss)."""
-    tr, total, nothing, held = tracer(), 0.0, contextlib.nullcontext, False
+    total, held = 0.0, False
     for micro in range(spec.grad_accum):
-        last = micro == spec.grad_accum - 1
-        local = plan.no_sync() if (plan.no_sync is not None and not last) else nothing()
-        span = tr.span("forward", step=step, micro=micro) if plan.backward else nothing()
-        activations = ledger.activations() if ledger is not None else nothing()
-        with local:                                       # all but the last: accumulate without talking
-            with span, activations, _phase(ledger, "forward", step):
+        with _accumulating(plan, last=micro == spec.grad_accum - 1):   # all but the last: without talking
+            with observe.forward(step, micro):
                 loss = plan.forward(step, micro)
-            _sample(ledger, "forward", plan)
             if loss is not None and plan.backward:
-                scaled = guard.loss_to_backward(loss)          # fp16: S * loss
-                with tr.span("backward", step=step, micro=micro), _phase(ledger, "backward", step, scaled):
+                scaled = guard.loss_to_backward(loss)     # fp16: S * loss
+                with observe.backward(step, micro, scaled):
                     scaled.backward()
-                _sample_rebuilt(ledger, plan)
         if loss is not None:
             total, held = total + loss.item() * plan.loss_share, True
+    observe.gradients_ready()
     return total if held else None
 
 
-def _optimizer_step(spec: TrainSpec, plan: Plan, step: int, ledger: Ledger | None,
+def _optimizer_step(spec: TrainSpec, plan: Plan, step: int, observe: StepObserver,
                     guard: numerics.StepGuard) -> None:
-    """Finish the gradients, unscale and check them (a step with an inf/NaN on any rank is skipped on
-    every rank), clip them, step, sample memory, and zero them for the next step."""
-    tr = tracer()
-    with tr.span("optimizer", step=step):
+    """Finish the gradients, check and clip them, step (or skip the step on every rank), zero them."""
+    with observe.optimizer(step):
         if plan.sync_grads is not None:
-            with tr.span("grad sync", step=step):
+            with observe.grad_sync(step):
                 plan.sync_grads()
-        skip = guard.checks and guard.skip(step, plan.grads(), device())
-        norm = None
-        if not skip and (spec.clip is not None or guard.checks):
-            with C.scope(phase="step", operator="grad_norm"):     # checked runs: the norm, unclipped
-                norm = plan.clip(spec.clip if spec.clip is not None else math.inf)
-        guard.record(step, norm)
-        if skip:
-            tr.mark("skipped step", step=step)                # an inf/NaN gradient on some rank
-        else:
+        if _checked_and_clipped(spec, plan, step, guard):
             plan.optimizer.step()
-    _sample(ledger, "step", plan)
+        else:
+            observe.skipped(step)
     plan.optimizer.zero_grad()
 
 
-def _phase(ledger: Ledger | None, phase: str, step: int, root=None):
-    """Tell the ledger which phase runs (its memory-limit error names it)."""
-    return ledger.phase(phase, step, root) if ledger is not None else contextlib.nullcontext()
+def _accumulating(plan: Plan, last: bool):
+    """``plan.no_sync()`` for every micro-step but the last: its backward accumulates locally."""
+    return plan.no_sync() if (plan.no_sync is not None and not last) else contextlib.nullcontext()
 
 
-def _sample(ledger: Ledger | None, label: str, plan: Plan) -> None:
-    if ledger is not None:
-        ledger.sample(label, **plan.memory())
-
-
-def _sample_rebuilt(ledger: Ledger | None, plan: Plan) -> None:
-    """recompute=True: a "recompute" sample with the most activations held while backward rebuilt a block,
-    beside the model states as after backward (all gradients there: an upper bound for that moment)."""
-    rebuilt = ledger.saved.take_rebuilt() if ledger is not None else 0
-    if rebuilt:
-        ledger.sample("recompute", **{**plan.memory(), "activations": rebuilt})
+def _checked_and_clipped(spec: TrainSpec, plan: Plan, step: int, guard: numerics.StepGuard) -> bool:
+    """Unscale the gradients (fp16) and check them: an inf/NaN on any rank skips the step on every rank
+    (returns False); else clip them to the whole model's norm and record it (returns True)."""
+    skip = guard.checks and guard.skip(step, plan.grads(), device())
+    norm = None
+    if not skip and (spec.clip is not None or guard.checks):
+        with C.scope(phase="step", operator="grad_norm"):     # checked runs: the norm, unclipped
+            norm = plan.clip(spec.clip if spec.clip is not None else math.inf)
+    guard.record(step, norm)
+    return not skip
 
 
 def comm_totals(events, steps: int) -> dict:

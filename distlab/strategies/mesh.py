@@ -17,12 +17,12 @@ T ranks of its TP group see the same microbatch and run the Megatron f/g collect
 stage computes the vocabulary-parallel cross-entropy on logits split by vocabulary. The pipeline
 accumulates gradients over microbatches, so the dp all-reduce runs once per step, not once per
 microbatch: the micro-steps run under ``DDP.no_sync()``, except the last microbatch's backward on
-each rank, which runs under ``DDP.start_grad_sync()``: each bucket's all-reduce starts as soon as
-that backward has filled it, while the input gradient already travels upstream, and
-``DDP.finish_grad_sync()`` waits for them after the flush (Megatron's ``overlap_grad_reduce`` and
-``finalize_model_grads``). Where one B pass does not finish every gradient of the rank
-(interleaved chunks, zero bubble's I/W split), ``finish_grad_sync`` all-reduces every bucket after
-the flush instead.
+each rank, which runs under ``ReplicaGradSync.last_backward()`` (`distlab.parallel.pipeline.grad_sync`):
+each bucket's all-reduce starts as soon as that backward has filled it, while the input gradient already
+travels upstream, and ``ReplicaGradSync.finish()`` waits for them after the flush (Megatron's
+``overlap_grad_reduce`` and ``finalize_model_grads``). Where one B pass does not finish every gradient of
+the rank (interleaved chunks, zero bubble's I/W split), ``finish`` all-reduces every bucket after the
+flush instead.
 
 Exactness on the same global batch as ``single``: replica d's loss is scaled by D n_d / (B k)
 (n_d its rows, B the global batch, k = grad_accum), so averaging over D replicas and summing over
@@ -54,6 +54,7 @@ from ..parallel import tensor as tp_lib
 from ..parallel.clip import clip_grad_norm_, sum_over
 from ..parallel.mesh import AXES, Mesh
 from ..parallel.pipeline.executor import Pipeline
+from ..parallel.pipeline.grad_sync import ReplicaGradSync
 from ..parallel.pipeline.measure import ActionTrace
 from .base import (
     RankResult,
@@ -189,16 +190,17 @@ def _criterion(spec: TrainSpec, model, mesh: Mesh, rows):
 def _plan(spec: TrainSpec, mesh: Mesh, rows, par: Parallel, pipe, optimizer) -> Plan:
     """The loop's plan: each micro-step one pipeline step on this replica's rows, every backward under
     ``DDP.no_sync()`` but the last B of the last micro-step, which starts the dp all-reduces
-    (``start_grad_sync``) when one B pass finishes every gradient of this rank (one module, no split
-    I/W); otherwise they all run after the flush, in ``finish_grad_sync``."""
+    (`ReplicaGradSync.last_backward`) when one B pass finishes every gradient of this rank (one module, no
+    split I/W); otherwise they all run after the flush, in `ReplicaGradSync.finish`."""
     kinds, ddp, modules, zero = {a.kind for a in pipe.actions}, par.ddp, par.stages, spec.layout.zero
     overlap = ddp is not None and len(modules) == 1 and "B" in kinds and "W" not in kinds
     mine = rows[mesh.dp_rank]
+    sync = ReplicaGradSync(ddp) if ddp is not None else None
 
     def forward(step: int, micro: int) -> torch.Tensor | None:
         x, y = global_batch(spec, step, micro)
         xs, ys = x[mine], y[mine]                        # (B/D, s): this replica's rows
-        last = ddp.start_grad_sync() if overlap and micro == spec.grad_accum - 1 else None
+        last = sync.last_backward() if overlap and micro == spec.grad_accum - 1 else None
         with ddp.no_sync() if ddp is not None else contextlib.nullcontext(), autocast(spec):
             return pipe.step(xs if pipe.first else None, ys if pipe.last else None, last_backward=last)
 
@@ -223,7 +225,7 @@ def _plan(spec: TrainSpec, mesh: Mesh, rows, par: Parallel, pipe, optimizer) -> 
                                  keeps_history=pipe.last and mesh.dp_rank == 0, replica_group=mesh.dp_group,
                                  layout=layout)
     return Plan(forward, optimizer, state, backward=False, loss_share=1 / mesh.dp, clip=clip,
-                sync_grads=ddp.finish_grad_sync if ddp is not None else None)
+                sync_grads=sync.finish if sync is not None else None)
 
 
 def _full_tensors(modules, mesh: Mesh) -> dict[str, torch.Tensor]:

@@ -86,7 +86,7 @@ def agree_nonfinite(found: bool, device) -> bool:
     a step together or none does."""
     flag = torch.tensor([1.0 if found else 0.0], device=device)      # (1,)
     with C.scope(phase="step", operator="nonfinite"):
-        C.all_reduce(flag, op="max")
+        C.all_reduce_max(flag)
     return bool(flag.item() > 0)
 
 

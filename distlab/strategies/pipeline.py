@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..checkpoint.state import model_parallel_state
 from ..memory import PipelineStash, pipeline_memory
 from ..parallel.clip import clip_grad_norm_
-from ..parallel.expert import ride_balance_losses
+from ..parallel.pipeline.aux_loss import ride_balance_losses
 from ..parallel.pipeline.executor import Pipeline
 from ..parallel.pipeline.measure import ActionTrace
 from ..parallel.pipeline.split import stage_module
@@ -63,7 +63,7 @@ def check(spec: TrainSpec, p: int) -> tuple[int, int]:
 def balance_losses(spec: TrainSpec, model, modules):
     """For a mixture-of-experts GPT: each MoE layer of this rank's stages adds its balance loss, times
     ``aux_coef`` and its microbatch's share of the batch, to the backward of its output
-    (`dl.ep.ride_balance_losses`), as single adds it to the loss. Returns the function that adds every
+    (`dl.pp.ride_balance_losses`), as single adds it to the loss. Returns the function that adds every
     stage's terms of one micro-step to the loss the last stage reports (an untraced sum: metrics only)."""
     if not getattr(getattr(model, "cfg", None), "experts", 0):
         return lambda loss: loss

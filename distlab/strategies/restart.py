@@ -37,8 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..checkpoint import store
-from ..checkpoint import training as checkpointing
+from ..checkpoint.directory import newest_verified
 from ..launch import LaunchError
+from . import faults
 
 FAULTS = ("fail_at_step", "fail_in", "fail_rank")
 
@@ -111,7 +112,7 @@ def run(spec, sizes: list[int], launch_once):
     try:
         return _attempts(spec, sizes, launch_once)
     finally:
-        checkpointing.clear_heartbeat(spec.checkpoint.checkpoint_dir)
+        faults.clear_heartbeat(spec.checkpoint.checkpoint_dir)
 
 
 def _attempts(spec, sizes: list[int], launch_once):
@@ -172,14 +173,14 @@ def _after_failure(err: LaunchError, spec, attempt: int, n: int, next_n: int, st
     """The `Restart` record of a failed attempt, and the ``resume`` option of the next one."""
     seen = time.time()
     directory = spec.checkpoint.checkpoint_dir
-    step, problem, _ = checkpointing.newest_verified(directory)
+    step, problem, _ = newest_verified(directory)
     if problem:
         raise store.CheckpointError(f"cannot restart after attempt {attempt} failed: {problem}") from err
     mtime = _commit_time(directory, step) if step is not None else None
     # a checkpoint older than this run is another run's, unless this run was asked to resume from it
     ours = step is not None and (mtime >= first_start or spec.checkpoint.resume not in (None, False))
     resumed = step if ours else 0
-    beat = checkpointing.heartbeat(directory)
+    beat = faults.heartbeat(directory)
     reached = beat["step"] if beat is not None and beat["time"] >= started else None
     since = max(started, mtime) if ours else started
     lost = reached - resumed if reached is not None else None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import difflib
 
 from . import restart
-from ..checkpoint.training import check_options as check_checkpoints
+from ..checkpoint.directory import check_options as check_checkpoints
 from ..rules import Whole
 from .spec import TrainSpec
 

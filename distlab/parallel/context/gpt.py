@@ -35,6 +35,7 @@ import torch.nn as nn
 
 from ...models import GPT
 from ..tensor import ParallelAttention, TensorParallelGPT
+from ..mesh import as_group
 from ..tensor.layers import shared_input
 from ...runtime import group_size
 from .layout import split
@@ -57,8 +58,8 @@ class ContextParallelAttention(nn.Module):
             raise ValueError("tp_group is for tensor-parallel q, k, v: pass tensor_parallel=True with it "
                              "(or build from the attention module: ContextParallelAttention.from_module)")
         self.q, self.k, self.v, self.proj, self.head_dim = q, k, v, proj, head_dim
-        self.core, self.group, self.zigzag = ATTENTIONS[attention], group, zigzag
-        self.tensor_parallel, self.tp_group = tensor_parallel, tp_group          # cp x tp: my heads
+        self.core, self.group, self.zigzag = ATTENTIONS[attention], as_group(group), zigzag
+        self.tensor_parallel, self.tp_group = tensor_parallel, as_group(tp_group)          # cp x tp: my heads
 
     @classmethod
     def from_module(cls, attn: nn.Module, **kw) -> "ContextParallelAttention":
@@ -82,6 +83,7 @@ class ContextParallelGPT(GPT):
 
     def __init__(self, gpt: GPT, attention: str = "ring", group=None, zigzag: bool = True):
         nn.Module.__init__(self)               # not GPT.__init__: that would build new layers
+        group = as_group(group)                # a 1-D mesh (mesh["cp"]): its process group
         self.cfg, self.group, self.zigzag = gpt.cfg, group, zigzag
         n = group_size(group)
         if attention == "ulysses" and gpt.cfg.heads % n:
@@ -118,6 +120,7 @@ class ContextTensorParallelGPT(TensorParallelGPT):
         if gpt.sequence_parallel:
             raise ValueError("sequence parallelism splits the sequence over tp, context parallelism over cp: "
                              "use one of them (drop sequence_parallel, or cp)")
+        group = as_group(group)                # a 1-D mesh (mesh["cp"]): its process group
         local_heads, n = gpt.cfg.heads // group_size(gpt.group), group_size(group)
         if attention == "ulysses" and local_heads % n:
             raise ValueError(f"Ulysses splits each tp rank's {local_heads} heads over cp={n} ranks: choose a "

@@ -22,6 +22,7 @@ import torch
 
 from ...runtime import group_rank, group_size
 from .. import collectives
+from ..mesh import as_group
 
 
 def chunk_ids(rank: int, n: int, zigzag: bool) -> list[int]:
@@ -44,6 +45,7 @@ def split(x: torch.Tensor, dim: int = 2, group=None, zigzag: bool = True) -> tor
 
     A view-and-copy, no communication; differentiable. ``x``: e.g. (batch, heads, seq, head_dim).
     """
+    group = as_group(group)                              # a 1-D mesh (mesh["cp"]): its process group
     n, r = group_size(group), group_rank(group)
     check_length(x.shape[dim], n, zigzag)
     chunks = x.chunk(2 * n if zigzag else n, dim)
@@ -55,6 +57,7 @@ def unsplit(local: torch.Tensor, dim: int = 2, group=None, zigzag: bool = True) 
 
     The inverse of `split` (every rank gets the whole); for results and checks: no gradient flows back.
     """
+    group = as_group(group)                              # a 1-D mesh (mesh["cp"]): its process group
     n = group_size(group)
     dim = dim % local.dim()
     check_length(local.shape[dim] * n, n, zigzag, what="gathered sequence length")

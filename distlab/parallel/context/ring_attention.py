@@ -57,6 +57,7 @@ import torch
 
 from ...comm import ring_shift, start_ring_shift
 from ...runtime import group_rank, group_size
+from ..mesh import as_group
 from .layout import check_length, chunk_ids
 
 FULL, DIAGONAL = "full", "diagonal"
@@ -71,6 +72,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     1/sqrt(head_dim) by default. Differentiable in q, k and v.
     """
     check_qkv(q, k, v)
+    group = as_group(group)                              # a 1-D mesh (mesh["cp"]): its process group
     n = group_size(group)
     check_length(q.shape[2] * n, n, zigzag, what=f"sequence length (local {q.shape[2]} x cp {n})")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)

@@ -17,7 +17,7 @@ backward, whatever n: the volume per rank stays constant as n and s grow togethe
 attention moves all of K and V past every rank. The catch: n must divide the number of heads.
 
 The all-to-all is its own inverse (block i of rank j goes to rank i, and back), so its backward
-is the same all-to-all on the gradient (`AllToAll`).
+is the same all-to-all on the gradient (`SequenceHeadSwap`).
 """
 from __future__ import annotations
 
@@ -26,12 +26,14 @@ import torch.nn.functional as F
 
 from ...comm import all_to_all
 from ...runtime import group_size
+from ..mesh import as_group
 from .layout import check_length, to_rank_order, to_sequence_order
 from .ring_attention import check_qkv
 
 
-class AllToAll(torch.autograd.Function):
-    """Equal-block all-to-all along dim 0 (`dl.comm.all_to_all`); its backward is the same all-to-all."""
+class SequenceHeadSwap(torch.autograd.Function):
+    """Swap which axis is split, sequence <-> heads: an equal-block all-to-all along dim 0 (block i to
+    rank i, `dl.comm.all_to_all`). Its own inverse, so its backward is the same all-to-all."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -51,6 +53,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     zigzag=zigzag)``; heads must divide by the group size. Returns this rank's rows, same layout.
     """
     check_qkv(q, k, v)
+    group = as_group(group)                              # a 1-D mesh (mesh["cp"]): its process group
     n = group_size(group)
     b, h, s_local, d = q.shape
     if h % n:
@@ -58,10 +61,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
                          f"group size (use cp = a divisor of {h}, or ring_attention: it has no such limit)")
     check_length(s_local * n, n, zigzag, what=f"sequence length (local {s_local} x cp {n})")
     qkv = torch.stack([q, k, v]).unflatten(2, (n, h // n)).movedim(2, 0)   # (n, 3, B, H/n, s/n, D)
-    qkv = AllToAll.apply(qkv, group)                       # block j: rank j's sequence part, my heads
+    qkv = SequenceHeadSwap.apply(qkv, group)                       # block j: rank j's sequence part, my heads
     qkv = qkv.movedim(0, 3).flatten(3, 4)                  # (3, B, H/n, s, D), rank order
     q_, k_, v_ = to_sequence_order(qkv, n, zigzag, dim=3).unbind(0)
     o = F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, scale=scale)   # (B, H/n, s, D)
     o = to_rank_order(o, n, zigzag, dim=2).unflatten(2, (n, s_local)).movedim(2, 0)   # (n, B, H/n, s/n, D)
-    o = AllToAll.apply(o, group)                           # block i: my sequence part, head group i
+    o = SequenceHeadSwap.apply(o, group)                           # block i: my sequence part, head group i
     return o.movedim(0, 1).flatten(1, 2)                   # (B, H, s/n, D)

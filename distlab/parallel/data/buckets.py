@@ -21,7 +21,7 @@ import math
 import torch
 import torch.nn as nn
 
-from ..collectives import all_reduce
+from ..collectives import all_reduce_sum
 
 
 def trainable(params) -> list[nn.Parameter]:
@@ -64,7 +64,7 @@ def grad_summer(params: list[torch.Tensor], bucket_mb: float = 25.0, group=None)
     def sum_grads() -> None:
         for bucket in buckets:
             grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in bucket]
-            flat = all_reduce(torch.cat([g.flatten() for g in grads]), group)      # (sum of numel,)
+            flat = all_reduce_sum(torch.cat([g.flatten() for g in grads]), group)      # (sum of numel,)
             for p, g in zip(bucket, flat.split([p.numel() for p in bucket])):
                 p.grad = g.view_as(p)
     return sum_grads

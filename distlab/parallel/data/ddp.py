@@ -139,7 +139,6 @@ class DDP(nn.Module):
         self._index = {id(p): i for ps in groups for i, p in enumerate(ps)}
         self._pending: list = []                   # handles of bucket all-reduces in flight
         self._sync = True
-        self._wait_in_finish = False               # inside start_grad_sync(): finish_grad_sync waits
         self.watcher = BackwardWatcher(groups, on_ready=self._bucket_ready, on_end=self._backward_done,
                                        on_grad=self._grad_ready)
 
@@ -163,14 +162,21 @@ class DDP(nn.Module):
             self._pending.append(self.comm.all_reduce(bucket.grad, op="avg", async_op=True))
 
     def _backward_done(self) -> None:
-        if not self._sync or self._wait_in_finish:
+        if not self._sync:
             return
         if not self.overlap:                          # everything after backward, one bucket at a time
             for bucket in self.buckets:
                 self.comm.all_reduce(bucket.grad, op="avg")
-        self._wait_pending()
+        self.wait_grad_sync()
 
-    def _wait_pending(self) -> None:
+    @property
+    def in_flight(self) -> int:
+        """Bucket all-reduces started and not yet waited for."""
+        return len(self._pending)
+
+    def wait_grad_sync(self) -> None:
+        """Wait for the bucket all-reduces in flight (what every backward does as it ends, in
+        ``watcher.on_end``); parameters unused in the step then hold the average too."""
         for handle in self._pending:
             handle.wait()
         self._pending = []
@@ -179,37 +185,10 @@ class DDP(nn.Module):
                 if p.grad is None:
                     p.grad = bucket.views[i]
 
-    # -- for callers that drive backward themselves (a pipeline over DDP replicas) ----------------
-    @contextlib.contextmanager
-    def start_grad_sync(self):
-        """The backward inside (even under ``no_sync()``) starts each bucket's all-reduce the moment the
-        bucket is full and returns without waiting; `finish_grad_sync` waits. For a pipeline's last
-        microbatch: its input gradient goes upstream at once while the replicas' all-reduces run
-        (Megatron's ``overlap_grad_reduce``, torch.distributed.pipelining's last-backward sync)."""
-        sync, self._sync, self._wait_in_finish = self._sync, True, True
-        try:
-            yield
-        finally:
-            self._sync = sync
-
-    @property
-    def in_flight(self) -> int:
-        """Bucket all-reduces started and not yet waited for (after a `start_grad_sync` backward)."""
-        return len(self._pending)
-
     def finish_grad_sync(self) -> None:
-        """All-reduce (average) every bucket now (Megatron's ``finish_grad_sync``).
-
-        For callers whose micro-steps all ran under ``no_sync()``: gradients assigned outside
-        autograd's accumulation (a zero-bubble W pass sets ``p.grad`` directly) are first copied into
-        their bucket, so every one takes part. After a `start_grad_sync` backward it only waits for
-        the all-reduces that backward started.
-        """
-        if self._wait_in_finish:
-            self._wait_in_finish = False
-            if self.overlap:
-                self._wait_pending()
-                return
+        """All-reduce (average) every bucket now (Megatron's ``finish_grad_sync``), for callers whose
+        micro-steps all ran under ``no_sync()``. Gradients assigned outside autograd's accumulation (code
+        that sets ``p.grad`` directly) are first copied into their bucket, so every one takes part."""
         for bucket in self.buckets:
             for i in range(len(bucket.params)):
                 bucket.absorb(i)

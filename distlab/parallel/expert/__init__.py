@@ -7,7 +7,6 @@ capacity and which tokens are dropped, the load-balancing loss, the experts). Th
                  by all-to-all, and back (combine)
     moe.py       `MoE`: that layer with this rank's block of experts (or all of them, ``replicate=True``)
                  and the two all-to-alls; `parallelize` a model's MoE layers
-    aux_loss.py  `ride_balance_losses`: a pipeline stage carries its layers' balance losses into backward
 
     layer = dl.ep.MoE(hidden=64, ffn=128, experts=8, top_k=2, capacity_factor=1.25, group=None)
     y = layer(x)                      # x (..., hidden): this rank's tokens; layer.balance_loss after it
@@ -15,10 +14,8 @@ capacity and which tokens are dropped, the load-balancing loss, the experts). Th
 ``group=dl.ep.LOCAL`` keeps every expert in this process (the single-process reference).
 """
 from ...models.moe import Experts, Router, capacity, load_balancing_loss
-from .aux_loss import AuxLoss, ride_balance_losses
-from .dispatch import LOCAL, AllToAll, Dispatch
+from .dispatch import LOCAL, Dispatch, RowExchange
 from .moe import ExpertShard, MoE, expert_params, full_state_dict, parallelize, split
 
-__all__ = ["LOCAL", "AllToAll", "Dispatch", "MoE", "Experts", "ExpertShard", "expert_params",
-           "full_state_dict", "parallelize", "split", "Router", "capacity", "load_balancing_loss", "AuxLoss",
-           "ride_balance_losses"]
+__all__ = ["LOCAL", "RowExchange", "Dispatch", "MoE", "Experts", "ExpertShard", "expert_params",
+           "full_state_dict", "parallelize", "split", "Router", "capacity", "load_balancing_loss"]

@@ -18,7 +18,7 @@ Each rank holds a contiguous part of the batch (rows of the global batch in rank
 3. `combine`: the expert outputs come back in the order they left (all-to-all), then `moe.combine`
    weights and sums them per token, as in one process.
 
-The all-to-all is an autograd function (`AllToAll`): its backward is the reverse all-to-all of the
+The all-to-all is an autograd function (`RowExchange`): its backward is the reverse all-to-all of the
 gradients. With a group of one rank (or ``group=LOCAL``) nothing is sent and the plan is
 `models.moe.plan`'s: the single-process layer every expert-parallel run is tested against.
 """
@@ -41,16 +41,19 @@ class _Local:
 LOCAL = _Local()
 
 
-def size(group) -> int:
+def group_size(group) -> int:
+    """Ranks in ``group`` (`runtime.group_size`), where ``LOCAL`` is a group of one."""
     return 1 if group is LOCAL else C.group_size(group)
 
 
-def rank(group) -> int:
+def group_rank(group) -> int:
+    """This rank's index in ``group`` (`runtime.group_rank`), 0 in ``LOCAL``."""
     return 0 if group is LOCAL else C.group_rank(group)
 
 
-class AllToAll(torch.autograd.Function):
-    """Forward: rows ``send[i]`` to rank i, ``recv[i]`` from rank i. Backward: the same exchange reversed."""
+class RowExchange(torch.autograd.Function):
+    """Uneven all-to-all of rows (tokens to their experts' ranks, and back). Forward: rows ``send[i]`` to
+    rank i, ``recv[i]`` from rank i. Backward: the same exchange reversed."""
 
     @staticmethod
     def forward(ctx, x, send: list[int], recv: list[int], group):
@@ -88,13 +91,14 @@ def plan(expert: torch.Tensor, experts: int, capacity_factor: float, group=None,
     parallelism, ``3d:dp=D,ep=E``; ``group`` must be a run of consecutive ranks of it). The counts are
     all-gathered over it, so the capacity, the dropped tokens and the balance statistics are those of
     the whole batch, as in one process, while tokens still travel inside ``group`` only."""
-    n, me = size(group), rank(group)
+    n, me = group_size(group), group_rank(group)
     parts = group if batch_group is None else batch_group
-    mine_at = rank(parts)                                                   # my part of the batch
+    mine_at = group_rank(parts)                                             # my part of the batch
     first = mine_at - me                                                    # the part of group rank 0
     top_k, per_rank = expert.shape[1], experts // (1 if replicated else n)
     mine = moe.counts(expert, experts)                                      # (k, E)
-    every = mine[None] if size(parts) == 1 else C.all_gather(mine[None].contiguous(), 0, parts)  # (P, k, E)
+    every = mine[None] if group_size(parts) == 1 else C.all_gather(mine[None].contiguous(), 0, parts)
+    # every: (P, k, E), the counts of every part of the batch
     tokens = int(every[:, 0].sum())
     cap = moe.capacity(tokens, experts, top_k, capacity_factor)
     kept_pairs = moe.slots(expert, experts, moe.offsets(every)[mine_at]) < cap      # (T, k)
@@ -117,11 +121,11 @@ def dispatch(x: torch.Tensor, d: Dispatch, group=None) -> torch.Tensor:
     """x (T, h) -> the rows this rank's experts compute (R_recv, h), received in rank order."""
     top_k = d.kept.shape[1]
     rows = x[d.order // top_k]                                       # (R_send, h) sorted by expert
-    return rows if len(d.send) == 1 else AllToAll.apply(rows, d.send, d.recv, group)
+    return rows if len(d.send) == 1 else RowExchange.apply(rows, d.send, d.recv, group)
 
 
 def combine(y: torch.Tensor, d: Dispatch, weight: torch.Tensor, group=None) -> torch.Tensor:
     """Expert outputs y (R_recv, h) -> (T, h): sent back (the reverse all-to-all), then weighted by the
     gate and summed per token (`models.moe.combine`)."""
-    back = y if len(d.send) == 1 else AllToAll.apply(y, d.recv, d.send, group)   # (R_send, h)
+    back = y if len(d.send) == 1 else RowExchange.apply(y, d.recv, d.send, group)   # (R_send, h)
     return moe.combine(back, d, weight)

@@ -27,6 +27,8 @@ import torch.nn as nn
 from ...models import moe
 from ...runtime import group_members
 from .. import collectives as C
+from ..clip import mark_cut
+from ..mesh import as_group
 from . import dispatch as D
 
 
@@ -41,6 +43,7 @@ class ExpertShard(moe.Experts):
             self.register_parameter(name, nn.Parameter(p.detach()[first:first + count].clone()))
         self.shard_dims = dict.fromkeys(("w1", "b1", "w2", "b2"), 0)
         self.group = group
+        mark_cut(self, group)                             # for dl.clip_grad_norm_ on bare parameters
 
 
 class MoE(moe.MoE):
@@ -58,7 +61,8 @@ class MoE(moe.MoE):
 
     def __init__(self, hidden: int, ffn: int, experts: int, top_k: int = 2, capacity_factor: float = 1.25,
                  group=None, replicate: bool = False, batch_group=None):
-        n = 1 if replicate else D.size(group)
+        group, batch_group = as_group(group), as_group(batch_group)   # a 1-D mesh (mesh["ep"]): its group
+        n = 1 if replicate else D.group_size(group)
         if experts % n:
             raise ValueError(f"experts={experts} cannot be split over {n} ranks: choose a number of experts "
                              f"divisible by the expert-parallel group size {n} (or a group of a divisor)")
@@ -68,7 +72,7 @@ class MoE(moe.MoE):
         self.group, self.replicate = group, replicate
         self.batch_group = batch_group           # the ranks the batch is split over (None: ``group``)
         if not replicate and group is not D.LOCAL:                     # keep this rank's block
-            self.local = ExpertShard(self.local, D.rank(group) * (experts // n), experts // n, group)
+            self.local = ExpertShard(self.local, D.group_rank(group) * (experts // n), experts // n, group)
 
     def route(self, x: torch.Tensor):
         """x (T, h) -> (probs (T, E), weight (T, k), `dispatch.Dispatch`): who goes where, who is dropped."""
@@ -99,7 +103,7 @@ def split(layer: moe.MoE, group=None, replicate: bool = False, batch_group=None)
     new = MoE(layer.router.gate.in_features, layer.local.w1.shape[2], layer.experts, layer.top_k,
               layer.capacity_factor, group, replicate, batch_group)
     count = new.local.w1.shape[0]
-    first = 0 if replicate else D.rank(group) * count
+    first = 0 if replicate else D.group_rank(new.group) * count
     with torch.no_grad():
         new.router.gate.weight.copy_(layer.router.gate.weight)
         for name, param in new.local.named_parameters():

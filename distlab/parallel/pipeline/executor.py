@@ -34,10 +34,12 @@ import torch
 import torch.nn.functional as F
 
 from ...runtime import device, group_rank, group_size
-from ..weight_grads import WeightGradStore, accumulate_grads
+from ..clip import Mark
+from ..mesh import as_group
+from .named import tensor_of
 from .p2p import Incoming, Links
 from .schedule import Action, schedule as make_schedule
-from .zero_bubble import WeightUses
+from .zero_bubble import WeightUses, accumulate_grads, postpone_weight_work, run_postponed
 
 
 def default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -55,7 +57,7 @@ class Stash:
     output: torch.Tensor                       # stage output; on the last stage, the scaled loss
     uses: WeightUses | None = None             # zero bubble: every use of a weight in this forward
     grads: list = field(default_factory=list)  # zero bubble: d y_k for every use, kept by I for W
-    deferred: WeightGradStore | None = None    # zero bubble: weight gradients custom Functions left for W
+    deferred: list = field(default_factory=list)  # zero bubble: dW work custom Functions left for W
 
 
 class Observer:
@@ -75,16 +77,19 @@ class Pipeline:
     lists: this rank's modules and their stage ids, which must be ``r, r + p, r + 2p, ...``
     (``num_stages = p * v``). ``schedule`` is a name from `distlab.parallel.pipeline.schedule` or the
     per-rank action lists themselves. ``group`` is the pipeline's process group (default: every rank).
-    ``observers``: see `Observer`; append to ``pipe.observers`` to attach one later.
+    ``observers``: see `Observer`; append to ``pipe.observers`` to attach one later. ``output``: which
+    tensor flows on when a stage returns a ``ModelOutput``, tuple or dict (`named.tensor_of`: a key or
+    index; by default ``last_hidden_state``, ``logits`` or the first tensor).
     """
 
     def __init__(self, stage_module, stage_id, num_stages: int, schedule="1f1b", microbatches: int = 8,
-                 loss_fn=None, group=None, static_shapes: bool = True, observers=()):
+                 loss_fn=None, group=None, static_shapes: bool = True, observers=(), output=None):
         modules = list(stage_module) if isinstance(stage_module, (list, tuple)) else [stage_module]
         ids = list(stage_id) if isinstance(stage_id, (list, tuple)) else [stage_id]
         if len(modules) != len(ids):
             raise ValueError(f"got {len(modules)} stage modules but {len(ids)} stage ids: "
                              "pass one id per module")
+        group = as_group(group)                       # a 1-D mesh (mesh["pp"]): its process group
         self.p, self.rank = group_size(group), group_rank(group)
         v = len(modules)
         if num_stages != self.p * v:
@@ -94,8 +99,10 @@ class Pipeline:
         if sorted(ids) != expected:
             raise ValueError(f"pipeline rank {self.rank} of {self.p} must hold stages {expected}, got {ids}")
         self.modules = dict(zip(ids, modules))
+        for param in (q for m in modules for q in m.parameters()) if self.p > 1 else ():
+            param._pipeline_of = Mark((group,))         # a stage's: dl.clip_grad_norm_ on bare parameters
         self.num_stages, self.microbatches = num_stages, microbatches
-        self.loss_fn = loss_fn or default_loss
+        self.loss_fn, self.output = loss_fn or default_loss, output
         if isinstance(schedule, str):
             self.schedule_name = schedule
             self.actions: list[Action] = make_schedule(schedule, self.p, microbatches, virtual=v)[self.rank]
@@ -128,7 +135,8 @@ class Pipeline:
         """Forward and backward every microbatch of one batch, in this rank's schedule order.
 
         ``last_backward``: a context manager entered around this rank's final B action (not I/W), e.g.
-        `DDP.start_grad_sync()`, so data parallelism starts its all-reduces during that backward.
+        `grad_sync.ReplicaGradSync.last_backward()`, so data parallelism starts its all-reduces during
+        that backward.
         """
         self._begin(x, target)
         final_b = max((i for i, a in enumerate(self.actions) if a.kind == "B"), default=None)
@@ -228,7 +236,7 @@ class Pipeline:
         uses = WeightUses(self.modules[s]) if self.split_backward else None
         stash = self.stash[(s, j)] = Stash(inp, None, uses)
         with uses or contextlib.nullcontext():
-            out = self.modules[s](inp)                   # (b, ...) -> (b, ...): microbatch j through stage s
+            out = tensor_of(self.modules[s](inp), self.output, f"stage {s}")   # microbatch j through stage s
             if s == self.num_stages - 1:
                 loss = self.loss_fn(out, self._targets[j])
                 self._losses[j] = loss.detach()
@@ -249,10 +257,10 @@ class Pipeline:
         eager = stash.uses.unseen_parameters(stash.output) if stash.output.requires_grad else []
         ys = [y for outputs, _ in stash.uses.deferred for y in outputs]
         targets = ([stash.input] if wants_input else []) + ys + eager
-        with WeightGradStore() as stash.deferred:
-            grads = (list(torch.autograd.grad(stash.output, targets, grad_out, retain_graph=bool(ys),
-                                              allow_unused=True))
-                     if targets and stash.output.requires_grad else [None] * len(targets))
+        stash.deferred = postpone_weight_work(stash.uses.postponing)    # fused custom Functions leave dW here
+        grads = (list(torch.autograd.grad(stash.output, targets, grad_out, retain_graph=bool(ys),
+                                          allow_unused=True))
+                 if targets and stash.output.requires_grad else [None] * len(targets))
         input_grad = grads.pop(0) if wants_input else None
         stash.grads = grads[:len(ys)]
         accumulate_grads(eager, grads[len(ys):], hooks=False)    # autograd ran their hooks in this walk
@@ -272,7 +280,7 @@ class Pipeline:
                                         allow_unused=True)
             for (p, _), g in zip(aliases, grads):
                 _add_grad(total, p, g)
-        for p, g in stash.deferred.run():                 # e.g. sequence parallelism's fused linears
+        for p, g in run_postponed(stash.deferred):        # e.g. sequence parallelism's fused linears
             _add_grad(total, p, g)
         accumulate_grads([p for p, _ in total.values()], [g for _, g in total.values()])
 

@@ -45,8 +45,8 @@ class ActionTrace(Observer):
         s, j = action.stage, action.microbatch
         with tracer().span(action.kind, stage=s, microbatch=j, step=pipe.steps):
             if action.kind == "W":
-                store = pipe.stash[(s, j)].deferred
-                count = sum(p is not None for params, _ in store.work for p in params)
+                work = pipe.stash[(s, j)].deferred
+                count = sum(p is not None for params, _ in work for p in params)
                 if count:
                     tracer().mark("deferred weight grads", stage=s, microbatch=j, count=count)
             yield

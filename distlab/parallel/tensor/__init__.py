@@ -9,10 +9,13 @@ Reading order:
     vocab.py     vocabulary-parallel embedding and cross-entropy
     gpt.py       parallelize(gpt): the whole model
     plan.py      parallelize(model, plan={...}): any model, module by module (torch's parallelize_module)
+    adapt.py     what a plan checks and fixes on a user's model: GPT-2's Conv1D (conv1d_to_linear),
+                 whole heads per rank, TP before fully_shard
 
 The layers carry no trace labels: `distlab.parallel.collectives` records every collective, and
 ``labels.label_modules(model)`` names the modules from outside.
 """
+from .adapt import conv1d_to_linear
 from .gpt import TensorParallelGPT, full_grads, full_state_dict, gather_logits, parallelize
 from .layers import ParallelAttention, ParallelMLP
 from .linear import (ColumnParallelLinear, GatheredLinears, RowParallelLinear, check_divisible,
@@ -28,4 +31,4 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
            "gather_from_sequence", "reduce_scatter_to_sequence", "gather_from_tensor", "split_to_tensor",
            "sequence_positions", "GatheredLinears", "sync_replicated_grad", "check_divisible",
            "GPT_PLAN", "STYLES", "Colwise", "Rowwise", "Embedding", "PackedColumnParallelLinear",
-           "parallelize_plan"]
+           "parallelize_plan", "conv1d_to_linear"]

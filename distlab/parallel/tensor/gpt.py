@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from ...models import GPT
 from .. import collectives as C
+from ..mesh import as_group
 from .layers import ParallelAttention, ParallelMLP
 from .linear import ColumnParallelLinear, check_divisible, sync_replicated_grad
 from .plan import parallelize_plan
@@ -41,6 +42,7 @@ class TensorParallelGPT(GPT):
 
     def __init__(self, gpt: GPT, group=None, sequence_parallel: bool = False):
         nn.Module.__init__(self)               # not GPT.__init__: that would build new full-size layers
+        group = as_group(group)                          # a 1-D mesh: its process group
         t = C.group_size(group)
         sp = sequence_parallel and t > 1
         self.cfg, self.group, self.sequence_parallel = gpt.cfg, group, sp
@@ -84,7 +86,8 @@ def parallelize(gpt: nn.Module, group=None, sequence_parallel: bool = False, *,
 
     ``plan={"blocks.*.mlp.fc": "colwise", ...}``: any model (your own ``nn.Module``), split module by
     module as the plan says (`plan.py`, like torch's ``parallelize_module``); returns the model itself,
-    changed in place."""
+    changed in place. ``group``: a process group, or a 1-D mesh (``mesh["tp"]``) standing for one."""
+    group = as_group(group)
     if plan is not None:
         if sequence_parallel:
             raise ValueError("sequence_parallel is offered for distlab's GPT only; drop it with plan=")
@@ -105,14 +108,14 @@ def parallelize(gpt: nn.Module, group=None, sequence_parallel: bool = False, *,
     return TensorParallelGPT(gpt, group, sequence_parallel)
 
 
-def _gather_full(model: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
+def _gather_full(model: nn.Module, grads: bool, local: dict | None = None) -> dict[str, torch.Tensor]:
     out = {}
     for mod_name, mod in model.named_modules():
         dims = getattr(mod, "shard_dims", {})
         group = getattr(mod, "group", None)
         for p_name, p in mod.named_parameters(recurse=False):
             name = f"{mod_name}.{p_name}" if mod_name else p_name
-            value = p.grad if grads else p.detach()
+            value = p.grad if grads else p.detach() if local is None else local[name]
             if value is None:
                 continue
             if p_name in dims:
@@ -123,9 +126,12 @@ def _gather_full(model: nn.Module, grads: bool) -> dict[str, torch.Tensor]:
     return out
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter at full size, keyed as in the plain GPT (collective: call on every rank)."""
-    return _gather_full(model, grads=False)
+def full_state_dict(model: nn.Module, local: dict | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter at full size, keyed as in the plain GPT (collective: call on every rank).
+
+    ``local``: this rank's tensor-parallel parameters by name, when the module holds less: under
+    ``dl.fully_shard`` (applied after TP) ``dl.full_state_dict(model)`` gathers them over dp first."""
+    return _gather_full(model, grads=False, local=local)
 
 
 def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ...models import attention_core
 from .. import collectives as C
+from ..mesh import as_group
 from . import regions as ops
 from .linear import ColumnParallelLinear, RowParallelLinear, check_divisible, gathered_linears
 
@@ -38,6 +39,7 @@ class ParallelAttention(nn.Module):
     @classmethod
     def from_module(cls, attn: nn.Module, group=None, sequence_parallel: bool = False) -> "ParallelAttention":
         """Shard a `distlab.models.CausalSelfAttention` (q, k, v, proj linears) by heads."""
+        group = as_group(group)                          # a 1-D mesh: its process group
         t = C.group_size(group)
         heads = attn.q.out_features // attn.head_dim
         check_divisible("heads", heads, t, "build the model with GPTConfig(heads=...) a multiple of the TP "
@@ -74,6 +76,7 @@ class ParallelMLP(nn.Module):
     @classmethod
     def from_module(cls, mlp: nn.Module, group=None, sequence_parallel: bool = False) -> "ParallelMLP":
         """Shard a `distlab.models.FeedForward` (fc, proj linears) by its hidden features."""
+        group = as_group(group)                          # a 1-D mesh: its process group
         check_divisible("mlp hidden size", mlp.fc.out_features, C.group_size(group),
                         "change GPTConfig.d_model or mlp_ratio")
         kw = dict(group=group, sequence_parallel=sequence_parallel)

@@ -28,7 +28,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import collectives as C
-from ..weight_grads import DEFERS_WEIGHT_GRAD, WeightGradStore
+from ..clip import mark_cut
+from ..mesh import as_group
 from . import regions as ops
 from .regions import SEQ_DIM
 
@@ -51,7 +52,7 @@ def sync_replicated_grad(param: nn.Parameter, group) -> None:
     param.sequence_parallel = True
 
     def sum_over_group(grad: torch.Tensor) -> torch.Tensor:
-        return C.all_reduce(grad.clone(), group)
+        return C.all_reduce_sum(grad.clone(), group)
     param.register_hook(sum_over_group)
 
 
@@ -67,14 +68,16 @@ class GatheredLinears(torch.autograd.Function):
     Saving the shard (sbh/t) rather than X (sbh) is how Korthikanti et al. 2022 (Sec. 4.2.2) reach
     activation memory sbh(34 + 5as/h)/t, for one extra all-gather per region in the backward.
 
-    Under a zero-bubble schedule the backward computes dX only, on the critical path (I), and hands
-    dW_j = dY_j^T X, db_j = sum dY_j to the active `WeightGradStore` for the W pass, keeping the
-    gathered X and dY_j alive until then (the memory zero bubble trades for its smaller bubble).
+    The weight products dW_j = dY_j^T X, db_j = sum dY_j are one closure, ``param_grads``. Whoever drives
+    backward may postpone them: set ``grad_fn.postpone`` (None from forward) to a list before backward,
+    and backward computes dX only and appends ``(weights and biases, param_grads)`` there, keeping the
+    gathered X and dY_j alive until the caller runs it.
     """
 
     @staticmethod
     def forward(ctx, x_shard, group, *weights_and_biases):
         ctx.group, ctx.params = group, weights_and_biases    # (w_1, b_1 or None, w_2, ...)
+        ctx.postpone = None                                 # or a list: backward leaves dW, db there
         x = C.all_gather(x_shard, SEQ_DIM, group)
         ctx.save_for_backward(x_shard)
         return tuple(F.linear(x, w, b) for w, b in zip(weights_and_biases[::2], weights_and_biases[1::2]))
@@ -88,14 +91,13 @@ class GatheredLinears(torch.autograd.Function):
         grad_x = sum(g2d @ w for g2d, w in zip(g2ds, ctx.params[::2]))             # (b s, h)
         grad_x = C.reduce_scatter(grad_x.view(x.shape), SEQ_DIM, ctx.group)
 
-        def weight_grads() -> list:                                                 # [dW_1, db_1, dW_2, ...]
+        def param_grads() -> list:                                                  # [dW_1, db_1, dW_2, ...]
             return [g for g2d, b in zip(g2ds, ctx.params[1::2])
                     for g in (g2d.t() @ x2d, g2d.sum(0) if b is not None else None)]
 
-        store = WeightGradStore.current()
-        if store is None:
-            return (grad_x, None, *weight_grads())
-        store.defer(list(ctx.params), weight_grads)
+        if ctx.postpone is None:
+            return (grad_x, None, *param_grads())
+        ctx.postpone.append((list(ctx.params), param_grads))
         return (grad_x, None, *[None] * len(ctx.params))
 
 
@@ -104,9 +106,6 @@ def gathered_linears(x_shard: torch.Tensor, linears: list, group=None) -> tuple:
     flat = [t for lin in linears for t in (lin.weight, lin.bias)]
     if C.group_size(group) == 1:
         return tuple(F.linear(x_shard, w, b) for w, b in zip(flat[::2], flat[1::2]))
-    for t in flat:
-        if t is not None:
-            setattr(t, DEFERS_WEIGHT_GRAD, True)            # zero bubble: its W comes from the store
     return GatheredLinears.apply(x_shard, group, *flat)
 
 
@@ -127,6 +126,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_f: int, out_f: int, bias: bool = True, gather_output: bool = False, group=None,
                  sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
+        group = as_group(group)                          # a 1-D mesh: its process group
         t = C.group_size(group)
         check_divisible("out_features", out_f, t, "choose out_features divisible by the TP degree")
         self.in_features, self.out_features, self.tp = in_f, out_f, t
@@ -136,6 +136,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_f // t, in_f, **kw))
         self.bias = nn.Parameter(torch.empty(out_f // t, **kw)) if bias else None
         _init_like_linear(self.weight.data, None if self.bias is None else self.bias.data, in_f)
+        mark_cut(self, group)                             # for dl.clip_grad_norm_ on bare parameters
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, **kw) -> "ColumnParallelLinear":
@@ -143,9 +144,9 @@ class ColumnParallelLinear(nn.Module):
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
                     device=linear.weight.device, dtype=linear.weight.dtype, **kw)
         with torch.no_grad():
-            layer.weight.copy_(C.split(linear.weight, 0, group))
+            layer.weight.copy_(C.split(linear.weight, 0, layer.group))
             if layer.bias is not None:
-                layer.bias.copy_(C.split(linear.bias, 0, group))
+                layer.bias.copy_(C.split(linear.bias, 0, layer.group))
         return layer
 
     @property
@@ -175,6 +176,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_f: int, out_f: int, bias: bool = True, input_is_parallel: bool = True, group=None,
                  sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
+        group = as_group(group)                          # a 1-D mesh: its process group
         t = C.group_size(group)
         check_divisible("in_features", in_f, t, "choose in_features divisible by the TP degree")
         self.in_features, self.out_features, self.tp = in_f, out_f, t
@@ -184,6 +186,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_f, in_f // t, **kw))
         self.bias = nn.Parameter(torch.empty(out_f, **kw)) if bias else None
         _init_like_linear(self.weight.data, None if self.bias is None else self.bias.data, in_f)
+        mark_cut(self, group)                             # for dl.clip_grad_norm_ on bare parameters
         if self.bias is not None and self.sequence_parallel:
             sync_replicated_grad(self.bias, group)
 
@@ -193,7 +196,7 @@ class RowParallelLinear(nn.Module):
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group=group,
                     device=linear.weight.device, dtype=linear.weight.dtype, **kw)
         with torch.no_grad():
-            layer.weight.copy_(C.split(linear.weight, 1, group))
+            layer.weight.copy_(C.split(linear.weight, 1, layer.group))
             if layer.bias is not None:
                 layer.bias.copy_(linear.bias)
         return layer

@@ -44,6 +44,7 @@ import torch
 import torch.nn as nn
 
 from .. import collectives as C
+from .adapt import check_heads, head_splits, heads_per_rank, refuse_conv1d, refuse_sharded
 from .linear import ColumnParallelLinear, RowParallelLinear, check_divisible
 from .vocab import VocabParallelEmbedding
 
@@ -93,7 +94,7 @@ class PackedColumnParallelLinear(ColumnParallelLinear):
             for mine, full in ((self.weight, linear.weight), (self.bias, linear.bias)):
                 if mine is not None:          # (k, out/k, ...) -> my rows of each block -> (k out/(k t), ...)
                     blocks = full.reshape(packed, full.shape[0] // packed, *full.shape[1:])
-                    mine.copy_(C.split(blocks, 1, group).reshape(mine.shape))
+                    mine.copy_(C.split(blocks, 1, self.group).reshape(mine.shape))
 
     def unpack(self, gathered: torch.Tensor) -> torch.Tensor:
         t, k = self.tp, self.packed
@@ -143,6 +144,7 @@ def build(name: str, module: nn.Module, style, group) -> nn.Module:
     """The sharded replacement of ``module`` (named ``name``) for ``style``."""
     t = C.group_size(group)
     want = nn.Embedding if isinstance(style, Embedding) else nn.Linear
+    refuse_conv1d(name, module)
     if not isinstance(module, want):
         raise TypeError(f"{name!r} is a {type(module).__name__}, but style {style} splits an "
                         f"{want.__name__}: name the {want.__name__} inside it")
@@ -163,12 +165,17 @@ def build(name: str, module: nn.Module, style, group) -> nn.Module:
 
 def parallelize_plan(model: nn.Module, plan: dict, group=None) -> nn.Module:
     """Replace, in place, every module ``plan`` names by its tensor-parallel form over ``group``
-    (every rank must pass the same full weights); returns ``model``. Checks everything first."""
+    (every rank must pass the same full weights); returns ``model``. Checks everything first (`adapt`:
+    not yet fully_shard-ed, no Conv1D, whole heads per rank), and sets the attention modules' head
+    counts to this rank's."""
     if not isinstance(plan, dict) or not plan:
         raise TypeError("plan must be a non-empty dict {module name pattern: style}, e.g. "
                         "{'blocks.*.mlp.fc': 'colwise', 'blocks.*.mlp.proj': 'rowwise'}")
+    refuse_sharded(model)
     chosen = resolve(model, plan)
     check_ties(model, chosen)
+    splits = head_splits(model, chosen)                      # attention modules: whole heads per rank
+    check_heads(model, splits, C.group_size(group))
     built = {n: build(n, model.get_submodule(n), s, group) for n, s in chosen.items()}
     tied: dict[int, nn.Parameter] = {}
     for name, new in built.items():
@@ -178,6 +185,7 @@ def parallelize_plan(model: nn.Module, plan: dict, group=None) -> nn.Module:
             new.weight = tied.setdefault(id(old.weight), new.weight)
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
+    heads_per_rank(model, splits, C.group_size(group))      # e.g. GPT-2's split_size: this rank's width
     return model
 
 

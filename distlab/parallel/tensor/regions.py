@@ -46,7 +46,7 @@ class CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return C.all_reduce(grad.contiguous(), ctx.group), None
+        return C.all_reduce_sum(grad.contiguous(), ctx.group), None
 
 
 class ReduceFromRegion(torch.autograd.Function):
@@ -54,7 +54,7 @@ class ReduceFromRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        return C.all_reduce(x.contiguous().clone(), group)
+        return C.all_reduce_sum(x.contiguous().clone(), group)
 
     @staticmethod
     def backward(ctx, grad):

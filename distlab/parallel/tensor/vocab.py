@@ -26,7 +26,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import collectives as C
+from ..clip import mark_cut
 from . import regions as ops
+from ..mesh import as_group
 from .linear import check_divisible
 
 
@@ -36,6 +38,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, dim: int, group=None, sequence_parallel: bool = False,
                  device=None, dtype=None):
         super().__init__()
+        group = as_group(group)                          # a 1-D mesh: its process group
         t = C.group_size(group)
         check_divisible("vocab", num_embeddings, t, "pad the vocabulary to a multiple of the TP degree")
         self.num_embeddings, self.dim, self.group, self.tp = num_embeddings, dim, group, t
@@ -44,6 +47,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = C.group_rank(group) * per_rank
         self.vocab_end = self.vocab_start + per_rank
         self.weight = nn.Parameter(torch.empty(per_rank, dim, device=device, dtype=dtype).normal_())
+        mark_cut(self, group)                             # for dl.clip_grad_norm_ on bare parameters
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, group=None, **kw) -> "VocabParallelEmbedding":
@@ -74,14 +78,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, vocab_start, group):
         z = logits.float()                                        # (N, V/t)
-        m = C.all_reduce(z.max(dim=-1).values, group, op="max")  # (N,)
+        m = C.all_reduce_max(z.max(dim=-1).values, group)  # (N,)
         shifted = z - m.unsqueeze(-1)
         owned = (targets >= vocab_start) & (targets < vocab_start + z.shape[-1])
         local_target = (targets - vocab_start).masked_fill(~owned, 0)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
-        target_logit = C.all_reduce(target_logit, group)
+        target_logit = C.all_reduce_sum(target_logit, group)
         exp = shifted.exp()
-        sum_exp = C.all_reduce(exp.sum(dim=-1), group)
+        sum_exp = C.all_reduce_sum(exp.sum(dim=-1), group)
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), owned, local_target)
         ctx.dtype = logits.dtype
         return sum_exp.log() - target_logit

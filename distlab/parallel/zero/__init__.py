@@ -6,7 +6,8 @@
 
 Reading order:
 
-    zero1.py     ShardedOptimizer: stage 1, and the optimizer of every stage; ZeRO1, the model wrapper
+    zero1.py     ShardedOptimizer: stage 1's step (reduce-scatter, step my shard, all-gather); ZeRO1
+    shards.py    what every stage's optimizer shares: bucket layout, shards, masters, clipping, saving
     zero2.py     ZeRO2: gradients reduce-scattered bucket by bucket during backward
     zero3.py     ZeRO3: parameters sharded at rest, gathered and freed one unit at a time
     reducer.py   the bounded queue of gradient reduce-scatters every stage uses

@@ -26,7 +26,7 @@ on ``module.parameters()`` updates the shards:
     ||shard|| = ceil(d0 / N) rows; bytes per rank per step 3 (N-1)/N Psi, as ZeRO-3 (2 without resharding)
 
 Applied bottom-up: ``fully_shard(block)`` for each block, then ``fully_shard(model)`` for what is left
-(embeddings, head); the root then drives its units as one family (forward order recorded on the
+(embeddings, head); the root then drives its units with one `Coordinator` (forward order recorded on the
 first step: the next unit prefetched in forward, the previous one in backward; one bounded queue of
 reduce-scatters, `reducer.GradReducer`, shared with ZeRO). Mixed precision: ``param_dtype`` for the
 all-gather and compute (the shards stay fp32 masters), ``reduce_dtype`` for the reduce-scatter.
@@ -49,14 +49,15 @@ Scalars (0-dim parameters) are kept whole, like ``replicate=``. Tied parameters 
 from __future__ import annotations
 
 import contextlib
-import gc
+import functools
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..collectives import Collectives
-from ..mesh import grid_groups
+from ..mesh import as_group, describe, grid_groups, mesh_dims, span_group
 from .fsdp_unit import FSDPUnit, ShardedParam
 
 
@@ -65,13 +66,16 @@ def fully_shard(module: nn.Module, *, group=None, mesh=None, param_dtype=None, r
                 reshard_after_forward: bool = True, replicate=None) -> nn.Module:
     """Shard ``module``'s parameters (those no inner ``fully_shard`` took) on dim 0, in place; returns it.
 
-    ``group``: the data-parallel ranks (default: the world); ``mesh=(R, S)``: HSDP over the world,
-    shards over S ranks, R replicas; ``param_dtype``/``reduce_dtype``: gather-and-compute and
+    ``group``: the data-parallel ranks (default: the world; or a 1-D mesh); ``mesh=(R, S)``: HSDP over
+    the world, shards over S ranks, R replicas (a 2-D DeviceMesh or dl.Mesh: HSDP over it, (replicate,
+    shard); a 1-D one: FSDP over it); ``param_dtype``/``reduce_dtype``: gather-and-compute and
     reduce-scatter dtypes (the shards stay in their own dtype); ``replicate``: parameters kept whole,
-    gradients averaged. Build the optimizer *after* sharding, on ``module.parameters()``.
+    gradients averaged. Build the optimizer *after* sharding, on ``module.parameters()`` (one built
+    before holds the replaced originals: its first ``step`` raises, `_refuse_stale_optimizers`).
     """
-    replicate = list(replicate or [])
-    fresh, replicated = _claim(module, replicate)
+    replicate, group = list(replicate or []), as_group(group)      # a 1-D mesh: its process group
+    fresh, replicated = _params_to_shard(module, replicate)
+    _refuse_stale_optimizers()
     dp, shard_comm, replica_comm = _comms(module, group, mesh)
     _broadcast([p for p, _ in fresh] + [p for _, _, p in replicated] + list(module.buffers()), dp)
     device = next((p.device for p, _ in fresh), torch.device("cpu"))
@@ -82,20 +86,22 @@ def fully_shard(module: nn.Module, *, group=None, mesh=None, param_dtype=None, r
         p._fsdp_copies = dp                           # a replica on every rank (`dl.clip_grad_norm_`)
     for (p, _), sp in zip(fresh, params):
         sp.shard._fsdp_copies = replica_comm          # distinct on every rank; under HSDP, a replica
+        if hasattr(p, "_cut_over"):                   # a tensor-parallel piece, sharded again
+            sp.shard._cut_over = p._cut_over
         sp.install(sp.shard)
         p._fsdp_moved = True                          # the original: gone from the module
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     unit = FSDPUnit(module, params, replicated, (dp, shard_comm, replica_comm), param_dtype=dtype,
                     reduce_dtype=reduce_dtype or dtype, reshard=reshard_after_forward, device=device)
     unit.cast_inputs, unit.mesh, unit.group = param_dtype is not None, mesh, group
-    _adopt(unit, [m._fsdp for m in module.modules() if m is not module and hasattr(m, "_fsdp")])
+    _coordinate_inner(unit, [m._fsdp for m in module.modules() if m is not module and hasattr(m, "_fsdp")])
     module._fsdp = unit
     module.register_forward_pre_hook(unit.pre_forward, with_kwargs=True)
     module.register_forward_hook(unit.post_forward)
     return module
 
 
-def _claim(module: nn.Module, replicate: list) -> tuple[list, list]:
+def _params_to_shard(module: nn.Module, replicate: list) -> tuple[list, list]:
     """([(parameter, its slots)] to shard, [(module, name, parameter)] kept whole); refuses bad input."""
     if hasattr(module, "_fsdp"):
         raise ValueError(f"{type(module).__name__} is already fully_shard-ed: call fully_shard once per "
@@ -118,9 +124,6 @@ def _claim(module: nn.Module, replicate: list) -> tuple[list, list]:
                          "module parameters, to the fully_shard call of the module that holds them")
     fresh = [(p, s) for p, s in slots.values() if id(p) not in ids and p.dim() > 0]
     whole = [(m, n, p) for p, s in slots.values() if id(p) in ids or p.dim() == 0 for m, n in s]
-    if fresh and _in_an_optimizer([p for p, _ in fresh]):
-        raise ValueError("an optimizer already holds these parameters: build it *after* fully_shard, on "
-                         "module.parameters() (the shards); the one built before would update nothing")
     return fresh, whole
 
 
@@ -142,15 +145,19 @@ def _refuse_sharded(module: nn.Module) -> None:
                              "already shards this module): give fully_shard the plain module instead")
 
 
-def _in_an_optimizer(params: list) -> bool:
-    """Whether some torch optimizer's param group lists one of ``params`` (``group["params"]`` is a list
-    held by the group's dict): found through the garbage collector's referrers, no registry needed (two
-    scans of the heap at most: the lists holding a parameter, then the dicts holding one of those)."""
-    lists = [ref for ref in gc.get_referrers(*params) if isinstance(ref, list) and ref is not params]
-    if not lists:
-        return False
-    ids = {id(ref) for ref in lists}
-    return any(isinstance(d, dict) and id(d.get("params")) in ids for d in gc.get_referrers(*lists))
+@functools.cache
+def _refuse_stale_optimizers():
+    """Once per process: every torch optimizer's ``step`` first checks it holds no parameter that
+    ``fully_shard`` replaced by its shard (torch's public ``register_optimizer_step_pre_hook``). An
+    optimizer built before sharding holds the originals, emptied: it would silently update nothing."""
+    return register_optimizer_step_pre_hook(_refuse_if_stale)
+
+
+def _refuse_if_stale(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if any(getattr(p, "_fsdp_moved", False) for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError("this optimizer holds parameters that fully_shard replaced by their shards: build "
+                         "it *after* fully_shard, on module.parameters() (the shards); the one built before "
+                         "would update nothing")
 
 
 def _comms(module: nn.Module, group, mesh) -> tuple:
@@ -159,13 +166,22 @@ def _comms(module: nn.Module, group, mesh) -> tuple:
         inner = getattr(m, "_fsdp", None)
         if inner is not None and inner.mesh == mesh and inner.group is group:
             return inner.dp, inner.shard_comm, inner.replica_comm
-    dp = Collectives("torch", group)
-    if mesh is None:
-        return dp, dp, None
-    if group is not None:
+    if mesh is not None and group is not None:
         raise ValueError("give fully_shard either group= (plain FSDP) or mesh= (HSDP over the world), "
                          "not both")
-    shard_group, replica_group = hsdp_groups(*_check_mesh(mesh, dist.get_world_size()))
+    dims = mesh_dims(mesh)                     # a DeviceMesh or dl.Mesh: 1-D is FSDP, 2-D HSDP over it
+    if dims is not None and len(dims) == 1:
+        group, mesh, dims = dims[0][1], None, None
+    dp = Collectives("torch", span_group(mesh) if dims else group)
+    if mesh is None:
+        return dp, dp, None
+    if dims is None:
+        shard_group, replica_group = hsdp_groups(*_check_mesh(mesh, dist.get_world_size()))
+    elif len(dims) == 2:
+        (_, replica_group), (_, shard_group) = dims
+    else:
+        raise ValueError(f"mesh={describe(mesh)}: fully_shard takes a 1-D mesh (FSDP) or a 2-D one (HSDP: "
+                         "replicate, shard); pass a sub-mesh, e.g. mesh['dp_replicate', 'dp_shard']")
     return dp, Collectives("torch", shard_group), Collectives("torch", replica_group)
 
 
@@ -193,13 +209,13 @@ def _broadcast(tensors: list, comm: Collectives) -> None:
         comm.broadcast(t.data, src=0)
 
 
-def _adopt(root: FSDPUnit, inner: list[FSDPUnit]) -> None:
-    """The root drives its inner units: one family, one forward order, one reduce-scatter queue."""
-    fam = root.family
-    for unit in {id(u.family): u.family for u in inner}.values():
-        fam.units[:0] = [u for u in unit.units if u not in fam.units]
-    for unit in fam.units:
-        unit.family = fam
+def _coordinate_inner(root: FSDPUnit, inner: list[FSDPUnit]) -> None:
+    """The root drives its inner units: one coordinator, one forward order, one reduce-scatter queue."""
+    shared = root.coordinator
+    for inner_coordinator in {id(u.coordinator): u.coordinator for u in inner}.values():
+        shared.units[:0] = [u for u in inner_coordinator.units if u not in shared.units]
+    for unit in shared.units:
+        unit.coordinator = shared
 
 
 def units(module: nn.Module) -> list[FSDPUnit]:
@@ -213,21 +229,21 @@ def units(module: nn.Module) -> list[FSDPUnit]:
 def set_requires_gradient_sync(module: nn.Module, requires: bool) -> None:
     """``False``: backward passes sum each unit's gradients locally, unsharded (FSDP2's switch)."""
     for unit in units(module):
-        unit.family.sync = requires
+        unit.coordinator.sync = requires
 
 
 @contextlib.contextmanager
 def no_sync(module: nn.Module):
     """Backward passes inside accumulate locally; the first one outside reduce-scatters the sum."""
-    fams = {id(u.family): u.family for u in units(module)}.values()
-    before = [f.sync for f in fams]
-    for f in fams:
-        f.sync = False
+    coordinators = {id(u.coordinator): u.coordinator for u in units(module)}.values()
+    before = [c.sync for c in coordinators]
+    for c in coordinators:
+        c.sync = False
     try:
         yield
     finally:
-        for f, b in zip(fams, before):
-            f.sync = b
+        for c, b in zip(coordinators, before):
+            c.sync = b
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """The machinery of `fsdp.fully_shard`: one parameter's shard (`ShardedParam`), one module's unit
-(`FSDPUnit`: gather before forward and backward, free after, reduce-scatter the gradients), the family of
-units a root drives (forward order for prefetching, the shared reduce-scatter queue), and the autograd
+(`FSDPUnit`: gather before forward and backward, free after, reduce-scatter the gradients), the coordinator
+of the units a root drives (forward order for prefetching, the shared reduce-scatter queue), and the autograd
 function that hands the gathered parameters to the module (`_Unshard`).
 
 One unit's all-gather, with S the padded elements per rank of the unit (sum of its parameters' chunks):
@@ -82,8 +82,9 @@ class _Unshard(torch.autograd.Function):
         return (None,) * (1 + len(grads))
 
 
-class Family:
-    """The units one root drives: forward order, gradient sync switch, the shared reduce-scatter queue."""
+class Coordinator:
+    """What one root coordinates for all its units: forward order, gradient sync switch, the shared
+    reduce-scatter queue."""
 
     def __init__(self, comm: Collectives):
         self.units: list[FSDPUnit] = []
@@ -119,8 +120,8 @@ class FSDPUnit:
         self.total = sum(p.chunk for p in params)                     # S: elements per rank, padded
         self._pending = None                                          # (buffer, handle) in flight
         self.graph = False                  # a forward with grad ran: its backward (and p.full) still to come
-        self.family = Family(self.shard_comm)
-        self.family.units.append(self)
+        self.coordinator = Coordinator(self.shard_comm)
+        self.coordinator.units.append(self)
 
     # -- gather and free ---------------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
@@ -128,7 +129,7 @@ class FSDPUnit:
         if not self.params:
             return
         if self._pending is None and not self.is_gathered():
-            self.family.reducer.make_room()             # a gathered unit takes an in-flight slot too
+            self.coordinator.reducer.make_room()        # a gathered unit takes an in-flight slot too
             send = torch.cat([p.padded(p.shard.detach(), self.param_dtype) for p in self.params])  # (S,)
             out = torch.empty(self.shard_comm.size * self.total, dtype=send.dtype, device=send.device)
             self._pending = (out, self.shard_comm.all_gather(out, send, async_op=True))
@@ -172,11 +173,11 @@ class FSDPUnit:
         if in_recomputation():
             return self._recompute(args, kwargs)
         training = torch.is_grad_enabled()
-        if training and self not in self.family.order:
-            self.family.order.append(self)
+        if training and self not in self.coordinator.order:
+            self.coordinator.order.append(self)
         self._fresh()
         self.unshard()
-        nxt = self.family.neighbour(self, +1)
+        nxt = self.coordinator.neighbour(self, +1)
         if nxt is not None:
             nxt.prepare_forward()
         if training and self.trainable:
@@ -231,13 +232,15 @@ class FSDPUnit:
         return out
 
     def pre_backward(self) -> None:
-        fam = self.family
-        if not fam.in_backward:
-            fam.in_backward = True
-            Variable._execution_engine.queue_callback(fam.backward_done)
+        shared = self.coordinator
+        if not shared.in_backward:
+            shared.in_backward = True
+            Variable._execution_engine.queue_callback(shared.backward_done)
         self.unshard()
-        self._install(full=True)       # a recomputation inside the unit (checkpoint_wrapper, dl.recompute)
-        prev = fam.neighbour(self, -1)  # reruns its modules without the unit's hooks: they see these tensors
+        # a recomputation inside the unit (checkpoint_wrapper, dl.recompute) reruns its modules without the
+        # unit's hooks: they see these tensors
+        self._install(full=True)
+        prev = shared.neighbour(self, -1)
         if prev is not None:
             prev.unshard(async_op=True)
 
@@ -255,7 +258,7 @@ class FSDPUnit:
         the shards (under no_sync: add them to the local fp32 sums instead)."""
         self._install(full=False)
         self.free()
-        sync, packed = self.family.sync, []
+        sync, packed = self.coordinator.sync, []
         for p, g in zip(self.trainable, grads):
             if p.accum is not None:
                 g = p.accum.add_(g)
@@ -270,8 +273,9 @@ class FSDPUnit:
             padded = torch.zeros(rows.shape[0] * p.chunk, dtype=rows.dtype, device=rows.device)
             padded[:g.numel()] = g.reshape(-1)
             rows[:, off:off + p.chunk] = padded.view(rows.shape[0], p.chunk)      # rank k's rows -> row k
-        self.family.reducer.submit(self.family.units.index(self), _Packed(rows.view(-1), self.total),
-                                   release_grads=False)
+        shared = self.coordinator
+        shared.reducer.submit(shared.units.index(self), _Packed(rows.view(-1), self.total),
+                              release_grads=False)
 
     def take_grad_shard(self, shard: torch.Tensor) -> None:
         """This rank's averaged (S,) slice: all-reduced across replicas (HSDP), then cut into .grad."""
@@ -288,7 +292,7 @@ class FSDPUnit:
         self._install(full=False)
         self.free()
         self.graph = False
-        if not self.family.sync:
+        if not self.coordinator.sync:
             return
         for p in {id(p): p for _, _, p in self.replicated}.values():   # DDP for what stays whole (tied: once)
             if p.requires_grad:

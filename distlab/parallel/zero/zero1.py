@@ -12,169 +12,54 @@ Same bytes on the wire as DDP's all-reduce (2 (N-1)/N Psi), a K/N optimizer term
 Works with any ``torch.optim`` class: the inner optimizer sees one flat tensor per bucket. With
 low-precision parameters (bf16) it keeps fp32 master copies of its shards (counted as optimizer state).
 
-`ShardedOptimizer` is also the optimizer of ZeRO-2 (gradients already reduce-scattered during
-backward, `zero2.py`) and ZeRO-3 (the model hands it the shards of its own flat buffers: parameters
-sharded at rest, no all-gather after the step, `zero3.py`). `ZeRO1` wraps a module with it.
+What every stage's optimizer shares (the shards, fp32 masters, the inner optimizer, clipping, saving) is
+in `shards.py`; ZeRO-2 and ZeRO-3 reduce-scatter during backward instead (`shards.ShardsFromBackward`).
+`ZeRO1` wraps a module with a `ShardedOptimizer`.
 """
 from __future__ import annotations
-
-import weakref
 
 import torch
 import torch.nn as nn
 
-from ..clip import scale_to_norm
 from ..collectives import Collectives
-from ..data.buckets import FlatBucket, bucketize, trainable
 from ..data.ddp import accumulate_locally, broadcast_from_rank0
-from .reducer import GradReducer
+from .shards import ShardedState, flat_layout
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(ShardedState):
     """``ShardedOptimizer(params, torch.optim.AdamW, lr=1e-3)``: ZeRO-1 around any torch optimizer.
 
     ``step()`` reduce-scatters the replicas' gradients (averaging them), updates this rank's shard
     and all-gathers the parameters. Pass ``average_grads=False`` when the gradients are already
     averaged (e.g. under `DDP`): then each rank just reads its slice. ``max_inflight``: how many
     buckets' flat gradient buffers may be reduce-scattering at once (`GradReducer`, ``.reducer``).
-
-    ZeRO-3 passes its own layout instead of ``params``: ``buckets`` (its flat buffers, one per unit)
-    and ``shards`` (this rank's chunk of each, the only copy of the parameters at rest).
     """
 
     def __init__(self, params, optim: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
                  bucket_mb: float = 25.0, comm: str | Collectives = "torch", group=None,
-                 average_grads: bool = True, buckets: list[FlatBucket] | None = None,
-                 shards: list[torch.Tensor] | None = None, max_inflight: int = 1, **optim_kwargs):
-        self.comm = comm if isinstance(comm, Collectives) else Collectives(comm, group)
-        if buckets is None:
-            params = trainable(params)
-            if not params:
-                raise ValueError("ShardedOptimizer got no parameters that require grad")
-            buckets = [FlatBucket(g, self.comm.size) for g in bucketize(params, bucket_mb)]
-        self.buckets = buckets
-        self.params = [p for b in buckets for p in b.params]
-        self.average_grads, self.sharded_params = average_grads, shards is not None
-        # this rank's shard of each bucket: a view of the flat buffer, or the model's own shard (ZeRO-3)
-        self.shards = shards if shards is not None else [b.chunk(b.full, self.comm.rank) for b in buckets]
-        # what the inner optimizer updates: the shard itself (fp32) or an fp32 master copy of it
-        self.masters = [s if s.dtype == torch.float32 else s.detach().float() for s in self.shards]
-        for m in self.masters:
-            m.requires_grad_(True)
-        self.grad_shards: list[torch.Tensor | None] = [None] * len(self.buckets)
-        self._reduced = [False] * len(self.buckets)       # local p.grad already folded into grad_shards
-        self.reducer = GradReducer(self.comm, self._add_shard, max_inflight)   # ZeRO-2/3: during backward
-        for p in self.params:               # its gradient lives here, in shards (`dl.clip_grad_norm_`)
-            p._zero_optimizer = weakref.ref(self)
-        self.optimizer = optim(self.masters, **optim_kwargs)
-
-    # -- the torch.optim surface -------------------------------------------------------------
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            p.grad = None
-        self.grad_shards = [None] * len(self.buckets)
-        self._reduced = [False] * len(self.buckets)
-        for m in self.masters:
-            m.grad = None
-
-    def reduce_grads(self) -> None:
-        """Bring each bucket's gradients to their owners (reduce-scatter, averaged), once per step.
-
-        ZeRO-1 reduces its whole local gradients here. ZeRO-2/3 did it during backward (their ``p.grad``
-        are then None) unless the last micro-steps ran under ``no_sync``: what is still local is
-        reduce-scattered now and added to the shard backward produced.
-        """
-        for b, bucket in enumerate(self.buckets):
-            local = not self._reduced[b] and any(p.grad is not None for p in bucket.params)
-            if self.grad_shards[b] is not None and not local:
-                continue                                   # already there (ZeRO-2/3 did it in backward)
-            # local gradients stay in p.grad (ZeRO-1 keeps them; zero_grad frees them)
-            self.reducer.submit(b, bucket, average=self.average_grads, release_grads=False)
-            self._reduced[b] = True
-        self.reducer.drain()
-
-    def _add_shard(self, b: int, shard: torch.Tensor) -> None:
-        """A completed reduce-scatter's shard of bucket ``b``: the gradient shard, or added to it."""
-        prev = self.grad_shards[b]
-        self.grad_shards[b] = shard if prev is None else prev.add_(shard)
-
-    def clip_grad_norm_(self, max_norm: float, weight=None, outer=None) -> torch.Tensor:
-        """Scale the gradient shards so the *global* L2 norm is at most ``max_norm``; returns the norm.
-
-        ||g||^2 = sum over ranks of ||g_shard||^2 (padding is zero): one all-reduce of a scalar.
-        Same formula as ``torch.nn.utils.clip_grad_norm_``: coef = min(1, max_norm / (norm + 1e-6)).
-
-        When these parameters are themselves one part of a larger model (a tensor-parallel shard, a
-        pipeline stage), ``weight(param) -> float`` scales each parameter's squared gradient (1/T for
-        a parameter replicated over T tensor-parallel ranks, so it counts once) and ``outer(sq)``
-        sums the data-parallel total over the other model-parallel groups.
-        """
-        self.reduce_grads()
-        sq = self._grad_square_sum(weight).reshape(1)
-        self.comm.all_reduce(sq, op="sum")
-        if outer is not None:
-            sq = outer(sq)
-        return scale_to_norm(self.grad_shards, sq, max_norm)
-
-    def _grad_square_sum(self, weight=None) -> torch.Tensor:
-        """Sum of this rank's squared gradient-shard elements, each parameter's scaled by ``weight``."""
-        sq = torch.zeros((), dtype=torch.float32, device=self.masters[0].device)
-        for bucket, g in zip(self.buckets, self.grad_shards):
-            if weight is None:
-                sq += g.float().pow(2).sum()
-                continue
-            for i, _, piece in bucket.owner_slices(self.comm.rank):
-                sq += weight(bucket.params[i]) * g[piece].float().pow(2).sum()
-        return sq
+                 average_grads: bool = True, max_inflight: int = 1, **optim_kwargs):
+        comm = comm if isinstance(comm, Collectives) else Collectives(comm, group)
+        buckets, shards = flat_layout(params, bucket_mb, comm)     # the parameters become views of buckets
+        super().__init__(buckets, shards, optim, comm, max_inflight, **optim_kwargs)
+        self.average_grads = average_grads
 
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("ShardedOptimizer.step does not take a closure")
-        self.reduce_grads()
-        for m, g in zip(self.masters, self.grad_shards):
-            m.grad = g if g.dtype == m.dtype else g.float()
-        self.optimizer.step()
-        for s, m in zip(self.shards, self.masters):
-            if s is not m:
-                s.copy_(m)                                 # fp32 master -> bf16 shard
-        if not self.sharded_params:
-            self.gather_params()
-        self.grad_shards = [None] * len(self.buckets)
-        self._reduced = [False] * len(self.buckets)
+        self.reduce_grads()       # 1. reduce-scatter: my shard's gradients, averaged   (N-1)/N Psi sent
+        self.update_shards()      # 2. the inner optimizer steps my shard only           K Psi/N of state
+        self.gather_params()      # 3. all-gather: every rank has the whole new model   (N-1)/N Psi sent
+        self._new_step()         #    and this step's gradient shards are forgotten
 
-    def gather_params(self) -> None:
-        """All-gather every bucket's shards into its full buffer (the module's parameters)."""
-        handles = [self.comm.all_gather(b.full, s, async_op=True) for b, s in zip(self.buckets, self.shards)]
-        for h in handles:
-            h.wait()
-
-    def state_dict(self) -> dict:
-        """This rank's shard of the optimizer state (save one per rank)."""
-        return {"rank": self.comm.rank, "world": self.comm.size, "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("world") != self.comm.size or state.get("rank") != self.comm.rank:
-            raise ValueError(f"state was saved by rank {state.get('rank')} of {state.get('world')}; "
-                             f"this is rank {self.comm.rank} of {self.comm.size}")
-        self.optimizer.load_state_dict(state["optimizer"])
-
-    def numel(self) -> tuple[int, int]:
-        """(elements this rank's optimizer updates, elements of the whole model): about 1/N."""
-        return sum(s.numel() for s in self.shards), sum(b.numel for b in self.buckets)
-
-    def __repr__(self) -> str:
-        mine, total = self.numel()
-        return (f"ShardedOptimizer({type(self.optimizer).__name__}, rank {self.comm.rank}/{self.comm.size}: "
-                f"{mine} of {total} elements, {len(self.buckets)} buckets)")
+    def reduce_grads(self) -> None:
+        """Reduce-scatter every bucket's local gradients into this rank's gradient shard (averaged over
+        the replicas, or, ``average_grads=False``, just sliced). Once per step: clipping calls it first."""
+        if all(g is not None for g in self.grad_shards):
+            return                                         # done already this step
+        for b, bucket in enumerate(self.buckets):          # p.grad stays (zero_grad frees it)
+            self.reducer.submit(b, bucket, average=self.average_grads, release_grads=False)
+        self.reducer.drain()
 
 
 class ZeROModule(nn.Module):
@@ -209,9 +94,12 @@ class ZeRO1(ZeROModule):
         self.module = module
         self.comm = Collectives(comm, group)
         broadcast_from_rank0(module, self.comm)          # identical starting point on every rank
-        self.optimizer = ShardedOptimizer(module.parameters(), optim, bucket_mb=bucket_mb, comm=self.comm,
-                                          max_inflight=max_inflight, **optim_kwargs)
+        self.optimizer = self._optimizer(module.parameters(), optim, bucket_mb, max_inflight, optim_kwargs)
         self._sync = True                                 # False inside no_sync()
+
+    def _optimizer(self, params, optim, bucket_mb: float, max_inflight: int, optim_kwargs: dict):
+        return ShardedOptimizer(params, optim, bucket_mb=bucket_mb, comm=self.comm, max_inflight=max_inflight,
+                                **optim_kwargs)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -30,15 +30,8 @@ Bytes sent per rank per optimizer step, and the gradient memory held while accum
     2      (k+1) (N-1)/N Psi      2 (N-1)/N Psi          4 Psi with no_sync, 4 Psi / N without
     3      3k (N-1)/N Psi         (2k+1) (N-1)/N Psi     4 Psi with no_sync, 4 Psi / N without
 
-The price is ZeRO-2/3's gradient saving, for the length of the accumulation: the memory of a full
-gradient, as FSDP's ``no_sync`` documents ("higher memory usage because FSDP will accumulate the full
-model gradients (instead of gradient shards) until the eventual sync").
-DeepSpeed makes the other choice: its ``engine.no_sync()`` refuses stages 2 and 3 ("incompatible with
-gradient partitioning") and reduce-scatters every micro-step, as this class does without no_sync.
-Stage 3 keeps its parameters sharded, so every micro-step still all-gathers them for forward and
-backward: only the k-1 reduce-scatters are saved. We allow it (FSDP's behaviour) rather than raise,
-since which is scarcer, bandwidth or memory, is the user's call, and the lessons measure both sides;
-`dl.train` turns it on for stage 3 only when asked (``no_sync=True``).
+no_sync trades ZeRO-2/3's gradient saving for bytes (FSDP allows it, DeepSpeed refuses it for stages 2
+and 3): why distlab allows it, in `distlab/parallel/README.md` ("no_sync under ZeRO-2/3").
 """
 from __future__ import annotations
 
@@ -46,6 +39,7 @@ import torch
 import torch.nn as nn
 
 from ..data.backward_hooks import BackwardWatcher
+from .shards import ShardsFromBackward, flat_layout
 from .zero1 import ZeRO1
 
 
@@ -67,6 +61,11 @@ class ZeRO2(ZeRO1):
         self.overlap = overlap
         self.watcher = BackwardWatcher([b.params for b in self.optimizer.buckets],
                                        on_ready=self._bucket_ready, on_end=self._backward_done)
+
+    def _optimizer(self, params, optim, bucket_mb: float, max_inflight: int, optim_kwargs: dict):
+        """ZeRO-1's bucket layout; the gradient shards come during backward (`shards.ShardsFromBackward`)."""
+        buckets, shards = flat_layout(params, bucket_mb, self.comm)
+        return ShardsFromBackward(buckets, shards, optim, self.comm, max_inflight, **optim_kwargs)
 
     def _bucket_ready(self, b: int) -> None:
         if not self._sync:

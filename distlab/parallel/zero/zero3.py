@@ -11,7 +11,8 @@ head). Its parameters live in one flat padded buffer (`FlatBucket`) whose storag
     total per step: 3 (N-1)/N Psi, 1.5x DDP's, for model states of (2+2+K) Psi / N per rank.
 
 The model side owns the flat buffers (``ZeRO3.buckets``, one per unit) and keeps this rank's chunk of
-each (``ZeRO3.shards``); it hands the shards to the `ShardedOptimizer`, which updates them in place.
+each (``ZeRO3.shards``); it hands the shards to its optimizer (`shards.ShardsFromBackward`), which
+updates them in place.
 Hooks: a forward pre-hook gathers, a forward hook frees and puts a gradient hook on the unit's
 output, which fires just before autograd enters the unit's backward (gather again); a
 post-accumulate-grad hook on the unit's last parameter frees the parameters and reduce-scatters the
@@ -50,7 +51,8 @@ from ..collectives import Collectives
 from ..data.backward_hooks import BackwardWatcher
 from ..data.buckets import FlatBucket
 from ..data.ddp import broadcast_from_rank0
-from .zero1 import ShardedOptimizer, ZeROModule
+from .shards import ShardsFromBackward
+from .zero1 import ZeROModule
 
 
 def default_units(module: nn.Module) -> list[nn.Module]:
@@ -96,8 +98,8 @@ class ZeRO3(ZeROModule):
         self.shards = [b.chunk(b.full, self.comm.rank).clone() for b in self.buckets]   # (padded / N,) each
         for b in self.buckets:
             _free(b.full)
-        self.optimizer = ShardedOptimizer(None, optim, comm=self.comm, buckets=self.buckets,
-                                          shards=self.shards, max_inflight=max_inflight, **optim_kwargs)
+        self.optimizer = ShardsFromBackward(self.buckets, self.shards, optim, self.comm, max_inflight,
+                                            sharded_params=True, **optim_kwargs)
         self.reducer = self.optimizer.reducer      # flat gradient units being reduce-scattered
         self._sync = True                           # False under no_sync(): keep gradients local
         self._gathers: dict[int, object] = {}      # unit -> pending all-gather handle

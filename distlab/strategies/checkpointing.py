@@ -1,4 +1,4 @@
-"""Checkpoint, resume and fault injection for the training loop of `dl.train`.
+"""Checkpoint and resume: the checkpoint side of the training loop of `dl.train` (`loop`).
 
     dl.train("zero2", world_size=4, steps=20, checkpoint_dir="ck", checkpoint_every=5)   # step_5 .. step_20
     dl.train("zero2", world_size=4, steps=20, checkpoint_dir="ck", resume=True)          # from the latest
@@ -36,46 +36,30 @@ on 4 ranks -> ZeRO-1 on 3; tp on 2 -> ``3d:dp=2,tp=1,pp=2`` on 4; anything -> ``
 the new layout. The run then equals the uninterrupted one up to the rounding of a different
 reduction order (not bit for bit).
 
-What can go wrong, and what happens then:
-
-* ``resume=True`` (or ``"latest"``) resumes from the newest checkpoint that *verifies* (manifest readable,
-  every shard's size and sha256 as recorded); a damaged newer one is skipped and named on stderr. Step
-  folders of which none verifies are a refusal, never a silent fresh start that would overwrite them.
-* Every save carries the run's id in its manifest and in every shard: a shard of another run is refused.
-* One training run at a time per directory: rank 0 holds an exclusive lock on it (flock) for the run, and
-  the directory is checked writable before any rank starts (`exclusive`: a second live run is refused in
-  any process or thread; a run gives the lock back however it ends).
-
-Fault injection (for tests and lessons): ``fail_at_step=s`` kills ``fail_rank`` (default: the last
-rank) with SIGKILL, either at the start of step s (``fail_in="step"``) or in the middle of saving
-checkpoint s, after its shard is written but before the commit (``fail_in="save"``); on the first
-attempt only (not after a restart by torchrun, TORCHELASTIC_RESTART_COUNT > 0, or by ``dl.train``).
+What can go wrong (a damaged newest checkpoint, a second run on one directory) is the
+directory's business (`distlab.checkpoint.directory`); planted failures (``fail_at_step``) and the
+heartbeat of ``dl.train``'s restarts are `faults`.
 
 ``async_save=True``: the state is copied to CPU memory at the step boundary and the same `store.save`
-runs in a background thread (`background`); ``heartbeat=True`` (set by ``dl.train``'s restarts,
-`strategies.restart`): rank 0 records its last finished step in ``.heartbeat.json``, to count lost steps.
+runs in a background thread (`distlab.checkpoint.background`).
 """
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import signal
-import threading
 import time
 import uuid
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from ..checkpoint import reshard, store
+from ..checkpoint.background import BackgroundWriter
+from ..checkpoint.directory import check_options, lock, newest_verified
+from ..checkpoint.options import Checkpointing
+from ..checkpoint.state import RankState
 from ..runtime import rank, tracer, world_size
-from . import exclusive, reshard, store
-from .background import BackgroundWriter
-from .options import Checkpointing, check_values
-from .state import RankState
+from . import faults
 
-HEARTBEAT = ".heartbeat.json"     # with heartbeat=True: rank 0's last finished step (dl.train's restarts)
 # spec fields that must agree between the run that saved and the run that resumes (steps may grow);
 # "layout" (the rank state's facts) may differ when both sides can reshard
 _MUST_MATCH = ("strategy", "model", "seed", "global_batch", "lr", "optimizer", "weight_decay", "grad_accum",
@@ -94,12 +78,9 @@ class Checkpointer:
         self.every = o.checkpoint_every
         self.keep_last = o.keep_last
         self.resume_from = o.resume
-        self.fail_at, self.fail_in = o.fail_at_step, o.fail_in or "step"
-        self.fail_rank = world_size() - 1 if o.fail_rank is None else o.fail_rank
+        self.fault = faults.PlantedFault(spec)
         self.saved: list[int] = []
         self.stall_s: list[float] = []
-        if self.fail_at is not None:
-            self._check_fault_injection()
         check_options(o)
         self.run_id: str | None = None
         self.note: str | None = None
@@ -126,15 +107,6 @@ class Checkpointer:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
-
-    def _check_fault_injection(self) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("fail_at_step kills a rank process: use a launched strategy (ddp, zero1, ...), "
-                             f"not {self.spec.strategy!r}, which runs in this process")
-        if self.fail_in not in ("step", "save"):
-            raise ValueError(f"fail_in must be 'step' or 'save', got {self.fail_in!r}")
-        if not 0 <= self.fail_rank < world_size():
-            raise ValueError(f"fail_rank={self.fail_rank} is not a rank of world_size={world_size()}")
 
     # -- resume --------------------------------------------------------------------------------
     def resume(self) -> tuple[int, list[float]]:
@@ -186,14 +158,13 @@ class Checkpointer:
 
     # -- during training -----------------------------------------------------------------------
     def before_step(self, step: int) -> None:
-        if self.fail_in == "step" and step == self.fail_at and rank() == self.fail_rank and _first_attempt():
-            _die()
+        self.fault.before_step(step)                      # fail_at_step, fail_in="step"
 
     def after_step(self, done: int, losses: list[float]) -> None:
         """Save after ``done`` completed steps when it is a multiple of ``checkpoint_every`` or the end
         (in the background with ``async_save``: the step pays only for a copy into CPU memory)."""
         if self.heartbeat:
-            _beat(self.directory, done)
+            faults.beat(self.directory, done)
         if self.directory is None or self.every is None:
             return
         if done % self.every and done != self.spec.steps:
@@ -205,7 +176,7 @@ class Checkpointer:
             own, replicated = self.state.capture()
             own = {**own, "losses": torch.tensor(losses, dtype=torch.float64),
                    "loss_weight": self.state.loss_weight}
-            hook = self._hook if (self.fail_in == "save" and done == self.fail_at) else None
+            hook = self.fault.save_hook(done)              # fail_at_step, fail_in="save"
             meta = {"strategy": self.spec.strategy, "format": self.state.format, "spec": self._facts()}
             if self.run_id is None:          # only rank 0's counts: store.save hands it to every rank
                 self.run_id = uuid.uuid4().hex
@@ -218,10 +189,6 @@ class Checkpointer:
                 self.writer.submit(store.save, self.directory, done, store.snapshot(own), **kw)
         self.stall_s.append(time.perf_counter() - t0)
         self.saved.append(done)
-
-    def _hook(self, stage: str) -> None:
-        if stage == "written" and rank() == self.fail_rank and _first_attempt():
-            _die()
 
     def summary(self, start: int) -> dict:
         """What to add to the rank's ``info``: ``{"checkpoint": {"resumed_from", "saved"}, "checkpoint_io":
@@ -264,45 +231,6 @@ def for_spec(spec, state: RankState) -> Checkpointer | NoCheckpoints:
     return Checkpointer(spec, state) if spec.checkpoint.requested else NoCheckpoints()
 
 
-def _first_attempt() -> bool:
-    """Planted faults fire on the first attempt only: not after torchrun's restarts (dl.train's restarts
-    drop ``fail_at_step`` themselves)."""
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-
-
-def _beat(directory, done: int) -> None:
-    """Record ``done`` finished steps in ``directory/.heartbeat.json`` (atomically: write a part, then
-    rename it over the heartbeat). A write that fails (a full disk) removes its part, then raises."""
-    path = Path(directory) / HEARTBEAT
-    part = path.with_name(HEARTBEAT + ".part")
-    try:
-        part.write_text(json.dumps({"step": done, "time": time.time()}))
-        os.replace(part, path)
-    except BaseException:
-        part.unlink(missing_ok=True)
-        raise
-
-
-def clear_heartbeat(directory) -> None:
-    """Remove the heartbeat once the restarts are over (it is their bookkeeping, not a checkpoint), and
-    the part of one whose writer was killed before its rename."""
-    for name in (HEARTBEAT, HEARTBEAT + ".part"):
-        (Path(directory) / name).unlink(missing_ok=True)
-
-
-def heartbeat(directory) -> dict | None:
-    """The last heartbeat in ``directory`` ({"step", "time"}), or None."""
-    try:
-        return json.loads((Path(directory) / HEARTBEAT).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _die() -> None:
-    """Die the way a preempted or crashed node does: no exception, no cleanup, no goodbye."""
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _broadcast(obj):
     """Rank 0's ``obj`` on every rank (this process alone when no group is running)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -310,59 +238,3 @@ def _broadcast(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def newest_verified(directory) -> tuple[int | None, str | None, str | None]:
-    """(step to resume from, refusal, note) for ``resume=True``: the newest checkpoint that verifies.
-    A damaged newer one is skipped with a note; step folders of which none verifies are a refusal
-    (starting from scratch would silently overwrite them); no step folder at all is a fresh start."""
-    skipped = []
-    for step in reversed(store.steps(directory)):
-        try:
-            store.verify(directory, step)
-        except store.CheckpointError as err:
-            skipped.append(f"step_{step}: {err}")
-            continue
-        note = (f"resuming from step {step}, the newest checkpoint that verifies, in {directory}; skipped "
-                f"{'; '.join(skipped)} (resume={step} picks it explicitly)") if skipped else None
-        return step, None, note
-    found = store.step_folders(directory)
-    if not found:
-        return None, None, None
-    why = "; ".join(skipped) if skipped else "none of them has a manifest.json"
-    return None, (f"resume=True found {found} in {directory} but no checkpoint that verifies ({why}). Not "
-                  f"starting from scratch over them: move them away, use a new checkpoint_dir, or pass "
-                  f"resume=False to overwrite"), None
-
-
-def check_options(ck: Checkpointing, in_process: str | None = None, *, steps: int | None = None,
-                  world: int | None = None) -> None:
-    """Everything about the checkpoint options that can be checked before any rank starts
-    (`options.check_values`: what they say together against ``steps`` and the ``world`` size when given);
-    then ``checkpoint_dir`` is created and proved writable now, not at the first save."""
-    check_values(ck, in_process, steps=steps, world=world)
-    directory = ck.checkpoint_dir
-    if directory is not None:
-        writable(directory)
-
-
-def writable(directory) -> Path:
-    """Create ``directory`` if need be and prove it writable now, not at the first save."""
-    directory = Path(directory)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".write-test-{os.getpid()}-{threading.get_ident()}-{uuid.uuid4().hex}"
-        probe.write_bytes(b"")        # named for this process, thread and call: two runs checking one
-        probe.unlink()                # directory at once must not remove each other's probe
-    except OSError as err:
-        raise store.CheckpointError(f"checkpoint_dir {str(directory)!r} is not writable "
-                                    f"({err.strerror or err}): choose a directory you can write to") from None
-    return directory
-
-
-def lock(directory) -> exclusive.DirectoryLock:
-    """An exclusive lock on ``directory`` for one training run (rank 0 holds it; the kernel drops it when
-    the process ends, however it ends; no lock file to leave behind). Two runs writing one directory
-    would delete each other's saves: a second live run, in another process or another thread of this
-    one, is refused; a lock whose run is over is taken over (`exclusive`)."""
-    return exclusive.take(writable(directory))
