@@ -109,7 +109,7 @@ def _model_state(directory, info: dict, optimizer: bool) -> dict:
     if meta["optimizer"] is None:
         raise CheckpointError(f"checkpoint step {info['step']} in {directory} holds no optimizer state "
                               f"(saved with model= only): consolidate(directory) gives its model")
-    from ..parallel.placement import Cut
+    from ..parallel.cuts import Cut
     state = {name: {key: source.get(name, key, Cut()) for key in meta["state"][name]}
              for name in meta["names"] if name in meta["state"]}          # (the manifest's dicts are sorted)
     return {"model": model, "optimizer": state, "optimizer_class": meta["optimizer"], "step": info["step"],

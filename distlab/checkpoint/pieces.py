@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import placement
-from ..parallel.placement import Cut
+from ..parallel.cuts import Cut
 from . import store
 from .files import CheckpointError
 
@@ -176,7 +176,7 @@ class Source:
         full = torch.zeros(shape, dtype=getattr(torch, dtype))
         covered = torch.zeros(shape, dtype=torch.bool)
         for r, rec in found:
-            cut = Cut(**rec["cut"])
+            cut = Cut.from_dict(rec["cut"])
             piece = self._file(r)[rec["slot"]]
             cut.put(full, piece)
             cut.put(covered, torch.ones(piece.shape, dtype=torch.bool))

@@ -15,12 +15,9 @@ the same spirit; Megatron's and DeepSpeed's universal checkpoints convert to suc
                                                             the optimizer state at every stage)
     block   block `index` of `parts` along `dim`            dl.tp's layers (``shard_dims``); ``packed=k``:
                                                             the tensor is k blocks (q|k|v), each cut so
+    block, then rows                                        fully_shard over tp blocks (torchtitan's order)
 
-    W (5, 2) over 2 ranks    rank 0                     rank 1
-      rows                   W[0:3]                     W[3:5]              (ceil(5 / 2) = 3 rows a rank)
-      block, dim 1           W[:, 0:1]                  W[:, 1:2]
-      flat, in a bucket      W.flatten()[0:6]           W.flatten()[6:10]   (bucket [W | b (2,)], 12
-                                                        and b whole          elements, 6 a rank)
+(`cuts.Cut`: the arithmetic of each, drawn on one example.)
 
 `describe(model)` reads the wrappers and the layers of ``model`` (nothing is registered anywhere) and
 returns a `Layout`: every logical tensor's name and shape, and this rank's `Piece`\\ s, each a view of
@@ -32,74 +29,15 @@ keep the first copy of each. The files themselves are `distlab.checkpoint`'s bus
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
 
 from . import collectives as C
-
+from .cuts import Cut
 
 MASTER = "master"       # the optimizer-state key of ZeRO's fp32 master copy of low-precision parameters
-
-
-@dataclass(frozen=True)
-class Cut:
-    """How a piece is cut out of its logical tensor (see the module docstring for the four kinds)."""
-
-    kind: str = "whole"                 # "whole" | "rows" | "flat" | "block"
-    start: int = 0                      # rows, flat: [start, stop)
-    stop: int = 0
-    dim: int = 0                        # block: block `index` of `parts` along `dim`, of each of `packed`
-    index: int = 0
-    parts: int = 1
-    packed: int = 1
-
-    def take(self, full: torch.Tensor) -> torch.Tensor:
-        """This cut's piece of ``full`` (a view where one exists)."""
-        if self.kind == "whole":
-            return full
-        if self.kind == "rows":
-            return full[self.start:self.stop]
-        if self.kind == "flat":
-            return full.reshape(-1)[self.start:self.stop]
-        return self._block(full).reshape(self.piece_shape(full.shape))
-
-    def put(self, full: torch.Tensor, piece: torch.Tensor) -> None:
-        """Write ``piece`` where this cut sits in ``full`` (a contiguous tensor of the logical shape)."""
-        if self.kind == "whole":
-            full.copy_(piece)
-        elif self.kind == "rows":
-            full[self.start:self.stop].copy_(piece)
-        elif self.kind == "flat":
-            full.view(-1)[self.start:self.stop].copy_(piece.reshape(-1))
-        else:
-            view = self._block(full)
-            view.copy_(piece.reshape(view.shape))
-
-    def _block(self, full: torch.Tensor) -> torch.Tensor:
-        """(..., packed, d / packed, ...) narrowed to this rank's block of each packed part."""
-        d = full.shape[self.dim]
-        split = [*full.shape[:self.dim], self.packed, d // self.packed, *full.shape[self.dim + 1:]]
-        size = d // self.packed // self.parts
-        return full.view(split).narrow(self.dim + 1, self.index * size, size)
-
-    def piece_shape(self, shape) -> tuple[int, ...]:
-        """The shape of this cut's piece of a tensor of logical ``shape``."""
-        shape = tuple(shape)
-        if self.kind == "rows":
-            return (self.stop - self.start, *shape[1:])
-        if self.kind == "flat":
-            return (self.stop - self.start,)
-        if self.kind == "block":
-            return (*shape[:self.dim], shape[self.dim] // self.parts, *shape[self.dim + 1:])
-        return shape
-
-    def as_dict(self) -> dict:
-        """The JSON form a manifest records (only the fields this kind uses)."""
-        keys = {"whole": (), "rows": ("start", "stop"), "flat": ("start", "stop"),
-                "block": ("dim", "index", "parts", "packed")}[self.kind]
-        return {"kind": self.kind, **{k: getattr(self, k) for k in keys}}
 
 
 @dataclass
@@ -167,11 +105,11 @@ def describe(model: nn.Module) -> Layout:
             out.tensors[name] = (tuple(p.shape), p.dtype)
             out.pieces += [Piece(name, tuple(p.shape), cut, t) for cut, t in flat[id(p)]]
             continue
-        if id(p) in rows and id(p) in blocks:
-            raise ValueError(f"{name} is a fully_shard shard of a tensor-parallel block: a cut of a cut, "
-                             "which placement does not describe yet; save the tensor-parallel model without "
-                             "fully_shard, or gather it first (dl.full_state_dict)")
-        cut, shape = rows.get(id(p)) or blocks.get(id(p)) or (Cut(), tuple(p.shape))
+        cut, shape = rows.get(id(p), (Cut(), tuple(p.shape)))   # fully_shard: rows of what this rank has
+        if id(p) in blocks:                              # a tp block (fully_shard's rows, if any, of it)
+            block = blocks[id(p)]
+            cut = block if cut.kind == "whole" else replace(block, then=cut)
+            shape = tuple(d * block.parts if i == block.dim else d for i, d in enumerate(shape))
         out.tensors[name] = (shape, p.dtype)
         out.by_param[id(p)] = Piece(name, shape, cut, p.detach())
         out.pieces.append(out.by_param[id(p)])
@@ -203,9 +141,9 @@ def _row_shards(module: nn.Module) -> dict[int, tuple[Cut, tuple]]:
     return out
 
 
-def _blocks(module: nn.Module) -> dict[int, tuple[Cut, tuple]]:
-    """{id(parameter): (block cut, full shape)} for what dl.tp's layers (and experts) cut: their
-    ``shard_dims`` name the dim, their ``group`` the parts, ``packed`` a fused q|k|v."""
+def _blocks(module: nn.Module) -> dict[int, Cut]:
+    """{id(parameter): its block cut} for what dl.tp's layers (and experts) cut: their ``shard_dims``
+    name the dim, their ``group`` the parts, ``packed`` a fused q|k|v."""
     out = {}
     for m in module.modules():
         dims, group = getattr(m, "shard_dims", None), getattr(m, "group", None)
@@ -213,11 +151,8 @@ def _blocks(module: nn.Module) -> dict[int, tuple[Cut, tuple]]:
             continue
         for pname, p in m.named_parameters(recurse=False):
             if pname in dims:
-                cut = Cut("block", dim=dims[pname], index=C.group_rank(group), parts=C.group_size(group),
-                          packed=getattr(m, "packed", 1))
-                shape = list(p.shape)
-                shape[cut.dim] *= cut.parts
-                out[id(p)] = (cut, tuple(shape))
+                out[id(p)] = Cut("block", dim=dims[pname], index=C.group_rank(group),
+                                 parts=C.group_size(group), packed=getattr(m, "packed", 1))
     return out
 
 
