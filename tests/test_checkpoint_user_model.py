@@ -67,7 +67,8 @@ class Setup:
     global batch of ``step``, and the full weights gathered by the layout's own means."""
 
     def __init__(self, layout: str, seed: int):
-        self.layout, self.kind = layout, "llama" if layout in ("tp", "fsdp-llama", "tp-ddp") else "mlp"
+        llamas = ("tp", "fsdp-llama", "tp-ddp", "tp-fsdp")
+        self.layout, self.kind = layout, "llama" if layout in llamas else "mlp"
         self.dp = layout in ("fsdp", "hsdp", "ddp", "zero1", "zero3", "fsdp-llama", "zero1-bf16")
         self.dp_rank, self.dp_size = dl.rank(), dl.world_size()
         if layout == "tp":
@@ -77,6 +78,13 @@ class Setup:
             self.dp, self.dp_rank, self.dp_size = True, mesh.dp_rank, 2
             tp = dl.tp.parallelize(llama(seed), plan=LLAMA_PLAN, group=mesh.tp_group)
             self.model = dl.DDP(tp, group=mesh.dp_group)
+        elif layout == "tp-fsdp":                      # torchtitan's order: tp blocks, then fully_shard rows
+            mesh = dl.Mesh(dp=2, tp=2)
+            self.dp, self.dp_rank, self.dp_size = True, mesh.dp_rank, 2
+            self.model = dl.tp.parallelize(llama(seed), plan=LLAMA_PLAN, group=mesh.tp_group)
+            for layer in self.model.model.layers:
+                dl.fully_shard(layer, group=mesh.dp_group)
+            dl.fully_shard(self.model, group=mesh.dp_group)
         elif layout == "fsdp-llama":
             self.model = llama(seed)
             for layer in self.model.model.layers:
@@ -120,6 +128,8 @@ class Setup:
     def full(self) -> dict:
         if self.layout in ("fsdp", "hsdp", "fsdp-llama"):
             return dl.full_state_dict(self.model)
+        if self.layout == "tp-fsdp":
+            return dl.tp.full_state_dict(self.model, local=dl.full_state_dict(self.model))
         if self.layout in ("tp", "tp-ddp"):
             return dl.tp.full_state_dict(getattr(self.model, "module", self.model))
         if self.layout == "zero3":
@@ -172,11 +182,11 @@ def _refusals(root: str) -> list[str]:
 
 
 def _saves_and_loads(root: str) -> dict:
-    """The whole matrix in four launches (world sizes 4, 2, 3, 2)."""
-    out = {}
-    for r in dl.launch(_save, world_size=4, args=(root, ["hsdp", "tp-ddp"]), output="quiet").results:
-        out.setdefault("hsdp", r["hsdp"])
-        out.setdefault("tp-ddp", r["tp-ddp"])
+    """The whole matrix in six launches (world sizes 4, 2, 2, 3, 3, 2)."""
+    out, on_four = {}, ["hsdp", "tp-ddp", "tp-fsdp"]
+    for r in dl.launch(_save, world_size=4, args=(root, on_four), output="quiet").results:
+        for layout in on_four:
+            out.setdefault(layout, r[layout])
     run = dl.launch(_save, world_size=2, args=(root, ["fsdp", "ddp", "tp", "stage", "zero1-bf16"]),
                     output="quiet")
     for layout in ("fsdp", "ddp", "tp"):
@@ -221,7 +231,7 @@ def one_process(directory, kind: str):
     return s
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "ddp", "tp", "stage", "hsdp", "zero3", "tp-ddp"])
+@pytest.mark.parametrize("layout", ["fsdp", "ddp", "tp", "stage", "hsdp", "zero3", "tp-ddp", "tp-fsdp"])
 def test_checkpoint_is_the_model_and_one_process_continues_it(saved, layout):
     """Consolidated: the layout's own full weights, the model's own names and shapes, bit for bit. Loaded
     in one process: the same parameters, and one more AdamW step equals the layout's third step."""
@@ -279,7 +289,7 @@ def test_low_precision_zero_keeps_its_fp32_masters(saved):
 def test_replicas_and_shards_are_written_once(saved):
     """DDP: rank 0 writes everything, rank 1 nothing; fully_shard: each rank its rows, the uneven last
     shard shorter; HSDP (2, 2): only the first replica group writes; tp: blocks per rank, the rest once;
-    DDP over tp: the first replica of each block."""
+    DDP over tp: the first replica of each block; fully_shard over tp: rows of each block."""
     root, _ = saved
     pieces = lambda name: dl.checkpoint.manifest(root / name)["meta"]["pieces"]   # noqa: E731
     ddp = pieces("ddp")
@@ -300,6 +310,11 @@ def test_replicas_and_shards_are_written_once(saved):
     mixed = pieces("tp-ddp")                # tp blocks over ranks (0, 1), DDP replicas (2, 3) of them
     assert mixed[2] == mixed[3] == [] and {p["cut"]["kind"] for p in mixed[1]} == {"block"}
     assert {tuple(p["held_by"]) for p in mixed[1]} == {(1, 3)}
+    nested = [p["cut"] for r in pieces("tp-fsdp") for p in r       # rows (dp) of each block (tp)
+              if p["name"] == "model.layers.0.mlp.down_proj.weight" and not p["key"]]
+    assert nested == [{"kind": "block", "dim": 1, "index": i, "parts": 2, "packed": 1,
+                       "then": {"kind": "rows", "start": lo, "stop": lo + 16}}
+                      for lo in (0, 16) for i in (0, 1)]
 
 
 def test_export_loads_with_from_pretrained(saved, tmp_path, monkeypatch):
