@@ -163,6 +163,12 @@ def _load(root: str, jobs: list[tuple[str, str]]) -> None:
         dl.checkpoint.save(f"{root}/{saved}-{layout}-stepped", 3, model=s.model)
 
 
+def _save_and_load(root: str, layouts: list[str], jobs: list[tuple[str, str]]) -> dict:
+    out = _save(root, layouts)
+    _load(root, jobs)
+    return out
+
+
 def _refusals(root: str) -> list[str]:
     """DDP replicas that differ (rank 1 alone changed a weight): the save refuses; a checkpoint of one's
     own state dicts saved by one process: loading it on two says how to read it."""
@@ -182,16 +188,14 @@ def _refusals(root: str) -> list[str]:
 
 
 def _saves_and_loads(root: str) -> dict:
-    """The whole matrix in six launches (world sizes 4, 2, 2, 3, 3, 2)."""
-    out, on_four = {}, ["hsdp", "tp-ddp", "tp-fsdp"]
-    for r in dl.launch(_save, world_size=4, args=(root, on_four), output="quiet").results:
-        for layout in on_four:
-            out.setdefault(layout, r[layout])
+    """The whole matrix in six launches (world sizes 2, 4, 2, 3, 3, 2)."""
     run = dl.launch(_save, world_size=2, args=(root, ["fsdp", "ddp", "tp", "stage", "zero1-bf16"]),
                     output="quiet")
-    for layout in ("fsdp", "ddp", "tp"):
-        out[layout] = run.results[0][layout]
+    out = {layout: run.results[0][layout] for layout in ("fsdp", "ddp", "tp")}
     out["stage"] = tuple({**run.results[0]["stage"][i], **run.results[1]["stage"][i]} for i in (0, 1))
+    on_four = ["hsdp", "tp-ddp", "tp-fsdp"]
+    run = dl.launch(_save_and_load, world_size=4, args=(root, on_four, [("tp", "tp-fsdp")]), output="quiet")
+    out.update({layout: run.results[0][layout] for layout in on_four})
     dl.checkpoint.save(f"{root}/own", 0, {"x": torch.ones(2)})
     out["refusals"] = dl.launch(_refusals, world_size=2, args=(root,), output="quiet").results[0]
     out["zero3"] = dl.launch(_save, world_size=3, args=(root, ["zero3"]), output="quiet").results[0]["zero3"]
@@ -249,11 +253,12 @@ def test_checkpoint_is_the_model_and_one_process_continues_it(saved, layout):
 
 @pytest.mark.parametrize("saved_as, loaded_as", [("fsdp", "ddp"), ("hsdp", "fsdp"), ("zero3", "fsdp"),
                                                  ("fsdp", "zero3"), ("hsdp", "zero1"), ("ddp", "stage"),
-                                                 ("tp", "fsdp-llama"), ("tp-fsdp-llama-loaded", "tp")])
+                                                 ("tp", "fsdp-llama"), ("tp-fsdp-llama-loaded", "tp"),
+                                                 ("tp", "tp-fsdp")])
 def test_another_layout_at_another_world_size_continues_it(saved, saved_as, loaded_as):
     """fully_shard on 2 -> DDP on 3, HSDP (2, 2) -> fully_shard on 3, ZeRO-3 on 3 -> fully_shard on 2, and
     into ZeRO's flat buckets (stages 3 and 1, on 3 ranks), into pipeline stages, and the tensor-parallel
-    Llama's blocks into fully_shard's rows (2 ranks) and back into blocks: right
+    Llama's blocks into fully_shard's rows (2 ranks), back into blocks, and into rows of blocks: right
     after loading, parameters and optimizer state (every moment, every step count) are exactly the saved
     ones; one more step equals the saving layout's own third step."""
     root, out = saved
