@@ -107,14 +107,20 @@ class Setup:
             names = dl.pp.cut(dl.pp.chain(full), at=["2"])[dl.rank()]
             self.model = dl.pp.named_stage(full, names)
             self.pipe = dl.pp.Pipeline(self.model, dl.rank(), 2, schedule="1f1b", microbatches=2)
+        elif layout == "interleaved":                  # stages r and r + 2 on rank r: the list is the model
+            full, ids = mlp(seed), [dl.rank(), dl.rank() + 2]
+            stages = dl.pp.cut(dl.pp.chain(full), at=["1", "3", "4"])
+            self.model = [dl.pp.named_stage(full, stages[i]) for i in ids]
+            self.pipe = dl.pp.Pipeline(self.model, ids, 4, schedule="interleaved", microbatches=2)
         else:
             self.model = mlp(seed)
+        params = [p for m in self.model for p in m.parameters()] if layout == "interleaved" else None
         self.opt = (self.model.optimizer if layout.startswith("zero")
-                    else torch.optim.AdamW(self.model.parameters(), lr=LR))
+                    else torch.optim.AdamW(params or self.model.parameters(), lr=LR))
 
     def step(self, step: int) -> None:
         x, y = batch(self.kind, step)
-        if self.layout == "stage":
+        if self.layout in ("stage", "interleaved"):
             self.pipe.step(x if self.pipe.first else None, y if self.pipe.last else None)
         else:
             if self.dp:
@@ -135,7 +141,8 @@ class Setup:
         if self.layout == "zero3":
             return self.model.full_state_dict()
         inner = self.model.module if self.layout == "ddp" else self.model
-        return {k: v.detach().clone() for k, v in inner.state_dict().items()}
+        parts = inner if self.layout == "interleaved" else [inner]
+        return {k: v.detach().clone() for m in parts for k, v in m.state_dict().items()}
 
 
 def _save(root: str, layouts: list[str]) -> dict:
@@ -189,10 +196,11 @@ def _refusals(root: str) -> list[str]:
 
 def _saves_and_loads(root: str) -> dict:
     """The whole matrix in six launches (world sizes 2, 4, 2, 3, 3, 2)."""
-    run = dl.launch(_save, world_size=2, args=(root, ["fsdp", "ddp", "tp", "stage", "zero1-bf16"]),
-                    output="quiet")
+    run = dl.launch(_save, world_size=2, args=(root, ["fsdp", "ddp", "tp", "stage", "interleaved",
+                                                       "zero1-bf16"]), output="quiet")
     out = {layout: run.results[0][layout] for layout in ("fsdp", "ddp", "tp")}
-    out["stage"] = tuple({**run.results[0]["stage"][i], **run.results[1]["stage"][i]} for i in (0, 1))
+    for layout in ("stage", "interleaved"):                 # each rank its own stages: the union
+        out[layout] = tuple({**run.results[0][layout][i], **run.results[1][layout][i]} for i in (0, 1))
     on_four = ["hsdp", "tp-ddp", "tp-fsdp"]
     run = dl.launch(_save_and_load, world_size=4, args=(root, on_four, [("tp", "tp-fsdp")]), output="quiet")
     out.update({layout: run.results[0][layout] for layout in on_four})
@@ -235,7 +243,8 @@ def one_process(directory, kind: str):
     return s
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "ddp", "tp", "stage", "hsdp", "zero3", "tp-ddp", "tp-fsdp"])
+@pytest.mark.parametrize("layout", ["fsdp", "ddp", "tp", "stage", "interleaved", "hsdp", "zero3", "tp-ddp",
+                                    "tp-fsdp"])
 def test_checkpoint_is_the_model_and_one_process_continues_it(saved, layout):
     """Consolidated: the layout's own full weights, the model's own names and shapes, bit for bit. Loaded
     in one process: the same parameters, and one more AdamW step equals the layout's third step."""
@@ -245,7 +254,9 @@ def test_checkpoint_is_the_model_and_one_process_continues_it(saved, layout):
     full = dl.checkpoint.consolidate(root / layout)
     assert_equal({k: full[k] for k in at_2}, at_2)
     s = one_process(root / layout, kind)
-    assert list(full) == list(s.model.state_dict())
+    assert sorted(full) == sorted(s.model.state_dict())        # (interleaved stages: rank by rank)
+    if layout != "interleaved":
+        assert list(full) == list(s.model.state_dict())
     assert_equal(s.model.state_dict(), full)
     s.step(2)
     assert_close({k: v for k, v in s.model.state_dict().items() if k in at_3}, at_3)

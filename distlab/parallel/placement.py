@@ -84,13 +84,18 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, object]:
     return model, owner
 
 
-def describe(model: nn.Module) -> Layout:
+def describe(model) -> Layout:
     """This rank's pieces of ``model`` (a plain module, or one under DDP, ZeRO 1-3, fully_shard, a
-    tensor-parallel plan, a pipeline stage, or a mix of them), with every logical tensor's name."""
+    tensor-parallel plan, a pipeline stage, or a mix of them), with every logical tensor's name. Several
+    stages on one rank (an interleaved pipeline): their list, or the ``dl.pp.Pipeline`` holding them."""
     from .pipeline.named import NamedStage
+    stages = model.modules if isinstance(getattr(model, "modules", None), dict) else None   # a Pipeline
+    if isinstance(model, (list, tuple)) or stages is not None:
+        return _merge([describe(m) for m in (stages.values() if stages is not None else model)])
     if not isinstance(model, nn.Module):
         raise TypeError(f"model= takes an nn.Module, got {type(model).__name__}: for a pipeline, the stage "
-                        "module this rank gave dl.pp.Pipeline (dl.pp.named_stage(model, names))")
+                        "module this rank gave dl.pp.Pipeline (dl.pp.named_stage(model, names)), a list of "
+                        "them, or the Pipeline")
     inner, owner = unwrap(model)
     flat = _flat_params(owner) if owner is not None and owner.sharded_params else {}
     rows, blocks = _row_shards(inner), _blocks(inner)
@@ -118,6 +123,18 @@ def describe(model: nn.Module) -> Layout:
         out.pieces.append(Piece(name, tuple(b.shape), Cut(), b))
     out.order = [k for k in inner.state_dict(keep_vars=True) if k in out.tensors or k in out.aliases]
     out.tensors = {k: out.tensors[k] for k in out.order if k in out.tensors} | out.tensors
+    return out
+
+
+def _merge(layouts: list[Layout]) -> Layout:
+    """One rank's stages as one layout: a part of a larger model."""
+    out = Layout(partial=True)
+    for lay in layouts:
+        out.tensors.update(lay.tensors), out.aliases.update(lay.aliases), out.by_param.update(lay.by_param)
+        out.names.update(lay.names)
+        out.pieces += lay.pieces
+        out.order += lay.order
+        out.sharded_optimizer = out.sharded_optimizer or lay.sharded_optimizer
     return out
 
 
