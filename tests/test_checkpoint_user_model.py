@@ -210,7 +210,8 @@ def _saves_and_loads(root: str) -> dict:
     dl.launch(_load, world_size=3, args=(root, [("fsdp", "ddp"), ("hsdp", "fsdp"), ("fsdp", "zero3"),
                                                 ("hsdp", "zero1"), ("zero1-bf16", "zero1-bf16")]),
               output="quiet")
-    dl.launch(_load, world_size=2, args=(root, [("zero3", "fsdp"), ("ddp", "stage"), ("tp", "fsdp-llama"),
+    dl.launch(_load, world_size=2, args=(root, [("zero3", "fsdp"), ("ddp", "stage"), ("ddp", "interleaved"),
+                                                ("tp", "fsdp-llama"),
                                                 ("tp-fsdp-llama-loaded", "tp")]), output="quiet")
     return out
 
@@ -264,6 +265,7 @@ def test_checkpoint_is_the_model_and_one_process_continues_it(saved, layout):
 
 @pytest.mark.parametrize("saved_as, loaded_as", [("fsdp", "ddp"), ("hsdp", "fsdp"), ("zero3", "fsdp"),
                                                  ("fsdp", "zero3"), ("hsdp", "zero1"), ("ddp", "stage"),
+                                                 ("ddp", "interleaved"),
                                                  ("tp", "fsdp-llama"), ("tp-fsdp-llama-loaded", "tp"),
                                                  ("tp", "tp-fsdp")])
 def test_another_layout_at_another_world_size_continues_it(saved, saved_as, loaded_as):
