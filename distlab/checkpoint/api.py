@@ -24,9 +24,10 @@ def save(directory, step: int, state: dict | None = None, *, model=None, optimiz
     """Save checkpoint ``step`` on every rank (a collective); returns the ``step_N`` path.
 
     ``model=`` (and ``optimizer=``): a model under any distlab layout (DDP, ZeRO, fully_shard, tensor or
-    pipeline parallel, plain), saved with where each piece sits, so `load` can put it into any other
-    layout at any world size (`pieces`); ``keep_last`` applies. ``state``: a dict of your own per rank
-    (`store.save`: ``replicated``, ``group``, ``keep_last``, ``meta``... apply)."""
+    pipeline parallel, plain; several stages on one rank: their list), saved with where each piece
+    sits, so `load` can put it into any other layout at any world size (`pieces`); ``keep_last``
+    applies. ``state``: a dict of your own per rank (`store.save`: ``replicated``, ``group``,
+    ``keep_last``, ``meta``... apply)."""
     if model is None and optimizer is not None:
         raise ValueError("optimizer= needs model= too (the optimizer's state is saved per parameter of it)")
     if model is not None:
