@@ -75,7 +75,8 @@ def _sha(data: bytes) -> str:
 def copy(directory, force: bool = False) -> dict[str, list[Path]]:
     """Write the student and solved versions of every lesson into ``directory`` (see the module's
     docstring) and link ``directory/distlab`` to the package. Returns {"written": [...], "kept": [...]}:
-    the files written or refreshed, and the learner's changed copies left alone (unless ``force``)."""
+    the files written or refreshed, and the learner's changed copies of lessons that changed since, left
+    alone (unless ``force``)."""
     root = Path(directory).expanduser()
     manifest_path = root / MANIFEST
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
@@ -87,8 +88,9 @@ def copy(directory, force: bool = False) -> dict[str, list[Path]]:
             if now == _sha(data):
                 manifest[key] = now                                    # up to date
                 continue
-            if now is not None and now != manifest.get(key) and not force:
-                done["kept"].append(target)                            # the learner's: left alone
+            if now is not None and now != manifest.get(key) and not force:    # the learner's: left alone,
+                if manifest.get(key) != _sha(data):                           # named if the lesson changed
+                    done["kept"].append(target)
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(data)

@@ -94,9 +94,33 @@ def test_a_student_works_in_lab_and_the_checkout_stays_clean(tmp_path):
     assert [o.get("ename") for o in check.outputs if o.output_type == "error"] == ["ExerciseNotPassed"]
     edited = mine.read_bytes()
 
-    again = _make_lab_writes(clone)                          # `make lab` again: the learner's work is kept
-    assert mine.read_bytes() == edited and f"student/{LESSON}" in again
+    _make_lab_writes(clone)                                  # `make lab` again: the learner's work is kept
+    assert mine.read_bytes() == edited
     assert _git(clone, "status", "--porcelain", "--untracked-files=all") == ""
+
+
+def test_lab_refreshes_what_the_learner_left_alone_and_keeps_the_rest(tmp_path, monkeypatch):
+    import distlab.lessons as lessons
+    src = tmp_path / "src"
+    src.mkdir()
+    lesson = src / "00_a.ipynb"
+    monkeypatch.setattr(lessons, "source", lambda: src)
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("one")])
+    nbformat.write(nb, lesson)
+    done = lessons.copy(tmp_path / "lab")
+    assert len(done["written"]) == 2 and not done["kept"]
+    nb.cells[0].source = "two"                                   # the lesson changes: untouched copies follow
+    nbformat.write(nb, lesson)
+    assert len(lessons.copy(tmp_path / "lab")["written"]) == 2
+    mine = tmp_path / "lab" / "student" / "00_a.ipynb"
+    mine.write_text(mine.read_text().replace("two", "my notes"))
+    assert lessons.copy(tmp_path / "lab") == {"written": [], "kept": []}    # the learner's edit: kept
+    nb.cells[0].source = "three"
+    nbformat.write(nb, lesson)
+    done = lessons.copy(tmp_path / "lab")                         # the lesson changed under it: kept, named
+    assert done["kept"] == [mine] and "my notes" in mine.read_text()
+    assert "student/00_a.ipynb" in lessons.report(tmp_path / "lab", done)
+    assert lessons.copy(tmp_path / "lab", force=True)["written"] == [mine] and "three" in mine.read_text()
 
 
 def _submission(folder: Path, solution: str, check: str | None = None) -> Path:
