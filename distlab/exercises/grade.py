@@ -101,7 +101,8 @@ def execute(nb: dict, folder: Path, timeout: float) -> tuple[dict, str | None]:
                           f"(or nbclient and ipykernel) ({err})") from err
     node = nbformat.from_dict(nb)
     client = NotebookClient(node, timeout=timeout, kernel_name="python3", allow_errors=True,
-                            interrupt_on_timeout=True, resources={"metadata": {"path": str(folder)}})
+                            interrupt_on_timeout=True, resources={"metadata": {"path": str(folder)}},
+                            extra_arguments=["--IPKernelApp.log_level=ERROR"])   # no warning per kernel
     try:
         client.execute()
     except Exception as err:                               # noqa: BLE001 - a dead kernel, reported per exercise
@@ -190,7 +191,11 @@ def grade(path, timeout: float = 600.0, all_cells: bool = False, echo=None) -> l
     outcomes = []
     for nb in notebooks(root):
         name = str(nb.relative_to(root)) if root.is_dir() else nb.name
-        found = grade_notebook(nb, timeout, all_cells, name=name)
+        try:
+            found = grade_notebook(nb, timeout, all_cells, name=name)
+        except (ValueError, KeyError, UnicodeDecodeError) as err:   # not a notebook: said, the rest goes on
+            found = [Outcome(name, "(notebook)", "error", 0.0, 0.0,
+                             f"could not read it: {type(err).__name__}: {err}")]
         if echo and found:
             echo(found)
         outcomes += found
