@@ -36,7 +36,7 @@ BIN     = $(VENV)/bin
 REPRODUCIBLE = OMP_NUM_THREADS=1 MKL_CBWR=AVX2 ATEN_CPU_CAPABILITY=avx2
 STAMP   = $(VENV)/.installed
 
-.PHONY: lab lab-solved test test-slow test-fast lint notebooks sources student bench browser clean
+.PHONY: lab lab-solved test test-slow test-fast lint notebooks sources student bench browser clean gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -108,3 +108,13 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Every GPU figure the project lacks, in one command of under 8 minutes on one GPU (benchmarks/gpu_check.py:
+# the gpu-marked tests, the memory ledger beside CUDA's allocator, bf16 step time and MFU, the collective
+# benchmarks on CUDA tensors; results in benchmarks/results/gpu/ and README's GPU table). It installs nothing
+# (a lent GPU machine has no internet): it runs in the .venv that `make test` made (torch with CUDA, the test
+# extra), order-only, so an existing .venv is used as it is. The same script on a CPU in seconds:
+#   python benchmarks/gpu_check.py --dry
+GPU_CHECK_ARGS ?=
+gpu-check: | $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py $(GPU_CHECK_ARGS)

@@ -78,7 +78,9 @@ class Run:
 # -- choosing how to launch ---------------------------------------------------------------------
 def _cuda_count() -> int:
     import torch
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    # device_count() asks NVML and leaves CUDA uninitialised; is_available() would call cuInit here, and a
+    # child forked after that cannot use CUDA ("poison fork", torch docs: torch.cuda.is_available's note)
+    return torch.cuda.device_count()
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
