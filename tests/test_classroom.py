@@ -138,7 +138,7 @@ def test_distlab_grade_scores_a_folder_and_writes_junit_and_json(tmp_path, capsy
     _submission(subs / "alice", solution_source("buckets"))
     _submission(subs / "bob", WRONG, check="print('PASSED buckets')")     # a check edited to pass: restored
     junit, summary = tmp_path / "grades.xml", tmp_path / "grades.json"
-    assert main(["grade", str(subs), "--junit", str(junit), "--json", str(summary)]) == 1
+    assert main(["grade", str(subs), "--junit", str(junit), "--json", str(summary), "--jobs", "2"]) == 1
     out = capsys.readouterr().out
     assert "buckets" in out and "total 1/2" in out and "expected" in out      # bob's first difference
 

@@ -185,11 +185,13 @@ def notebooks(path) -> list[Path]:
                   if not any(part.startswith(".") or part in skip for part in p.relative_to(path).parts))
 
 
-def grade(path, timeout: float = 600.0, all_cells: bool = False, echo=None) -> list[Outcome]:
-    """Every exercise of every notebook at ``path``; ``echo(outcomes)`` after each notebook."""
+def grade(path, timeout: float = 600.0, all_cells: bool = False, echo=None, jobs: int = 1) -> list[Outcome]:
+    """Every exercise of every notebook at ``path``, ``jobs`` notebooks at a time (a kernel each);
+    ``echo(outcomes)`` as each notebook finishes. Returned in the notebooks' order."""
+    from concurrent.futures import ThreadPoolExecutor
     root = Path(path)
-    outcomes = []
-    for nb in notebooks(root):
+
+    def one(nb: Path) -> list[Outcome]:
         name = str(nb.relative_to(root)) if root.is_dir() else nb.name
         try:
             found = grade_notebook(nb, timeout, all_cells, name=name)
@@ -198,8 +200,10 @@ def grade(path, timeout: float = 600.0, all_cells: bool = False, echo=None) -> l
                              f"could not read it: {type(err).__name__}: {err}")]
         if echo and found:
             echo(found)
-        outcomes += found
-    return outcomes
+        return found
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return [o for found in pool.map(one, notebooks(root)) for o in found]
 
 
 # -- reporting ------------------------------------------------------------------------------------
@@ -263,6 +267,7 @@ def add_parser(sub) -> None:
     p.add_argument("--json", metavar="FILE", help="write the scores as JSON ('-': stdout)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a cell may run before it is interrupted")
+    p.add_argument("--jobs", "-j", type=int, default=1, help="notebooks graded at once (a kernel each)")
     p.add_argument("--all-cells", action="store_true",
                    help="run every cell of each notebook, not only its exercise section")
     p.add_argument("--template", action="store_true",
@@ -279,8 +284,8 @@ def run(args) -> int:
         print("distlab: error: grade needs a PATH (a notebook or a folder), or --template", file=sys.stderr)
         return 2
     out = sys.stderr if args.json == "-" else sys.stdout
-    outcomes = grade(args.path, args.timeout, args.all_cells, echo=lambda found: print(score_lines(found),
-                                                                                      file=out, flush=True))
+    outcomes = grade(args.path, args.timeout, args.all_cells, jobs=args.jobs,
+                     echo=lambda found: print(score_lines(found), file=out, flush=True))
     if not outcomes:
         print(f"distlab: error: no graded exercise cells in {args.path}", file=sys.stderr)
         return 2
