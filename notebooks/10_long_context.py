@@ -318,7 +318,7 @@ plt.show()
 # %% [markdown]
 # By the schedule, in the contiguous run rank 3 computes four block pairs of s/4 while rank 0 computes one and then
 # sits in its hops, waiting for blocks that are late because their senders are busy; in the zig-zag run every rank
-# computes nine pairs of s/8, in 9/4 units of time instead of 4. **This timeline does not show that cleanly, and is
+# computes nine pairs of s/8, in 9/4 units of time instead of 4. **The timeline above does not show that cleanly, and is
 # not the evidence for it**: 4 ranks share 2 CPU cores (and other programs), a block pair here takes about a
 # millisecond, as long as a rank being descheduled, so the wall-clock compute per rank printed below is uneven in
 # both layouts (slowest / mean well above 1 for zig-zag too, and a different rank slowest from run to run; this
