@@ -15,6 +15,8 @@
 # %% [markdown]
 # # 04 · Tensor parallelism and sequence parallelism
 #
+# *Symbols (N, Ψ, S, α, B, b, s, h, ...) as in [docs/notation.md](../docs/notation.md), the one table for every lesson.*
+#
 # Data parallelism copies the model; **tensor parallelism (TP)** cuts every big matrix into t pieces, one per rank,
 # so a model too large for one GPU fits on t of them (Shoeybi et al. 2019, *Megatron-LM*). The ranks then have to
 # talk *inside* every layer, which is why TP lives within a node, on the fastest links.

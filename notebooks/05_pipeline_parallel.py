@@ -15,6 +15,8 @@
 # %% [markdown]
 # # 05 · Pipeline parallelism: schedules, bubbles and stashed activations
 #
+# *Symbols (N, Ψ, S, α, B, b, s, h, ...) as in [docs/notation.md](../docs/notation.md), the one table for every lesson.*
+#
 # **Pipeline parallelism (PP)** cuts the model by depth: rank 0 holds the first layers, rank 1 the next, and so on.
 # Activations travel forward from rank to rank and gradients travel back, point to point: the cheapest
 # communication of all the parallelisms, which is why PP can cross the slow links between nodes (so can DP, whose

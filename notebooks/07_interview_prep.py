@@ -15,6 +15,8 @@
 # %% [markdown]
 # # 07 · Interview prep: the numbers behind distributed training
 #
+# *Symbols (N, Ψ, S, α, B, b, s, h, ...) as in [docs/notation.md](../docs/notation.md), the one table for every lesson.*
+#
 # Every question about distributed training ends in arithmetic: *how many bytes per GPU*, *how long does the
 # all-reduce take*, *how much of the pipeline sits idle*. `dl.theory` holds those formulas, each one citing the
 # paper it comes from and tested against the paper's own figures; `dl.widgets` puts them behind sliders.

@@ -15,6 +15,8 @@
 # %% [markdown]
 # # 10 · Long context: ring attention and Ulysses
 #
+# *Symbols (N, Ψ, S, α, B, b, s, h, ...) as in [docs/notation.md](../docs/notation.md), the one table for every lesson.*
+#
 # Every layer of a transformer but one acts on each token alone: embeddings, LayerNorm, the MLP, the LM head.
 # **Attention** is the exception: every query looks at every (earlier) key. That makes long sequences expensive in
 # two ways: the score matrix softmax(QKᵀ) is s × s per head (memory **quadratic** in s), and even without storing it,
