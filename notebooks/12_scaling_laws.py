@@ -331,9 +331,9 @@ for B in BATCH_SIZES:
 # * from B_simple / 2 on, they stop paying as McCandlish predicts: the measured loss is within 25% of the prediction
 #   and at least twice B = 8's at B ≥ 2 B_simple.
 #
-# Below B_simple / 2 the prediction is pessimistic (it rises from B = 32 on, the measurement does not): the noise scale was
-# much smaller early in training, where the formula says large batches were wasted, yet the linear rule's larger
-# learning rate made those early steps up. The formula assumes the best learning rate at every B, which the linear
+# Below B_simple / 2 the prediction is pessimistic (it rises from B = 32 on, the measurement does not): the noise
+# scale was much smaller early in training, where the formula says large batches were wasted, yet the linear
+# rule's larger learning rate made those early steps up. The formula assumes the best learning rate at every B, which the linear
 # rule is only near.
 
 # %%
