@@ -15,6 +15,8 @@
 # %% [markdown]
 # # 09 · FSDP2 and HSDP: one shard per parameter, and sharding inside a node
 #
+# *Symbols (N, Ψ, S, α, B, b, s, h, ...) as in [docs/notation.md](../docs/notation.md), the one table for every lesson.*
+#
 # Lesson 03 built ZeRO-3 the way DeepSpeed and PyTorch's first FSDP do: each *unit* (a transformer block, the
 # root) flattens its parameters into **one padded buffer**, and rank r keeps chunk r of it. PyTorch's current
 # answer, **FSDP2** (`torch.distributed.fsdp.fully_shard`; Zhao et al. 2023, *PyTorch FSDP*, and the per-parameter

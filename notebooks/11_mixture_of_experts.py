@@ -15,6 +15,8 @@
 # %% [markdown]
 # # 11 · Mixture of experts: routing, capacity, and expert parallelism
 #
+# *Symbols (N, Ψ, S, α, B, b, s, h, ...) as in [docs/notation.md](../docs/notation.md), the one table for every lesson.*
+#
 # A dense transformer spends the same FLOPs on every token. A **mixture of experts** (MoE) replaces each block's MLP
 # by E MLPs, the *experts*, and a small *router* that sends each token to k of them (Shazeer et al. 2017,
 # *Outrageously Large Neural Networks*; GShard, Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021). The

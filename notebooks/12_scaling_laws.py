@@ -15,6 +15,8 @@
 # %% [markdown]
 # # 12 · Scaling laws for the cluster: when more GPUs stop paying
 #
+# *Symbols (N, Ψ, S, α, B, b, s, h, ...) as in [docs/notation.md](../docs/notation.md), the one table for every lesson.*
+#
 # Adding data-parallel ranks multiplies the batch and, ideally, the throughput. Four things decide whether it does,
 # and this lesson measures each on this machine:
 #
