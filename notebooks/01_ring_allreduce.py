@@ -25,7 +25,7 @@
 #   chunk r fully summed; N-1 steps of **all-gather** pass the summed chunks around. Every link carries the same
 #   2(N-1)/N·S, so **T = 2(N-1)·α + 2(N-1)/N · S/B**, which hardly grows with N.
 # * **Tree**: reduce up a tree and broadcast back down, log2 N levels. Done plainly, each level forwards the whole
-#   buffer, so T = 2·log2 N·(α + S/B): few latencies, many bytes (this is `dl.theory.comm_time(..., "tree")`). NCCL's
+#   buffer, so T = 2·log2 N·(α + S/B): few latencies, many bytes (`dl.theory.comm_time(..., algorithm="tree")`). NCCL's
 #   **double binary tree** (Sanders et al. 2009; NCCL 2.4) instead pipelines: the buffer is cut into chunks that
 #   stream through two complementary trees at once, which keeps the bytes per rank close to the ring's while the
 #   latency grows only with log2 N. NCCL picks it for all-reduces across many nodes, small and mid-sized messages
