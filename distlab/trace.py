@@ -62,6 +62,10 @@ class Tracer:
         self.enabled = enabled
         self._epoch_ns = time.perf_counter_ns()
         self._events: list[tuple] = []
+        # Set from outside while a profiler records this rank (`distlab.launch.profiler`): ``ranges(name)``
+        # gives a context manager that opens the profiler's own range (``torch.profiler.record_function``)
+        # around every span. None (no profiler): a span costs one attribute check more.
+        self.ranges = None
 
     def reset_epoch(self) -> None:
         """Make *now* time zero (called after the start-up barrier, so ranks share an axis)."""
@@ -80,7 +84,11 @@ class Tracer:
         """Time a block of work: ``with tracer.span("backward", microbatch=3): ...``."""
         with self._timed(lambda start, end: self._events.append(("span", name, start, end,
                                                                  {"cat": cat, **args}))):
-            yield
+            if self.ranges is None:
+                yield
+            else:
+                with self.ranges(name):
+                    yield
 
     @contextlib.contextmanager
     def _timed(self, write) -> Iterator[None]:

@@ -48,7 +48,7 @@ import multiprocessing as mp
 
 from ..progress import ProgressBar, shown_by_default
 from ..trace import Trace
-from . import flight, torchrun
+from . import flight, profiler, torchrun
 from . import rank as rank_side
 from .supervisor import (EXIT_SECONDS, LaunchError, RankStatus, Supervisor, interrupts_deferred,
                          raise_if_failed, shutdown)
@@ -183,15 +183,20 @@ def _import_before_forking() -> None:
 # -- the launch ---------------------------------------------------------------------------------
 def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | None = None,
            backend: str = "auto", start_method: str = "auto", timeout: float = 300.0,
-           output: str = "ordered", host: str = "127.0.0.1", progress: bool | None = None) -> Run:
+           output: str = "ordered", host: str = "127.0.0.1", progress: bool | None = None,
+           profile=None) -> Run:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return a `Run`.
 
     ``timeout`` bounds the whole launch and every collective inside it (the process group's own
     timeout), so a hang ends in a `LaunchError` naming the ranks that never finished. ``host`` is
     where the rendezvous listens: loopback unless you give an address other machines can reach.
     ``progress``: a bar for what ranks report with ``dl.progress`` (None: if a person watches).
+    ``profile``: a directory; every rank runs ``fn`` under torch.profiler with distlab's spans and comm
+    events as its ranges, writes ``rank{r}.json`` there, and the launch merges them into ``trace.json``
+    (`distlab.launch.profiler`).
     """
     _check_inputs(fn, world_size, output, timeout, host)
+    profile_dir = profiler.prepare(profile)
     kwargs = dict(kwargs or {})
     if rank_side.INSIDE_A_LAUNCH in os.environ:
         raise RuntimeError(f"dl.launch was called inside rank {os.environ[rank_side.INSIDE_A_LAUNCH]} of "
@@ -203,7 +208,7 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
             raise ValueError(f"running under torchrun with WORLD_SIZE={launched}, but world_size="
                              f"{world_size}: pass world_size={launched} (torchrun decides how many processes "
                              f"run), or change torchrun's --nproc-per-node / --nnodes")
-        return Run(**torchrun.launch_here(fn, args, kwargs, backend, timeout, progress))
+        return Run(**torchrun.launch_here(fn, args, kwargs, backend, timeout, progress, profile_dir))
 
     backend = resolve_backend(backend, world_size)
     method = resolve_start_method(start_method)
@@ -221,6 +226,7 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
                 world_size=world_size, backend=backend, host=host, port=rendezvous.port,
                 rank0_listen_fd=rendezvous.fd_for_rank0, threads=threads_per_rank(world_size),
                 pg_timeout=float(timeout), local_world_size=world_size, flight_dir=box.path,
+                profile_dir=profile_dir,
                 payload=(fn, tuple(args), kwargs) if method == "fork" else
                 _spawn_payload(fn, tuple(args), kwargs))
             _in_a_fresh_thread(_start_ranks, mp.get_context(method), spec, rendezvous, ranks, deadline)
@@ -234,9 +240,12 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
             if rendezvous is not None:
                 rendezvous.close()
             records = box.collect(world_size) if box is not None else {}    # once every rank is gone
-    return _collect(ranks, supervisor, output, timeout, records,
-                    dict(world_size=world_size, backend=backend, start_method=method,
-                         seconds=time.perf_counter() - started))
+    run = _collect(ranks, supervisor, output, timeout, records,
+                   dict(world_size=world_size, backend=backend, start_method=method,
+                        seconds=time.perf_counter() - started))
+    if profile_dir is not None:
+        profiler.merge(profile_dir, world_size)
+    return run
 
 
 class _Rendezvous:

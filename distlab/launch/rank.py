@@ -51,6 +51,7 @@ class RankSpec:
     payload: object               # (fn, args, kwargs), or cloudpickle bytes of it under spawn
     local_world_size: int
     flight_dir: str | None = None  # where this rank's flight recorder keeps its last operations
+    profile_dir: str | None = None  # torch.profiler records fn; this rank's trace goes here (`profiler`)
 
 
 def _leave_parent(lifeline_end) -> None:
@@ -126,6 +127,15 @@ def _encode_result(rank: int, value: object) -> bytes:
             "return plain data instead (numbers, strings, lists, dicts, tensors)") from None
 
 
+def _run(fn, args, kwargs, profile_dir: str | None, rank: int, tracer):
+    """``fn(*args, **kwargs)``, under torch.profiler when the launch asked for a profile."""
+    if profile_dir is None:
+        return fn(*args, **kwargs)
+    from .profiler import RankProfiler
+    with RankProfiler(profile_dir, rank, tracer):
+        return fn(*args, **kwargs)
+
+
 def main(rank: int, spec: RankSpec, out_conn, result_conn, lifeline_end, fds_to_close: list[int]) -> None:
     _leave_parent(lifeline_end)
     for fd in fds_to_close:
@@ -167,7 +177,7 @@ def main(rank: int, spec: RankSpec, out_conn, result_conn, lifeline_end, fds_to_
         dist.barrier()
         tracer.reset_epoch()
         recorder = flight.start(flight.ring_path(spec.flight_dir, rank)) if spec.flight_dir else None
-        value = fn(*args, **kwargs)
+        value = _run(fn, args, kwargs, spec.profile_dir, rank, tracer)
         flight.stop(recorder)
         message = ("ok", _encode_result(rank, value), tracer.export())
     except BaseException:

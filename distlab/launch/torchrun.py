@@ -37,6 +37,8 @@ from datetime import timedelta
 
 from ..progress import bar_here, shown_by_default
 from ..trace import Trace
+from . import profiler
+from . import rank as rank_side
 
 
 def init_process_group(backend: str, timeout: float) -> None:
@@ -65,7 +67,7 @@ def _leave_process_group() -> None:
             pass
 
 
-def launch_here(fn, args, kwargs, backend, timeout, progress=None) -> dict:
+def launch_here(fn, args, kwargs, backend, timeout, progress=None, profile_dir=None) -> dict:
     """Already one of N processes (torchrun): run here, gather every rank's result to all. Returns the
     fields of the `Run` (`distlab.launch.parent`)."""
     import torch
@@ -86,8 +88,10 @@ def launch_here(fn, args, kwargs, backend, timeout, progress=None) -> dict:
     dist.barrier()
     tracer.reset_epoch()
     with bar_here(me == 0 and (shown_by_default() if progress is None else progress)):
-        value = fn(*args, **kwargs)
+        value = rank_side._run(fn, args, kwargs, profile_dir, me, tracer)
     gathered: list = [None] * n
-    dist.all_gather_object(gathered, (value, tracer.export()))
+    dist.all_gather_object(gathered, (value, tracer.export()))      # every rank's file is written by now
+    if profile_dir is not None and me == 0:
+        profiler.merge(profile_dir, n)
     return dict(results=[g[0] for g in gathered], trace=Trace.merge([g[1] for g in gathered]),
                 outputs=[""] * n, world_size=n, backend=dist.get_backend(), start_method="torchrun")
