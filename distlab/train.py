@@ -15,6 +15,8 @@ the newest checkpoint that verifies, bit-exact (a damaged newer one is skipped, 
 dynamically; a step whose gradients hold an inf/NaN on any rank is skipped on all (``report.numerics``);
 ``memory_limit="64MB"`` raises an out-of-memory error the moment the ledger crosses it.
 ``async_save=True`` writes checkpoints in the background (`distlab.checkpoint.background`).
+``profile="prof"`` runs every rank under torch.profiler: prof/rank{r}.json and the merged prof/trace.json,
+with distlab's spans and collectives as ranges (`distlab.launch.profiler`; measured: `distlab.viz.profile`).
 ``max_restarts=k`` relaunches a failed run from its
 newest checkpoint up to k times, on fewer ranks with ``shrink`` (`strategies.restart`; ``report.restarts``).
 
@@ -34,6 +36,7 @@ loop, `distlab.strategies.loop`.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -188,12 +191,25 @@ def _single(train_rank, spec: TrainSpec, progress: bool | None) -> Report:
     from .trace import Trace
     start, tr = time.perf_counter(), tracer()
     mark, t0 = len(tr.export()), tr.now()
-    with bar_here(shown_by_default() if progress is None else progress):
+    with bar_here(shown_by_default() if progress is None else progress), _profiled(spec, tr):
         result = train_rank(spec)
     _print_notes([result])
     trace = Trace.merge({0: tr.export()[mark:]}).shifted(-t0)       # 0: the run starts, as in a launch
     return Report(spec, 1, result.losses, result.params, None, [result.info.get("memory", {})],
                   [result.info.get("comm", {})], [result], time.perf_counter() - start, trace)
+
+
+@contextlib.contextmanager
+def _profiled(spec: TrainSpec, tr):
+    """``single`` with ``profile=DIR``: this process as rank 0 of a launch's profile (`launch.profiler`)."""
+    from .launch import profiler
+    directory = profiler.prepare(spec.profiling.profile)
+    if directory is None:
+        yield
+        return
+    with profiler.RankProfiler(directory, 0, tr):
+        yield
+    profiler.merge(directory, 1)
 
 
 def _launched(train_rank, spec: TrainSpec, world_size: int, output: str, timeout: float,
@@ -202,7 +218,7 @@ def _launched(train_rank, spec: TrainSpec, world_size: int, output: str, timeout
     from .launch import launch
     start, strategy = time.perf_counter(), spec.strategy
     run = launch(train_rank, world_size=world_size, args=(spec,), output=output, timeout=timeout,
-                 progress=progress)
+                 progress=progress, profile=spec.profiling.profile)
     results: list[RankResult] = run.results
     _print_notes(results)
     holder = next((r for r in results if r.losses is not None), None)

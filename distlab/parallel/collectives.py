@@ -139,10 +139,9 @@ class Collectives:
         if self.comm == "ring":
             from .. import comm as ring
             return self._ring(partial(ring.pipelined_all_reduce, t, op=op, group=self.group), async_op)
-        red = dist.ReduceOp.SUM
-        work = dist.all_reduce(t, op=red, group=self.group, async_op=True)
         post = (lambda: t.div_(self.size)) if op == "avg" else None
-        return self._torch(work, "all_reduce", t.numel(), t.element_size(), async_op, post)
+        return self._torch(lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True),
+                           "all_reduce", t.numel(), t.element_size(), async_op, post)
 
     @torch.no_grad()
     def reduce_scatter(self, flat: torch.Tensor, out: torch.Tensor, op: str = "avg",
@@ -156,9 +155,10 @@ class Collectives:
             from .. import comm as ring
             scatter = partial(ring.pipelined_reduce_scatter, flat, op=op, group=self.group, out=out)
             return self._ring(scatter, async_op)
-        work = dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         post = (lambda: out.div_(self.size)) if op == "avg" else None
-        return self._torch(work, "reduce_scatter", flat.numel(), flat.element_size(), async_op, post)
+        return self._torch(lambda: dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM,
+                                                              group=self.group, async_op=True),
+                           "reduce_scatter", flat.numel(), flat.element_size(), async_op, post)
 
     def _divide_first(self, t: torch.Tensor, op: str) -> str:
         """An fp16 average divides by N before summing, as torch's DDP ``allreduce_hook`` does for every
@@ -182,8 +182,8 @@ class Collectives:
             return self._ring(gather, async_op)
         if shard.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
             shard = shard.clone()                     # not every backend gathers in place
-        work = dist.all_gather_single(out, shard, group=self.group, async_op=True)
-        return self._torch(work, "all_gather", out.numel(), out.element_size(), async_op)
+        return self._torch(lambda: dist.all_gather_single(out, shard, group=self.group, async_op=True),
+                           "all_gather", out.numel(), out.element_size(), async_op)
 
     @torch.no_grad()
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
@@ -216,9 +216,9 @@ class Collectives:
             handle.wait()
         return handle
 
-    def _torch(self, work, op: str, numel: int, element_size: int, async_op: bool, post=None) -> Handle:
+    def _torch(self, launch, op: str, numel: int, element_size: int, async_op: bool, post=None) -> Handle:
         tr = tracer()
-        start = tr.now()
+        start, work = tr.now(), launch()             # from before the launch call: gloo's may block in it
         sent, received = ring_bytes(numel, element_size, self.size, self.rank, op)
         tags = current_tags()                         # the scope at launch, not at wait
         finished: list[float] = []                    # when the backend completed, if it tells us

@@ -57,7 +57,7 @@ NAMED = {
 MESH_FORM = "3d:dp=D,tp=T,pp=P"
 ALIASES = {"sp": "sequence_parallel"}
 #: the keywords every strategy takes: the loop's (memory), the numerics' and the checkpoint's
-SHARED = ("memory_limit", "recompute") + CHECKPOINT_OPTIONS
+SHARED = ("memory_limit", "recompute") + CHECKPOINT_OPTIONS + ("profile",)
 TOP = tuple(f.name for f in fields(TrainSpec) if f.name not in CONCERNS and f.name != "strategy")
 _TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
 

@@ -11,6 +11,7 @@ dataclass per concern, each field with its default, its rule (`distlab.rules`) a
     +- checkpoint:          checkpoint_dir, checkpoint_every, keep_last, resume, async_save, fault
     |  Checkpointing        injection (`distlab.checkpoint.options`)
     +- restart: Restart     max_restarts, shrink
+    +- profiling: Profiling profile (a directory for torch.profiler's traces)
 
 A field's name is the keyword that sets it (``dl.train(..., bucket_mb=1)`` sets
 ``spec.data_parallel.bucket_mb``). Specs are made by `distlab.strategies.parse` from a strategy name
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 
 from ..checkpoint.options import Checkpointing
 from ..memory import parse_bytes
-from ..rules import Custom, Flag, Number, OneOf, Text, Whole, check_fields, option
+from ..rules import Custom, Directory, Flag, Number, OneOf, Text, Whole, check_fields, option
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")     # fp16: with dynamic loss scaling (`numerics`)
@@ -168,9 +169,22 @@ class Restart:
         check_fields(self)
 
 
+@dataclass(frozen=True)
+class Profiling:
+    """torch.profiler around the run, distlab's spans and collectives as its ranges
+    (`distlab.launch.profiler`; measured from: `distlab.viz.profile`)."""
+
+    profile: object = option(None, Directory(example="prof", none="no profile"),
+                             "a directory: each rank's torch.profiler trace (rank{r}.json) and the merged "
+                             "trace.json, one process per rank (Perfetto, Holistic Trace Analysis)")
+
+    def __post_init__(self):
+        check_fields(self)
+
+
 #: the concerns, by the TrainSpec field that holds each
 CONCERNS = {"layout": Layout, "data_parallel": DataParallel, "numerics": Numerics, "memory": Memory,
-            "checkpoint": Checkpointing, "restart": Restart}
+            "checkpoint": Checkpointing, "restart": Restart, "profiling": Profiling}
 
 
 @dataclass(frozen=True)
@@ -197,6 +211,7 @@ class TrainSpec:
     checkpoint: Checkpointing = field(default_factory=Checkpointing,
                                       metadata={"doc": "saving, resuming, planted failures"})
     restart: Restart = field(default_factory=Restart, metadata={"doc": "relaunching after a failure"})
+    profiling: Profiling = field(default_factory=Profiling, metadata={"doc": "torch.profiler traces"})
 
     def __post_init__(self):
         check_fields(self)
