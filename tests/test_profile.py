@@ -1,0 +1,103 @@
+"""torch.profiler around a launch (`distlab.launch.profiler`) and what is measured from it
+(`distlab.viz.profile`): one profiled 2-rank DDP run of `dl.train`, shared by the tests that read it.
+
+The tolerance of the comm fraction (the profiler's against distlab's own, same steps, same clock): 0.05 plus
+a quarter of distlab's figure. distlab's event runs from the collective's launch call to its completion; the
+profiler sees the launch call (``c10d::allreduce_``) and the backend's run (``gloo:all_reduce``), which on
+gloo/CPU lie inside that interval: the two agree to within the time a collective waits queued or the done
+callback runs late, and the profiler's is never above distlab's by more than the tolerance.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import distlab as dl
+from distlab.launch import profiler
+from distlab.viz import profile as measure
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("prof")
+    report = dl.train("ddp", world_size=2, steps=4, model="gpt-tiny", profile=str(directory))
+    return directory, report
+
+
+def test_the_merged_trace_is_chrome_json_with_both_ranks_and_distlabs_ranges(profiled):
+    directory, report = profiled
+    assert sorted(p.name for p in directory.iterdir()) == ["rank0.json", "rank1.json", "trace.json"]
+    with open(directory / "trace.json") as f:
+        data = json.load(f)                                   # valid JSON
+    events = data["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1}               # a process per rank (CPU: no GPU processes)
+    assert all(isinstance(e.get("ts", 0.0), (int, float)) for e in events)
+    for rank in (0, 1):
+        names = {e["name"] for e in events if e["pid"] == rank and e.get("ph") == "X"}
+        assert {"distlab:forward", "distlab:backward", "distlab:optimizer"} <= names   # live ranges
+        assert "distlab:all_reduce" in names                  # the collective, written in at its times
+        assert "c10d::allreduce_" in names and "gloo:all_reduce" in names      # torch's own ops
+        assert any(n.startswith("aten::") for n in names)
+    forward = [e for e in events if e["name"] == "distlab:forward" and e["pid"] == 0]
+    assert [e["args"]["step"] for e in forward] == list(range(4))       # each range carries its span's args
+    # the common time base: a range sits where distlab's own trace has its span
+    spans = report.trace.spans(rank=0, name="forward")
+    for e, s in zip(sorted(forward, key=lambda e: e["ts"]), spans):
+        assert abs(e["ts"] * 1e-6 - s.start) < 2e-3
+
+
+def test_each_rank_file_is_the_profilers_own_with_its_rank(profiled):
+    directory, _ = profiled
+    for rank in (0, 1):
+        with open(directory / f"rank{rank}.json") as f:
+            data = json.load(f)
+        assert data["distributedInfo"]["rank"] == rank        # what Holistic Trace Analysis reads
+        assert data["distlab"]["rank"] == rank and data["distlab"]["peak_flops"] > 0
+        assert len(data["distlab"]["steps"]) == 4
+
+
+def test_comm_fraction_from_the_profiler_beside_distlabs(profiled):
+    directory, report = profiled
+    figures = measure.measured(str(directory), report.trace)
+    for rank, f in figures.items():
+        own = f["distlab"]
+        assert 0 < f["comm"] < 1 and 0 < own["comm"] < 1
+        assert abs(f["comm"] - own["comm"]) <= 0.05 + 0.25 * own["comm"], (rank, f)
+        assert 0 <= f["hidden"] <= own["hidden"] + 0.05       # distlab's compute spans hold the ops
+        assert f["flops"] > 0 and 0 < f["mfu"] < 1.5
+
+
+def test_no_profile_means_no_files_and_no_ranges(tmp_path):
+    def ranges_set():
+        from distlab.runtime import tracer
+        return tracer().ranges is not None
+
+    run = dl.launch(ranges_set, world_size=1, output="quiet")
+    assert run.results == [False]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_profile_directories_are_refused_before_any_rank_starts(tmp_path):
+    with pytest.raises(ValueError, match="profile"):
+        dl.launch(print, world_size=1, profile="  ")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="profile"):
+        profiler.prepare(tmp_path / "file" / "below")
+    with pytest.raises(ValueError, match="profile"):
+        dl.train("ddp", world_size=2, profile=3, check_only=True)
+
+
+def test_old_rank_files_are_removed(tmp_path):
+    (tmp_path / "rank7.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("")
+    assert profiler.prepare(tmp_path) == str(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_interval_arithmetic():
+    a = measure._union([(0, 2), (1, 3), (5, 6)])
+    assert a == [(0, 3), (5, 6)]
+    assert measure._intersect(a, [(2, 5.5)]) == [(2, 3), (5, 5.5)]
+    assert measure._subtract(a, [(1, 2), (5.5, 7)]) == [(0, 1), (2, 3), (5, 5.5)]
+    assert measure._flops({"args": {"Input Dims": [[4], [2, 3], [3, 4], [], []]}}) == 2 * 2 * 3 * 4
