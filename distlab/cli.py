@@ -6,6 +6,7 @@
                   --resume
     distlab train --strategy zero2 --world-size 4 --steps 100 --checkpoint-dir ck --checkpoint-every 10 \
                   --max-restarts 2 --shrink --async-save
+    distlab train --strategy ddp --world-size 2 --profile prof    (prof/trace.json: every rank profiled)
     distlab strategies                       every strategy name and the options it takes
     distlab lessons DIR                      the lessons: DIR/student to work in, DIR/solved to compare with
     distlab grade PATH --junit out.xml       every exercise check of student notebooks, headless, scored
@@ -93,6 +94,9 @@ def _train_parser(sub) -> None:
                    help="relaunch a failed run from its newest checkpoint up to K times")
     p.add_argument("--shrink", nargs="?", const="auto", default=None, metavar="SIZES",
                    help="restart on one rank fewer each time, or on the given world sizes (e.g. 3,2)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="run under torch.profiler: DIR/rank{r}.json, the merged DIR/trace.json (Perfetto), "
+                        "and the measured comm fraction, its hidden part and MFU printed")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra strategy option (value parsed as JSON when it can be)")
     p.add_argument("--json", default=None, metavar="PATH",
@@ -114,7 +118,8 @@ def train_keywords(args) -> dict:
              "checkpoint_every": args.checkpoint_every, "keep_last": args.keep_last,
              "overlap": False if args.no_overlap else None, "prefetch": True if args.prefetch else None,
              "reshard_after_forward": False if args.no_reshard_after_forward else None,
-             "resume": True if args.resume else None, "async_save": True if args.async_save else None}
+             "resume": True if args.resume else None, "async_save": True if args.async_save else None,
+             "profile": args.profile}
     kw.update({k: v for k, v in flags.items() if v is not None})      # a flag not given: not a keyword
     for item in args.option:
         if "=" not in item:
@@ -192,6 +197,8 @@ def _run_train(args) -> int:
     for r in getattr(report, "restarts", []):
         print(f"restart {r.attempt}: {r.world_size} -> {r.next_world_size} ranks, resumed from step "
               f"{r.resumed_from}, lost {r.lost_steps} step(s) and {r.lost_seconds:.2f} s", file=out)
+    if args.profile:
+        _print_profile(args.profile, report, out)
     if args.json == "-":
         json.dump(_as_json(args, report, times), sys.stdout, indent=1)
         print()
@@ -199,6 +206,18 @@ def _run_train(args) -> int:
         with open(args.json, "w") as f:
             json.dump(_as_json(args, report, times), f, indent=1)
     return 0
+
+
+def _print_profile(directory: str, report, out) -> None:
+    """What the torch.profiler trace measured, beside distlab's own trace (`distlab.viz.profile`)."""
+    from .viz.profile import measured
+    merged = os.path.join(directory, "trace.json")
+    print(f"profile: {merged} (ui.perfetto.dev); measured after the first step:", file=out)
+    for r, f in sorted(measured(directory, report.trace).items()):
+        own = f.get("distlab", {})
+        print(f"rank {r}: comm {f['comm']:.1%} of step time, {f['hidden']:.1%} of it under compute, MFU "
+              f"{f['mfu']:.1%} of a measured {f['peak_flops'] / 1e9:.1f} GFLOP/s   (distlab's trace: comm "
+              f"{own.get('comm', 0):.1%}, {own.get('hidden', 0):.1%} under compute)", file=out)
 
 
 def _as_json(args, report, times: dict[int, float]) -> dict:
@@ -217,7 +236,8 @@ def _as_json(args, report, times: dict[int, float]) -> dict:
 def _options(spec) -> dict:
     """The spec's options that were set (not at their defaults), beside its own parameters, as keywords."""
     from .strategies.parse import TOP, keywords_of
-    return {k: (str(v) if k == "checkpoint_dir" else v) for k, v in keywords_of(spec).items() if k not in TOP}
+    return {k: (str(v) if k in ("checkpoint_dir", "profile") else v) for k, v in keywords_of(spec).items()
+            if k not in TOP}
 
 
 def step_seconds(report) -> dict[int, float]:

@@ -101,3 +101,19 @@ def test_interval_arithmetic():
     assert measure._intersect(a, [(2, 5.5)]) == [(2, 3), (5, 5.5)]
     assert measure._subtract(a, [(1, 2), (5.5, 7)]) == [(0, 1), (2, 3), (5, 5.5)]
     assert measure._flops({"args": {"Input Dims": [[4], [2, 3], [3, 4], [], []]}}) == 2 * 2 * 3 * 4
+
+
+def test_the_command_takes_profile_and_prints_the_figures(profiled):
+    import argparse
+    import io
+
+    from distlab import cli
+
+    parser = argparse.ArgumentParser()
+    cli._train_parser(parser.add_subparsers(dest="command"))
+    assert cli.train_keywords(parser.parse_args(["train", "--profile", "prof"]))["profile"] == "prof"
+    directory, report = profiled
+    out = io.StringIO()
+    cli._print_profile(str(directory), report, out)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("profile: ") and lines[1].startswith("rank 0: comm ") and "MFU" in lines[2]
