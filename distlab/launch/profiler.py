@@ -78,10 +78,12 @@ class RankProfiler:
         with record_function(PREFIX + "clock"):
             pass
         self.tracer.ranges = lambda name: record_function(PREFIX + name)
+        self.modules = ModuleRanges().attach()
         return self
 
     def __exit__(self, *exc) -> None:
         self.tracer.ranges = None
+        self.modules.detach()
         self.prof.__exit__(*exc)
         path = rank_path(self.directory, self.rank)
         self.prof.export_chrome_trace(path)
@@ -91,6 +93,39 @@ class RankProfiler:
         data["distlab"]["peak_flops"] = peak_flops()
         with open(path, "w") as f:
             json.dump(data, f)
+
+
+class ModuleRanges:
+    """A ``distlab:module:<name>`` range around every module's forward while the profiler records (global
+    forward hooks, attached from outside and removed after; the model carries nothing). ``<name>``: the
+    module's name under the outermost module running (which is named by its class)."""
+
+    def __init__(self):
+        self.open: list = []                         # (module, range) of each forward running
+        self.names: dict = {}                        # the outermost module's names of its submodules
+
+    def attach(self) -> "ModuleRanges":
+        from torch.nn.modules import module as nn_module
+        self.handles = [nn_module.register_module_forward_pre_hook(self._enter),
+                        nn_module.register_module_forward_hook(self._leave, always_call=True)]
+        return self
+
+    def detach(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def _enter(self, module, args) -> None:
+        from torch.profiler import record_function
+        if not self.open:
+            self.names = {id(m): n for n, m in module.named_modules()}
+            self.names[id(module)] = type(module).__name__
+        rng = record_function(f"{PREFIX}module:{self.names.get(id(module), type(module).__name__)}")
+        rng.__enter__()
+        self.open.append((module, rng))
+
+    def _leave(self, module, args, output) -> None:
+        if self.open and self.open[-1][0] is module:
+            self.open.pop()[1].__exit__(None, None, None)
 
 
 def _annotate(data: dict, events: list, anchor: float, rank: int) -> None:
