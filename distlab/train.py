@@ -191,7 +191,7 @@ def _single(train_rank, spec: TrainSpec, progress: bool | None) -> Report:
     from .trace import Trace
     start, tr = time.perf_counter(), tracer()
     mark, t0 = len(tr.export()), tr.now()
-    with bar_here(shown_by_default() if progress is None else progress), _profiled(spec, tr):
+    with bar_here(shown_by_default() if progress is None else progress), _profiled(spec, tr, t0):
         result = train_rank(spec)
     _print_notes([result])
     trace = Trace.merge({0: tr.export()[mark:]}).shifted(-t0)       # 0: the run starts, as in a launch
@@ -200,14 +200,14 @@ def _single(train_rank, spec: TrainSpec, progress: bool | None) -> Report:
 
 
 @contextlib.contextmanager
-def _profiled(spec: TrainSpec, tr):
+def _profiled(spec: TrainSpec, tr, origin: float):
     """``single`` with ``profile=DIR``: this process as rank 0 of a launch's profile (`launch.profiler`)."""
     from .launch import profiler
     directory = profiler.prepare(spec.profiling.profile)
     if directory is None:
         yield
         return
-    with profiler.RankProfiler(directory, 0, tr):
+    with profiler.RankProfiler(directory, 0, tr, origin):           # on the axis of the report's trace
         yield
     profiler.merge(directory, 1)
 

@@ -118,3 +118,14 @@ def test_the_command_takes_profile_and_prints_the_figures(profiled):
     cli._print_profile(str(directory), report, out)
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("profile: ") and lines[1].startswith("rank 0: comm ") and "MFU" in lines[2]
+
+
+def test_single_profiles_in_this_process_on_the_reports_axis(tmp_path):
+    report = dl.train("single", steps=2, profile=tmp_path)
+    with open(tmp_path / "trace.json") as f:
+        events = json.load(f)["traceEvents"]
+    assert {e["pid"] for e in events} == {0}
+    ranges = sorted(e["ts"] * 1e-6 for e in events if e.get("name") == "distlab:forward")
+    assert len(ranges) == 2
+    for ts, span in zip(ranges, report.trace.spans(name="forward")):
+        assert abs(ts - span.start) < 2e-3

@@ -16,6 +16,8 @@ Read it in this order:
     torchrun.py    torchrun's path: under RANK/WORLD_SIZE, ``fn`` runs in this process; a store prefix
                    per restart attempt
     flight.py      the flight recorder: each rank's last collectives, and the diagnosis of a hang
+    profiler.py    ``profile=DIR``: every rank under torch.profiler, distlab's spans and collectives as its
+                   ranges, one merged trace on the launch's time base
 
 Nothing here imports `parallel`, the strategies, the checkpoints or the models: the launcher runs any
 function, and the names of groups come from `distlab.runtime`.

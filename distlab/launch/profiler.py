@@ -62,10 +62,11 @@ def rank_path(directory: str, rank: int) -> str:
 
 
 class RankProfiler:
-    """``with RankProfiler(directory, rank, tracer): fn()`` profiles ``fn`` and writes ``rank{r}.json``."""
+    """``with RankProfiler(directory, rank, tracer): fn()`` profiles ``fn`` and writes ``rank{r}.json``.
+    ``origin``: the tracer's time that is zero of the run's axis (0: its epoch, as in a launch)."""
 
-    def __init__(self, directory: str, rank: int, tracer):
-        self.directory, self.rank, self.tracer = directory, rank, tracer
+    def __init__(self, directory: str, rank: int, tracer, origin: float = 0.0):
+        self.directory, self.rank, self.tracer, self.origin = directory, rank, tracer, origin
 
     def __enter__(self):
         import torch
@@ -89,7 +90,7 @@ class RankProfiler:
         self.prof.export_chrome_trace(path)
         with open(path) as f:
             data = json.load(f)
-        _annotate(data, self.tracer.events(), self.anchor, self.rank)
+        _annotate(data, self.tracer.events(), self.anchor, self.rank, self.origin)
         data["distlab"]["peak_flops"] = peak_flops()
         with open(path, "w") as f:
             json.dump(data, f)
@@ -128,7 +129,7 @@ class ModuleRanges:
             self.open.pop()[1].__exit__(None, None, None)
 
 
-def _annotate(data: dict, events: list, anchor: float, rank: int) -> None:
+def _annotate(data: dict, events: list, anchor: float, rank: int, origin: float) -> None:
     """Write into the profiler's ``data``: the clock, distlab's comm events as ranges, each live span range's
     arguments, and the step windows (``distlab`` key: rank, pid, epoch_us, steps as [start, end] µs)."""
     xs = [e for e in data["traceEvents"] if e.get("ph") == "X"]
@@ -136,7 +137,8 @@ def _annotate(data: dict, events: list, anchor: float, rank: int) -> None:
     epoch, pid = clock["ts"] - anchor * 1e6, clock["pid"]
     _span_args(xs, [e for e in events if e.kind == "span"])
     data["traceEvents"] += _comm_ranges([e for e in events if e.kind == "comm"], epoch, pid)
-    data["distlab"] = {"rank": rank, "pid": pid, "epoch_us": epoch, "steps": step_windows(events)}
+    steps = [[a - origin * 1e6, b - origin * 1e6] for a, b in step_windows(events)]
+    data["distlab"] = {"rank": rank, "pid": pid, "epoch_us": epoch + origin * 1e6, "steps": steps}
 
 
 def _span_args(xs: list[dict], spans: list) -> None:
