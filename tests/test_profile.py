@@ -56,6 +56,8 @@ def test_each_rank_file_is_the_profilers_own_with_its_rank(profiled):
         assert data["distributedInfo"]["rank"] == rank        # what Holistic Trace Analysis reads
         assert data["distlab"]["rank"] == rank and data["distlab"]["peak_flops"] > 0
         assert len(data["distlab"]["steps"]) == 3
+        steps = [e["name"] for e in data["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")]
+        assert steps == ["ProfilerStep#0", "ProfilerStep#1", "ProfilerStep#2"]
 
 
 def test_comm_fraction_from_the_profiler_beside_distlabs(profiled):

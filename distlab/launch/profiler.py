@@ -137,7 +137,11 @@ def _annotate(data: dict, events: list, anchor: float, rank: int, origin: float)
     epoch, pid = clock["ts"] - anchor * 1e6, clock["pid"]
     _span_args(xs, [e for e in events if e.kind == "span"])
     data["traceEvents"] += _comm_ranges([e for e in events if e.kind == "comm"], epoch, pid)
-    steps = [[a - origin * 1e6, b - origin * 1e6] for a, b in step_windows(events)]
+    windows = step_windows(events)
+    data["traceEvents"] += [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{k}", "pid": pid,
+                             "tid": clock["tid"], "ts": a + epoch, "dur": b - a, "args": {}}
+                            for k, (a, b) in enumerate(windows)]      # the iterations, as HTA finds them
+    steps = [[a - origin * 1e6, b - origin * 1e6] for a, b in windows]
     data["distlab"] = {"rank": rank, "pid": pid, "epoch_us": epoch + origin * 1e6, "steps": steps}
 
 
