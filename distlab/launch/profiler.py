@@ -28,6 +28,7 @@ import time
 from ..trace import _fitting_lane
 
 PREFIX = "distlab:"
+CLOCK_TRIES = 5                   # distlab:clock ranges opened at the start, to read the profiler's clock
 COMM_TID = 1_000_000_000          # the "distlab comm" threads: this tid, then one more per lane
 _RANK_FILE = re.compile(r"rank\d+\.json")
 
@@ -75,9 +76,11 @@ class RankProfiler:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         self.prof = profile(activities=activities, record_shapes=True)     # shapes: the matmuls' FLOPs
         self.prof.__enter__()
-        self.anchor = self.tracer.now()
-        with record_function(PREFIX + "clock"):
-            pass
+        self.anchors = []                      # (before, after) each clock range opened: the narrowest wins
+        for _ in range(CLOCK_TRIES):
+            before = self.tracer.now()
+            with record_function(PREFIX + "clock"):
+                self.anchors.append((before, self.tracer.now()))
         self.tracer.ranges = lambda name: record_function(PREFIX + name)
         self.modules = ModuleRanges().attach()
         return self
@@ -90,7 +93,7 @@ class RankProfiler:
         self.prof.export_chrome_trace(path)
         with open(path) as f:
             data = json.load(f)
-        _annotate(data, self.tracer.events(), self.anchor, self.rank, self.origin)
+        _annotate(data, self.tracer.events(), self.anchors, self.rank, self.origin)
         data["distlab"]["peak_flops"] = peak_flops()
         with open(path, "w") as f:
             json.dump(data, f)
@@ -129,12 +132,15 @@ class ModuleRanges:
             self.open.pop()[1].__exit__(None, None, None)
 
 
-def _annotate(data: dict, events: list, anchor: float, rank: int, origin: float) -> None:
+def _annotate(data: dict, events: list, anchors: list, rank: int, origin: float) -> None:
     """Write into the profiler's ``data``: the clock, distlab's comm events as ranges, each live span range's
-    arguments, and the step windows (``distlab`` key: rank, pid, epoch_us, steps as [start, end] µs)."""
+    arguments, and the step windows (``distlab`` key: rank, pid, epoch_us, steps as [start, end] µs).
+    The clock: the range opened between the tracer's ``before`` and ``after`` that were closest (a rank
+    preempted between them, on a busy machine, would put it off by as long)."""
     xs = [e for e in data["traceEvents"] if e.get("ph") == "X"]
-    clock = next(e for e in xs if e.get("name") == PREFIX + "clock")
-    epoch, pid = clock["ts"] - anchor * 1e6, clock["pid"]
+    clocks = sorted((e for e in xs if e.get("name") == PREFIX + "clock"), key=lambda e: e["ts"])
+    (before, _), clock = min(zip(anchors, clocks), key=lambda pair: pair[0][1] - pair[0][0])
+    epoch, pid = clock["ts"] - before * 1e6, clock["pid"]
     _span_args(xs, [e for e in events if e.kind == "span"])
     data["traceEvents"] += _comm_ranges([e for e in events if e.kind == "comm"], epoch, pid)
     windows = step_windows(events)
