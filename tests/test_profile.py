@@ -1,11 +1,14 @@
 """torch.profiler around a launch (`distlab.launch.profiler`) and what is measured from it
 (`distlab.viz.profile`): one profiled 2-rank DDP run of `dl.train`, shared by the tests that read it.
 
-The tolerance of the comm fraction (the profiler's against distlab's own, same steps, same clock): 0.05 plus
-a quarter of distlab's figure. distlab's event runs from the collective's launch call to its completion; the
-profiler sees the launch call (``c10d::allreduce_``) and the backend's run (``gloo:all_reduce``), which on
-gloo/CPU lie inside that interval: the two agree to within the time a collective waits queued or the done
-callback runs late, and the profiler's is never above distlab's by more than the tolerance.
+The comm fraction, the profiler's beside distlab's own (same steps, same clock): they are not equal, and
+the relation that must hold is tested instead. distlab's event of a collective runs from before its launch
+call to its completion as distlab learns it: the future's done callback, which needs the GIL (while the
+main thread runs Python between ops it holds it, and the end is stamped late), or the wait. The profiler
+sees the launch call (``c10d::allreduce_``) and the backend's run (``gloo:all_reduce``), both inside that
+interval. So every such profiler range lies inside a distlab event, and the profiler's fraction is at most
+distlab's (0.02 of slack for the clocks); on a quiet machine they agree to a few hundredths, on a busy one
+distlab's has been seen at twice the profiler's.
 """
 from __future__ import annotations
 
@@ -72,9 +75,24 @@ def test_comm_fraction_from_the_profiler_beside_distlabs(profiled):
     for rank, f in figures.items():
         own = f["distlab"]
         assert 0 < f["comm"] < 1 and 0 < own["comm"] < 1
-        assert abs(f["comm"] - own["comm"]) <= 0.05 + 0.25 * own["comm"], (rank, f)
+        assert f["comm"] <= own["comm"] + 0.02, (rank, f)
         assert 0 <= f["hidden"] <= own["hidden"] + 0.05       # distlab's compute spans hold the ops
         assert f["flops"] > 0 and 0 < f["mfu"] < 1.5
+
+
+def test_the_profilers_collective_ranges_lie_inside_distlabs_events(profiled):
+    directory, _ = profiled
+    with open(directory / "trace.json") as f:
+        data = json.load(f)
+    for rank, info in data["distlab"]["ranks"].items():
+        (start, _), (_, end) = info["steps"][0], info["steps"][-1]
+        ranges = [e for e in data["traceEvents"] if e["pid"] == int(rank) and e.get("ph") == "X"
+                  and start <= e["ts"] <= end]
+        ours = [(e["ts"], e["ts"] + e["dur"]) for e in ranges if e["name"].startswith("distlab:all_reduce")]
+        theirs = [e for e in ranges if e["name"] in ("c10d::allreduce_", "gloo:all_reduce")]
+        assert ours and theirs
+        for e in theirs:                       # 0.2 ms: where each clock reads the moment
+            assert any(a - 200 <= e["ts"] and e["ts"] + e["dur"] <= b + 200 for a, b in ours), e
 
 
 def test_no_profile_means_no_files_and_no_ranges(tmp_path):

@@ -17,15 +17,15 @@ distlab's time axis):
   shapes: a fused attention kernel is not counted, so a lower bound) over step time x this rank's measured
   matmul peak (`launch.profiler.peak_flops`).
 
-Why the two ``comm`` figures differ, and what must hold: a distlab event spans launch to completion, the
-profiler's ops only the launch call and the backend's run of it, so distlab's fraction includes the time
-a collective waits queued behind the one before it while the profiler's does not: both agree closely
-when collectives do not queue, and the profiler's is never much above distlab's (tested in
-tests/test_profile.py) for collectives. A pipeline's point-to-point traffic is the exception: distlab
-records a send as an instant (a rank never waits for it), the profiler the backend's run of it, so there
-the profiler's fraction is the larger (measured on gloo: about 0.9 beside 0.65 for pp-1f1b at 2 ranks).
-Their ``hidden`` figures differ more: distlab's compute is a whole forward or
-backward span, the profiler's the ops actually running.
+Why the two ``comm`` figures differ, and what must hold: a distlab event spans from before the launch call
+to completion as distlab learns it (a done callback, which waits for the GIL, or the wait), the profiler's
+ops only the launch call and the backend's run of it, both inside that event; so distlab's fraction also
+holds the time a collective waits queued, or its callback waits for the GIL: the profiler's is at most
+distlab's (tested in tests/test_profile.py) for collectives, and close to it on a quiet machine. A
+pipeline's point-to-point traffic is the exception: distlab records a send as an instant (a rank never
+waits for it), the profiler the backend's run of it, so there the profiler's fraction is the larger
+(measured on gloo: about 0.9 beside 0.65 for pp-1f1b at 2 ranks). Their ``hidden`` figures differ more:
+distlab's compute is a whole forward or backward span, the profiler's the ops actually running.
 """
 from __future__ import annotations
 
