@@ -25,6 +25,7 @@ INSTRUMENTATION = {
     "memory_budget.py": "the ledger's limit: raises, naming the phase, when the bytes it counts cross it",
     "comm/p2p.py": "dl.comm's one attachment point: its primitives record each step of the call they run in",
     "parallel/collectives.py": "the one traced wrapper over torch.distributed: records every collective",
+    "parallel/flat_collectives.py": "the wrapper's flat-buffer half (DDP, ZeRO, FSDP): records through collectives",
     "parallel/labels.py": "names modules from outside (forward hooks) for the wrapper's events",
     "parallel/pipeline/measure.py": "the pipeline's observers: a span per action, the step's mark",
     "strategies/": "where a run is assembled and measured: the step loop's marks and spans, the ledger",
