@@ -24,6 +24,18 @@ Without a mesh (``mesh=None``) the layout's one parallelism spans the world (`Wo
 ranks, ``pp-1f1b`` one stage per rank, ``ddp`` every rank a replica; every group is then the world itself
 (``group=None``). A step runs where its degree is above 1, and where the layout leaves its degree to the
 world (``Layout(tp=None)``: the 1-D families run their parallelism even on one rank).
+
+Which DP step, by what the layout and the caller ask for::
+
+    experts split (ep)          the gradients *summed*: dense over the world, experts over their dp
+                                replicas (`Parallel.sync_grads`; each loss is a share of the batch's)
+    fsdp=dict(...)              `dl.fully_shard` bottom-up, each block then the root (`fully_shard_units`)
+    zero=0, replicas            DDP over them (``naive``: NaiveDDP, ``compression``: PowerSGDDDP)
+    zero>=1                     in the optimizer (`Parallel.optimizer`): over the world ZeRO's own wrapper
+                                of that stage (`dl.ZeRO`), on a mesh ZeRO-1's `ShardedOptimizer`
+
+What stays in each family's file is what is not layout: the criterion (vocabulary-parallel on a tp mesh),
+the pipeline's schedule and executor, the rows each rank takes, the checkpoint's view of the ranks.
 """
 from __future__ import annotations
 
