@@ -207,7 +207,8 @@ assert all(res["memory"] == PREDICTED_DDP for res in run.results)
 # part, and clips each rank by a different factor: a silently wrong update. `dl.clip_grad_norm_(model, c)`
 # sums the squares over the shards (one all-reduce) and clips every rank by the global norm. Prediction: the
 # shard norms differ from rank to rank, are each smaller than the global norm, their squares add up to its
-# square, and the global one equals the single-process norm.
+# square, and the global one equals the single-process norm. Recomputation changes no number: the losses and
+# norms of every step equal one process's.
 #
 # Memory: every rank holds its rows of each parameter, so a rank's bytes are the sum over parameters of
 # `rows_r x (elements per row)`, `rows_r` being `c` except on the last ranks; with every first dimension even
@@ -223,9 +224,10 @@ def fsdp():
     dl.fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
-    x, y = my_rows(*data(0), n, r)               # one step, to look at the norms before clipping
+    x, y = my_rows(*data(0), n, r)               # step 0's gradients, to look at the norms before clipping
     loss_of(model, x, y).backward()
-    torch_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    grads = [p.grad for p in model.parameters()]
+    torch_norm = torch.nn.utils.get_total_norm(grads).item()   # what torch.nn.utils.clip_grad_norm_ computes
     opt.zero_grad()
 
     losses, norms, mem = train(model, opt, lambda s: my_rows(*data(s), n, r), fsdp_memory(model, opt))
@@ -363,7 +365,7 @@ try:
     tied = LlamaForCausalLM(LlamaConfig(**{**CONFIG.to_dict(), "tie_word_embeddings": True}))
     dl.pp.check_stages(tied, dl.pp.cut(dl.pp.chain(tied), at=["model.layers.2"]))
 except ValueError as e:
-    print("tied:", str(e)[:150], "...")
+    print("tied:", e)
 
 
 def pipeline():
