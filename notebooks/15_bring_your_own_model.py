@@ -336,8 +336,13 @@ PREDICTED_TP = {"params": 4 * numel, "grads": 4 * numel, "optimizer": 8 * numel 
 for r, res in enumerate(run_tp.results):
     same_as_one_process(f"tensor parallel by plan, rank {r}", res["losses"], res["norms"])
     assert res["memory"] == PREDICTED_TP
-print(f"a rank holds {numel:,} of Psi = {PSI:,} parameters ({PSI - numel:,} split off; norms whole):",
-      run_tp.results[0]["memory"])
+print("tp bytes per rank, measured :", run_tp.results[0]["memory"])
+print("tp bytes per rank, predicted:", PREDICTED_TP)
+b = dl.theory.memory(PSI, tp=2, precision="fp32", optimizer="adam")       # assumes every parameter splits
+norms = sum(p.numel() for n, p in build().named_parameters() if "norm" in n)
+print(f"dl.theory.memory(Psi, tp=2): {b.params / 4:,.0f} parameters a rank; the {norms} norm weights stay whole: "
+      f"+ {norms // 2} = {numel:,}")
+assert run_tp.results[0]["memory"]["params"] == b.params + 4 * norms // 2
 
 # %% [markdown]
 # ## 4. A pipeline cut between decoder layers
