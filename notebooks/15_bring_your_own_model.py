@@ -30,7 +30,8 @@
 #
 # Each section states a prediction and asserts the measurement: the losses (and the clipped gradient norms) equal
 # one process's, and each rank's parameter, gradient and optimizer bytes equal what the layout's formula says, to
-# the byte (for the pipeline: the parameters of each stage). The whole lesson runs in about 15 s on 2 CPU cores.
+# the byte (for the pipeline: the parameters of each stage). The whole lesson runs in well under a minute on 2
+# CPU cores.
 #
 # **What changes from the tiny GPT.** Nothing in the wrappers: `dl.DDP` and `dl.fully_shard` take any
 # `nn.Module`. What is new is *naming*: a tensor-parallel plan names the Llama's own projections
