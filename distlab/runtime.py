@@ -78,7 +78,10 @@ def backend() -> str | None:
 
 
 def device() -> torch.device:
-    """Where this rank computes: its own GPU under NCCL, else the CPU. Strategies never assume CUDA."""
+    """Where this rank computes: its own GPU under NCCL, ``meta`` under the fake backend of a dry run
+    (shapes without storage: nothing is computed), else the CPU. Strategies never assume CUDA."""
+    if backend() == "fake":
+        return torch.device("meta")
     if backend() == "nccl":
         return torch.device("cuda", local_rank())
     return torch.device("cpu")
