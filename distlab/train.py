@@ -34,13 +34,15 @@ loop, `distlab.strategies.loop`.
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from .strategies import restart
+from .launch import fake
+from .strategies import dry, restart
 from .progress import bar_here, shown_by_default
 from .rules import Custom, Flag, Number, OneOf, check
 from .strategies import WORLD_SIZE, RankResult, TrainSpec, load, parse, validate
@@ -60,6 +62,7 @@ ARGUMENTS = {
     "timeout": Number(0, strict=True, example=300.0),
     "progress": Flag(none="a bar when a person watches"),
     "check_only": Flag(),
+    "backend": OneOf("auto", "gloo", "nccl", "fake"),
 }
 #: what one rank holds of its own, at the least: a process with torch, gloo and a tiny model loaded
 #: (measured: a gpt-tiny DDP rank forked on Linux has about 130 MiB of private memory)
@@ -110,12 +113,12 @@ class Report:
                 f"steps={len(self.losses)}, final loss={last})")
 
 
-def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny", steps: int = 20,
-          seed: int = 0, *, global_batch: int = 16, lr: float = 1e-3, optimizer: str = "adamw",
+def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny", steps: int | None = None,
+          seed: int = 0, *, global_batch: int | None = None, lr: float = 1e-3, optimizer: str = "adamw",
           weight_decay: float = 0.0, grad_accum: int = 1, precision: str = "fp32",
           clip: float | None = None, options: dict | None = None, output: str = "quiet",
           timeout: float = 300.0, progress: bool | None = None, max_restarts: int = 0, shrink=False,
-          check_only: bool = False, **more_options) -> Report | None:
+          check_only: bool = False, backend: str = "auto", ranks=None, **more_options) -> Report | None:
     """Train ``model`` with ``strategy`` on ``world_size`` ranks. Every other keyword (and every entry of
     ``options``) is a field of the typed spec (`distlab.strategies.spec`), e.g. ``bucket_mb=1,
     overlap=False, comm="ring"`` for DDP, ``prefetch=True`` for ZeRO-3; one the strategy does not read
@@ -125,22 +128,32 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
     the checkpoint options, the restart plan, the ranks this machine can hold; a ValueError, or a
     TypeError for an option that does not exist, that says what to pass instead), then return None
     without training (a ``checkpoint_dir`` is created, as proof that it is writable). Only torchrun's
-    world is checked later, when the launch meets it."""
+    world is checked later, when the launch meets it. ``backend="fake", ranks=[...]``: a dry run of the
+    listed ranks at any world size and real model sizes (`distlab.strategies.dry`; ``steps`` 1 and a
+    global batch of one row per microbatch unless given); ``model`` may be a `dl.theory.ModelPreset`."""
     check(ARGUMENTS, dict(world_size=world_size, options=options, output=output, timeout=timeout,
-                          progress=progress, check_only=check_only))
-    named = dict(model=model, steps=steps, seed=seed, global_batch=global_batch, lr=lr, optimizer=optimizer,
+                          progress=progress, check_only=check_only, backend=backend))
+    listed = fake.check(world_size, ranks, backend)
+    steps = dry.default_steps(backend) if steps is None else steps
+    named = dict(model=model, steps=steps, seed=seed, global_batch=global_batch or 16, lr=lr,
+                 optimizer=optimizer,
                  weight_decay=weight_decay, grad_accum=grad_accum, precision=precision, clip=clip,
                  max_restarts=max_restarts, shrink=shrink, **more_options)
     twice = sorted(set(options or {}) & set(named))
     if twice:
         raise TypeError(f"{twice[0]!r} is given twice, as a keyword and in options=: pass it once")
     spec = parse(strategy, **named, **(options or {}))
+    dry.check(spec, world_size, backend)
+    if backend == "fake" and global_batch is None:
+        spec = spec.replace(global_batch=dry.default_rows(spec, world_size))
     sizes = validate(spec, world_size)        # every check, once, before any rank starts
-    if spec.strategy != "single":
+    if spec.strategy != "single" and backend != "fake":
         check_machine(world_size)
     if check_only:
         return None
     train_rank = load(spec.strategy)
+    if listed is not None:
+        return _dry_run(train_rank, spec, world_size, listed, output, timeout)
     if spec.strategy == "single":
         return _single(train_rank, spec, progress)
     if len(sizes) > 1:
@@ -210,6 +223,20 @@ def _launched(train_rank, spec: TrainSpec, world_size: int, output: str, timeout
         raise RuntimeError(f"strategy {strategy!r} returned no losses on any rank")
     params = next((r.params for r in results if r.params is not None), None)
     return Report(spec, world_size, holder.losses, params, run, [r.info.get("memory", {}) for r in results],
+                  [r.info.get("comm", {}) for r in results], results, time.perf_counter() - start)
+
+
+def _dry_run(train_rank, spec: TrainSpec, world_size: int, ranks: tuple, output: str,
+             timeout: float) -> Report:
+    """The listed ranks of a ``world_size``-rank run, here, on the fake backend (`strategies.dry`):
+    memory and comm one entry per listed rank, in the order of ``ranks``; losses NaN."""
+    from .launch import launch
+    start = time.perf_counter()
+    run = launch(train_rank, world_size=world_size, args=(spec,), output=output, timeout=timeout,
+                 backend="fake", ranks=ranks)
+    results: list[RankResult] = run.results
+    losses = next((r.losses for r in results if r.losses is not None), [math.nan] * spec.steps)
+    return Report(spec, world_size, losses, None, run, [r.info.get("memory", {}) for r in results],
                   [r.info.get("comm", {}) for r in results], results, time.perf_counter() - start)
 
 

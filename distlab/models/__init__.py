@@ -19,7 +19,8 @@ the reverse.
 from .data import MarkovTokens, TeacherRegression, shard
 from .gpt import GPT, Block, CausalSelfAttention, FeedForward, GPTConfig, attention_core, causal_attention
 from .mlp import MLP
-from .presets import PRESETS, build, dataset_for
+from .presets import PRESETS, REAL_SIZE, build, config, dataset_for
 
-__all__ = ["GPT", "GPTConfig", "PRESETS", "Block", "CausalSelfAttention", "FeedForward", "attention_core",
+__all__ = ["GPT", "GPTConfig", "PRESETS", "REAL_SIZE", "config", "Block", "CausalSelfAttention",
+           "FeedForward", "attention_core",
            "causal_attention", "MLP", "MarkovTokens", "TeacherRegression", "build", "dataset_for", "shard"]

@@ -116,9 +116,14 @@ def _micro_steps(spec: TrainSpec, plan: Plan, step: int, observe: StepObserver,
                 with observe.backward(step, micro, scaled):
                     scaled.backward()
         if loss is not None:
-            total, held = total + loss.item() * plan.loss_share, True
+            total, held = total + _value(loss) * plan.loss_share, True
     observe.gradients_ready()
     return total if held else None
+
+
+def _value(loss: torch.Tensor) -> float:
+    """The loss as a number; NaN in a dry run (`distlab.launch.fake`), whose tensors hold no values."""
+    return math.nan if loss.is_meta else loss.item()
 
 
 def _optimizer_step(spec: TrainSpec, plan: Plan, step: int, observe: StepObserver,
@@ -164,7 +169,7 @@ def comm_totals(events, steps: int) -> dict:
 
 def sum_losses(losses: list[float], group=None) -> list[float]:
     """Every rank's share of each step's loss summed over ``group`` (metrics only: not traced)."""
-    if group_size(group) == 1:
+    if group_size(group) == 1 or device().type == "meta":      # a dry run: NaNs, nobody else to ask
         return losses
     t = torch.tensor(losses, dtype=torch.float64, device=device())
     dist.all_reduce(t, group=group)
