@@ -112,8 +112,8 @@ def loss_fn(spec: TrainSpec):
 
 def autocast(spec: TrainSpec):
     """bf16 autocast on this rank's device for ``precision="bf16-mixed"`` (weights stay fp32), else none."""
-    if spec.precision == "bf16-mixed":
-        return torch.autocast(device().type, dtype=torch.bfloat16)
+    if spec.precision == "bf16-mixed" and not dry_run():     # autocast has no meta device: a dry run
+        return torch.autocast(device().type, dtype=torch.bfloat16)   # computes (and saves) in fp32
     return contextlib.nullcontext()
 
 

@@ -52,3 +52,20 @@ def default_rows(spec: TrainSpec, world: int) -> int:
 def default_steps(backend: str) -> int:
     """One step shows a dry run's peak (the optimizer's states exist from the first); 20 otherwise."""
     return 1 if backend == "fake" else 20
+
+
+def seed_pipeline_shapes(pipe, rows: int, model, seq_shards: int = 1) -> None:
+    """Tell a dry run's pipeline the shape of what crosses each stage boundary (b, s, h) per microbatch.
+
+    A real receiver learns it from a small header the sender sends first (`parallel.pipeline.p2p`); a
+    fake group delivers nothing, so the header would be empty. The shapes are known from the layout: this
+    replica's ``rows`` cut into ``pipe.microbatches`` (``tensor_split``, as the pipeline cuts them), the
+    model's sequence (over ``seq_shards``: sequence or context parallel ranks) and width, its dtype."""
+    import torch
+    if not (rows and pipe.num_stages > 1):
+        return
+    cfg, dtype = model.cfg, next(model.parameters()).dtype
+    sizes = [len(c) for c in torch.arange(rows).tensor_split(pipe.microbatches)]
+    for stage in range(pipe.num_stages - 1):
+        for j, b in enumerate(sizes):
+            pipe.links.shapes[(stage, j)] = (torch.Size([b, cfg.seq_len // seq_shards, cfg.d_model]), dtype)
