@@ -2,6 +2,7 @@
 tensors without storage (`distlab.launch.fake`), the model-state bytes equal to `dl.theory.memory`."""
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -65,3 +66,101 @@ def test_storage_bytes_counts_tensors_without_storage_once_per_storage():
     with FakeTensorMode():
         fake = torch.empty(1000, dtype=torch.bfloat16)
         assert storage_bytes([fake, fake[10:]]) == 2000
+
+
+# -- dry runs of dl.train: model-state bytes per rank against dl.theory.memory, to the byte -------------
+#
+# The ledger counts storages (`distlab.memory.storage_bytes`), so what it reports is what the strategy's
+# code really allocated, padding included. `dl.theory.memory` is a formula with two simplifications; each
+# disagreement below is the exact number of bytes a rank holds beyond (or short of) it, and why:
+#
+# * torch's Adam keeps a ``step`` counter per parameter tensor it steps (a 4-byte fp32 scalar): + 4 bytes
+#   per tensor in the optimizer's param groups (DDP, FSDP, TP, PP: one per parameter; ZeRO: one per flat
+#   buffer). The theory's K bytes per parameter has no per-tensor term.
+# * ZeRO-1/2 keep the *whole* parameters in one flat buffer padded to n ceil(P / n) elements (so that it
+#   all-gathers from equal shards); the theory charges P (the padding is < n elements).
+# * ZeRO-3 shards per unit (each block, then the root: FSDP1's flat units), each padded on its own:
+#   sum over units of ceil(U / n) elements, not ceil(P / n) (`dl.theory.fsdp_padding(..., "flat")`).
+# * fully_shard (FSDP2) shards every parameter on dim 0: rank r holds rows [r c, (r + 1) c) of d0, c =
+#   ceil(d0 / n). Rank 0 holds c rows of every parameter: (P + fsdp_padding) / n elements
+#   (`dl.theory.fsdp_padding`, per-param). A rank past the last row holds fewer (0 at 16,384 ranks for
+#   most of a 4096-row matrix) -- but its gradient is the padded reduce-scatter output, c rows as rank 0.
+# * Tensor parallelism shards all but the norms, which every tp rank holds whole; the theory divides
+#   everything by tp ("layer norms ignored"): + (1 - 1/tp) x norms.
+# * A pipeline cuts the model's L + 2 units (embedding, L blocks, final norm + head) into pp runs of equal
+#   count (`parallel.pipeline.split.partition`): the first stage holds the embedding and the last the head,
+#   where the theory gives every stage P / pp.
+# Everything else is equal to the byte. The expectations are built from the shape with dl.theory's own
+# formulas (`transformer_params`, `shard_numel`, `fsdp_padding`), never read back from the model.
+
+from distlab.theory import ModelPreset, fsdp_padding, memory, shard_numel, transformer_params  # noqa: E402
+
+SMALL = ModelPreset("llama3-8b-4-layers", hidden=4096, layers=4, heads=32, vocab=128256, seq_len=64,
+                    ffn=14336, kv_heads=8, llama=True)                 # Llama 3 8B's width, 4 of its layers
+DEEP = ModelPreset("llama3-8b-14-layers", hidden=4096, layers=14, heads=32, vocab=128256, seq_len=64,
+                   ffn=14336, kv_heads=8, llama=True)                  # 16 units: 2 per stage of 8
+LLAMA70 = ModelPreset("llama3-70b-seq64", hidden=8192, layers=80, heads=64, vocab=128256, seq_len=64,
+                      ffn=28672, kv_heads=8, llama=True)               # Llama 3 70B's parameters exactly
+TENSORS_PER_BLOCK = 9                      # q k v proj, gate fc proj, two RMSNorms
+
+
+def _units(shape) -> tuple[int, int, int, int]:
+    """(embedding, one block, final norm + head, the norms of one block) in parameters."""
+    kw = dict(heads=shape.heads, kv_heads=shape.kv_heads, ffn=shape.ffn, swiglu=True, bias=False,
+              norm="rmsnorm")
+    norm = shape.hidden
+    block = transformer_params(shape.hidden, 1, 0, tied=True, **kw) - norm
+    return shape.vocab * shape.hidden, block, norm + shape.vocab * shape.hidden, 2 * norm
+
+
+def _shapes(shape) -> list[tuple[int, ...]]:
+    """Every parameter's shape, in Llama's layout (the per-parameter FSDP2 padding is per dim 0)."""
+    h, f, kv = shape.hidden, shape.ffn, shape.kv_heads * shape.hidden // shape.heads
+    block = [(h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f), (h,), (h,)]
+    return [(shape.vocab, h), *block * shape.layers, (h,), (shape.vocab, h)]
+
+
+def _dry(strategy, shape, n, ranks, **kw):
+    report = dl.train(strategy, model=shape, world_size=n, backend="fake", ranks=ranks, **kw)
+    assert report.losses and all(x != x for x in report.losses)                 # NaN: no values
+    return [m["peak"] for m in report.memory]
+
+
+def _fsdp_rows(shape, n: int, r: int) -> int:
+    """Elements rank r holds of a fully_shard-ed model: its rows of every parameter, no padding."""
+    held = 0
+    for s in _shapes(shape):
+        c = shard_numel(s[0], n)
+        held += max(0, min(c, s[0] - r * c)) * (math.prod(s) // s[0])
+    return held
+
+
+@pytest.mark.parametrize("n", [8, 1024, 16384])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "zero3", "fsdp"])
+def test_data_parallel_model_states_equal_theory(strategy, n):
+    P, zero = SMALL.params, {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}[strategy]
+    theory = memory(P, dp=n, zero=zero, precision="fp32", optimizer="adamw")
+    one_bucket = {"bucket_mb": 1e9} if strategy.startswith("zero") else {}
+    first, last = _dry(strategy, SMALL, n, [0, n - 1], **one_bucket)
+    tensors = len(_shapes(SMALL))
+    if strategy == "ddp":
+        expected = dict(params=theory.params, grads=theory.grads, optimizer=theory.optimizer + 4 * tensors)
+        assert first == last or {k: first[k] for k in expected} == {k: last[k] for k in expected}
+    elif strategy in ("zero1", "zero2"):
+        expected = dict(params=4 * n * shard_numel(P, n), grads=theory.grads, optimizer=theory.optimizer + 4)
+    elif strategy == "zero3":
+        embed, block, head, _ = _units(SMALL)
+        units = [block] * SMALL.layers + [embed + head]
+        held = sum(shard_numel(u, n) for u in units)
+        assert held - shard_numel(P, n) < len(units)                 # the theory's ceil(P/n), within
+        expected = dict(params=4 * held, grads=4 * held, optimizer=8 * held + 4 * len(units))
+    else:
+        assert (P + fsdp_padding(_shapes(SMALL), n)) % n == 0
+        held = (P + fsdp_padding(_shapes(SMALL), n)) // n
+        expected = dict(params=4 * held, grads=4 * held, optimizer=8 * held + 4 * tensors)
+        mine = _fsdp_rows(SMALL, n, n - 1)
+        assert {k: last[k] for k in expected} == dict(params=4 * mine, grads=4 * held,
+                                                     optimizer=8 * mine + 4 * tensors)
+    assert {k: first[k] for k in expected} == expected
+    if strategy != "fsdp":
+        assert {k: last[k] for k in expected} == expected
