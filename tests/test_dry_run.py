@@ -164,3 +164,52 @@ def test_data_parallel_model_states_equal_theory(strategy, n):
     assert {k: first[k] for k in expected} == expected
     if strategy != "fsdp":
         assert {k: last[k] for k in expected} == expected
+
+
+def _stage_params(shape, stages: int, stage: int, tp: int = 1) -> tuple[int, int]:
+    """(parameters, parameter tensors) of pipeline stage ``stage`` of ``stages`` on one tp rank: its run
+    of the L + 2 units by count (sizes differ by at most one, larger ones last), each unit tp-sharded but
+    for its norms."""
+    embed, block, head, norms = _units(shape)
+    h = shape.hidden
+    sizes = [(embed // tp, 1)] + [((block - norms) // tp + norms, TENSORS_PER_BLOCK)] * shape.layers \
+        + [((head - h) // tp + h, 2)]
+    n = len(sizes)
+    first, last = stage * n // stages, (stage + 1) * n // stages
+    return sum(p for p, _ in sizes[first:last]), sum(t for _, t in sizes[first:last])
+
+
+def _fp32_adam(params: int, tensors: int) -> dict:
+    return dict(params=4 * params, grads=4 * params, optimizer=8 * params + 4 * tensors)
+
+
+@pytest.mark.parametrize("strategy", ["tp", "tp-sp"])
+def test_tensor_parallel_model_states_equal_theory(strategy):
+    held, tensors = _stage_params(SMALL, 1, 0, tp=8)
+    theory = memory(SMALL.params, tp=8, precision="fp32", optimizer="adamw")
+    norms = (2 * SMALL.layers + 1) * SMALL.hidden
+    assert held == theory.params / 4 + norms * (1 - 1 / 8)          # the norms the theory divides by tp
+    for peak in _dry(strategy, SMALL, 8, [0, 7]):
+        assert {k: peak[k] for k in ("params", "grads", "optimizer")} == _fp32_adam(held, tensors)
+
+
+def test_pipeline_model_states_equal_theory_stage_by_stage():
+    peaks = _dry("pp-1f1b", DEEP, 8, [0, 1, 7])                    # first (embedding), middle, last (head)
+    held = [_stage_params(DEEP, 8, s) for s in range(8)]
+    theory = memory(DEEP.params, pp=8, precision="fp32")
+    assert sum(p for p, _ in held) == DEEP.params == 8 * theory.params / 4        # P / pp on average
+    for peak, (params, tensors) in zip(peaks, [held[0], held[1], held[7]]):
+        assert {k: peak[k] for k in ("params", "grads", "optimizer")} == _fp32_adam(params, tensors)
+
+
+@pytest.mark.parametrize("shape, n, layout", [
+    (SMALL, 8, "3d:dp=2,tp=2,pp=2"),
+    (LLAMA70, 1024, "3d:dp=16,tp=8,pp=8"),             # Llama 3 70B at full width and depth
+    (DEEP, 16384, "3d:dp=256,tp=8,pp=8"),
+])
+def test_mesh_model_states_equal_theory_first_and_last_stage(shape, n, layout):
+    tp = pp = 8 if n > 8 else 2
+    first, last = _dry(layout, shape, n, [0, n - 1])
+    for peak, stage in ((first, 0), (last, pp - 1)):
+        assert {k: peak[k] for k in ("params", "grads", "optimizer")} == _fp32_adam(
+            *_stage_params(shape, pp, stage, tp=tp))
