@@ -213,3 +213,23 @@ def test_mesh_model_states_equal_theory_first_and_last_stage(shape, n, layout):
     for peak, stage in ((first, 0), (last, pp - 1)):
         assert {k: peak[k] for k in ("params", "grads", "optimizer")} == _fp32_adam(
             *_stage_params(shape, pp, stage, tp=tp))
+
+
+def test_cli_dry_run_prints_each_listed_rank(capsys):
+    from distlab.cli import main
+    assert main(["train", "--strategy", "zero3", "--model", "gpt-small", "--world-size", "1024",
+                 "--backend", "fake", "--ranks", "0,1023"]) == 0
+    out = capsys.readouterr().out
+    assert "dry run" in out and "rank 0:" in out and "rank 1023:" in out and "loss nan" in out
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(model="llama3-70b", world_size=8, strategy="ddp"), "backend='fake'"),
+    (dict(world_size=8, strategy="ddp", backend="fake"), "ranks="),
+    (dict(world_size=8, strategy="single", backend="fake", ranks=[0]), "one rank is"),
+    (dict(world_size=8, strategy="ddp", backend="fake", ranks=[8]), "not a rank"),
+    (dict(world_size=8, strategy="ddp", backend="fake", ranks=[0], max_restarts=1), "restarts nothing"),
+])
+def test_train_refuses_bad_dry_runs_before_any_rank(kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        dl.train(**kwargs)
