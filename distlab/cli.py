@@ -60,7 +60,8 @@ def _train_parser(sub) -> None:
                    help="fake: a dry run of the --ranks listed, here, at any world size (NaN losses)")
     p.add_argument("--ranks", default=None, metavar="R,R,...",
                    help="with --backend fake: the ranks to run, e.g. 0,1023")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 20; a dry run 1)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps; a dry run (--backend fake) takes 1 unless given (default: 20)")
     p.add_argument("--seed", type=int, default=0, help="weights and data")
     p.add_argument("--global-batch", type=int, default=None,
                    help="rows per step, over all ranks (default 16; a dry run one row per microbatch)")
@@ -111,10 +112,11 @@ def _train_parser(sub) -> None:
 def train_keywords(args) -> dict:
     """``distlab train``'s flags as `dl.train`'s keywords (the strategy aside): the same keywords a
     notebook would pass, parsed into the same typed spec (`distlab.strategies.parse`)."""
-    kw = dict(model=args.model, steps=args.steps, seed=args.seed, global_batch=args.global_batch, lr=args.lr,
+    kw = dict(model=args.model, seed=args.seed, lr=args.lr,
               optimizer=args.optimizer, weight_decay=args.weight_decay, grad_accum=args.grad_accum,
               precision=args.precision, clip=args.clip)
-    flags = {"comm": args.comm, "bucket_mb": args.bucket_mb, "recompute": args.recompute, "hsdp": args.hsdp,
+    flags = {"steps": args.steps, "global_batch": args.global_batch,       # None: train's default
+             "comm": args.comm, "bucket_mb": args.bucket_mb, "recompute": args.recompute, "hsdp": args.hsdp,
              "param_dtype": args.param_dtype, "checkpoint_dir": args.checkpoint_dir,
              "checkpoint_every": args.checkpoint_every, "keep_last": args.keep_last,
              "overlap": False if args.no_overlap else None, "prefetch": True if args.prefetch else None,
