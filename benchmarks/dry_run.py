@@ -63,11 +63,12 @@ def plot(rows: list[dict], png: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    names = [f"{r['model']}\n{r['strategy']}\n{r['world_size']} ranks" for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 1.5 + 0.8 * len(rows)))
+    names = [f"{r['model']} {r['strategy']}\n{r['world_size']} ranks" for r in rows]
     left.barh(names, [r["seconds"] for r in rows], color="tab:blue")
     left.axvline(60, color="tab:red", ls="--", label="target for Llama 3 70B: 60 s")
     left.set_xlabel("seconds for the first and the last rank (this machine)")
+    left.tick_params(axis="y", labelsize=7)
     left.legend(fontsize=8)
     left.invert_yaxis()
     for i, row in enumerate(rows):

@@ -233,3 +233,29 @@ def test_cli_dry_run_prints_each_listed_rank(capsys):
 def test_train_refuses_bad_dry_runs_before_any_rank(kwargs, error):
     with pytest.raises(ValueError, match=error):
         dl.train(**kwargs)
+
+
+# -- activations per layer at GPT-3 175B's width, on meta tensors, against Korthikanti et al. 2022 ---------
+def _gpt3_layer(tp: int, sp: bool, dtype) -> int:
+    import dataclasses
+    cfg = dataclasses.replace(dl.models.config("gpt3-175b"), layers=1, vocab=50304)   # Megatron's padded V
+    with torch.device(dl.device()):
+        gpt = dl.models.GPT(cfg).to(dtype)
+        if tp > 1:
+            gpt = dl.tp.parallelize(gpt, sequence_parallel=sp)
+        x = torch.empty(1, cfg.seq_len // (tp if sp else 1), cfg.d_model, dtype=dtype)
+    return dl.memory.measure_layer(gpt.blocks[0], x)
+
+
+@pytest.mark.parametrize("tp, sp, dtype", [(1, False, torch.float32), (1, False, torch.bfloat16),
+                                           (8, False, torch.bfloat16), (8, True, torch.bfloat16)])
+def test_activations_per_layer_equal_korthikanti_at_gpt3_width(tp, sp, dtype):
+    """s b h (34 + 5 a s / h) at 2-byte activations (Korthikanti Eq. 1; / t and SP's / t, Eq. 2-3), without
+    the dropout masks distlab's GPT does not have, plus what it saves beyond the paper
+    (`theory.activations.unmodelled_bytes`: LayerNorm statistics, the causal mask), to the byte."""
+    from distlab.theory.activations import predicted_layer_bytes, unmodelled_bytes
+    (got,) = dl.launch(_gpt3_layer, world_size=8, args=(tp, sp, dtype), backend="fake", ranks=(0,),
+                       output="quiet").results
+    s, h, a, size = 2048, 12288, 96, torch.finfo(dtype).bits // 8
+    assert got == predicted_layer_bytes(s, 1, h, a, tp=tp, sp=sp, element_size=size) + unmodelled_bytes(
+        s, 1, tp=tp, sp=sp)
