@@ -56,10 +56,7 @@ def _train_parser(sub) -> None:
     p.add_argument("--model", default="gpt-tiny",
                    help="gpt-tiny, gpt-small, gpt-wide, gpt-moe-tiny (for ep) or mlp; with --backend fake "
                         "also gpt3-175b, llama3-8b, llama3-70b, llama3-405b")
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl", "fake"],
-                   help="fake: a dry run of the --ranks listed, here, at any world size (NaN losses)")
-    p.add_argument("--ranks", default=None, metavar="R,R,...",
-                   help="with --backend fake: the ranks to run, e.g. 0,1023")
+    _dry_run_flags(p)
     p.add_argument("--steps", type=int, default=None,
                    help="optimizer steps; a dry run (--backend fake) takes 1 unless given (default: 20)")
     p.add_argument("--seed", type=int, default=0, help="weights and data")
@@ -107,6 +104,13 @@ def _train_parser(sub) -> None:
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="a bar with step, loss and it/s on stderr (default: when stderr is a terminal)")
     p.add_argument("--traceback", action="store_true", help="on an error, show the full traceback")
+
+
+def _dry_run_flags(p) -> None:
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl", "fake"],
+                   help="fake: a dry run of the --ranks listed, here, at any world size (NaN losses)")
+    p.add_argument("--ranks", default=None, metavar="R,R,...",
+                   help="with --backend fake: the ranks to run, e.g. 0,1023")
 
 
 def train_keywords(args) -> dict:
