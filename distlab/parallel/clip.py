@@ -27,7 +27,13 @@ wrappers in ``model`` (`layout`):
     ZeRO, ShardedOptimizer      its gradient shards (a marker)   distinct over its group (reduced first)
     dl.pp.Pipeline              its stages' parameters           distinct
 
-A plain module, or parameters no wrapper marked, keep torch's rule on this rank alone. The explicit form
+Bare parameters (``model.parameters()``) carry markers instead: fully_shard's and ZeRO's (above), and
+``_cut_over`` (`mark_cut`: a tensor- or expert-parallel layer cut it over that group) and
+``_pipeline_of`` (a `dl.pp.Pipeline` stage holds it), from which `layout` rebuilds the same rule: over
+the one group some were cut over, the others are replicas (counted on its rank 0); then the pipeline's
+group sums the stages. Parameters cut over two different groups cannot be told apart: a ValueError
+says to pass the model. A plain module, or parameters nothing marked, keep torch's rule on this rank
+alone (DDP's replicas: equal there, so that is the norm). The explicit form
 ``clip_grad_norm_(params, max_norm, sharded=..., groups=[tp_group, pp_group])`` (what the strategies call)
 names the groups instead: over ``groups[0]`` only the ``sharded`` parameters are summed (the others are
 replicated there and counted once); every later group holds different parameters on each rank.
@@ -51,7 +57,8 @@ def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0, *,
     (before clipping, a 0-dim tensor), the same on every rank, as torch's does on one process.
 
     ``model_or_params``: a model (any distlab wrapper, or a module holding them), a ``dl.pp.Pipeline``, or
-    parameters (fully_shard's shards carry their layout; unmarked ones are clipped by this rank's norm);
+    parameters (fully_shard's and ZeRO's shards, tp/ep layers' cut parameters and pipeline stages' carry
+    their layout: `layout`; parameters nothing marked are clipped by this rank's norm);
     ``norm_type``: p of the p-norm, or ``math.inf``; ``group``: the ranks that hold the model between
     them (default: every rank, once a wrapper spreads it; a 1-D mesh stands for its group).
     ``sharded``/``groups``: the explicit form.
@@ -61,8 +68,8 @@ def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0, *,
         groups = [as_group(g) for g in groups]
         pieces, grads, group = _explicit(list(model_or_params), sharded, groups)
     else:
-        pieces, grads, spread = layout(model_or_params)
-        group = group if group is not None or spread else False
+        pieces, grads, over = layout(model_or_params)
+        group = over if group is None else group
     total = _norm(pieces, norm_type, group)
     return scale_by(grads, total, max_norm)
 
@@ -93,12 +100,15 @@ def _explicit(params: list, sharded, groups: list) -> tuple[list, list, list]:
     return pieces, [p.grad for p in held], groups
 
 
-def layout(model_or_params) -> tuple[list, list, bool]:
-    """([(gradient piece, counted on this rank)], the gradients to scale, whether any wrapper spreads the
-    model over ranks): what `clip_grad_norm_` adds up, read from the wrappers and parameter markers."""
+def layout(model_or_params) -> tuple[list, list, object]:
+    """([(gradient piece, counted on this rank)], the gradients to scale, what to sum over: None for every
+    rank (a wrapper spreads the model), a list of groups (bare parameters' markers), or False (this rank
+    alone)): what `clip_grad_norm_` adds up, read from the wrappers and parameter markers."""
     roots, spread = _roots(model_or_params)
+    over: list = []
     if roots is None:                                  # parameters: only their markers say anything
-        params, copies = list(model_or_params), {}
+        params = list(model_or_params)
+        copies, over = _marked(params)
     else:
         params = list({id(p): p for r in roots for p in r.parameters()}.values())
         copies, wrapped = _replicas(roots, params)
@@ -120,7 +130,41 @@ def layout(model_or_params) -> tuple[list, list, bool]:
             pieces += [(g[piece], _first(copies.get(id(bucket.params[i]), ()), but=opt.comm.group))
                        for i, _, piece in bucket.owner_slices(opt.comm.rank)]
             grads.append(g)
-    return pieces, grads, spread or bool(zeros)
+    return pieces, grads, None if spread or zeros else (over or False)
+
+
+def mark_cut(module: nn.Module, group) -> None:
+    """Mark the parameters ``module`` cuts over ``group`` (those its ``shard_dims`` names) with
+    ``_cut_over``, so that `clip_grad_norm_` given bare parameters tells a piece from a replica."""
+    if group_size(group) > 1:
+        for name in module.shard_dims:
+            p = getattr(module, name, None)
+            if isinstance(p, torch.Tensor):
+                p._cut_over = Mark((group,))           # a tuple: group None (the world) is a group too
+
+
+class Mark(tuple):
+    """A parameter's marker, ``(group,)``. A process group can be neither copied nor pickled, so a
+    ``copy.deepcopy`` of the parameter shares the mark and a pickled one drops it (``()``: unmarked)."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return tuple, ()
+
+
+def _marked(params: list) -> tuple[dict, list]:
+    """Bare parameters' tensor/expert-parallel and pipeline markers -> ({id(parameter): [the group it is
+    replicated over]}, [the group they were cut over, the pipeline's group]); two cut groups: ambiguous."""
+    cut = {id(m[0]): m[0] for p in params if (m := getattr(p, "_cut_over", ()))}
+    if len(cut) > 1:
+        raise ValueError("these parameters were cut over more than one group (tensor and expert "
+                         "parallelism?): from bare parameters dl.clip_grad_norm_ cannot tell which are "
+                         "replicas where; pass the model (or the dl.pp.Pipeline), whose layers say so")
+    stages = {id(m[0]): m[0] for p in params if (m := getattr(p, "_pipeline_of", ()))}
+    copies = {id(p): list(cut.values()) for p in params if not getattr(p, "_cut_over", ())}
+    return copies, [*cut.values(), *stages.values()]
 
 
 def _zero_optimizer(p: torch.Tensor):

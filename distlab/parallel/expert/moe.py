@@ -27,6 +27,7 @@ import torch.nn as nn
 from ...models import moe
 from ...runtime import group_members
 from .. import collectives as C
+from ..clip import mark_cut
 from ..mesh import as_group
 from . import dispatch as D
 
@@ -42,6 +43,7 @@ class ExpertShard(moe.Experts):
             self.register_parameter(name, nn.Parameter(p.detach()[first:first + count].clone()))
         self.shard_dims = dict.fromkeys(("w1", "b1", "w2", "b2"), 0)
         self.group = group
+        mark_cut(self, group)                             # for dl.clip_grad_norm_ on bare parameters
 
 
 class MoE(moe.MoE):

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ...runtime import device, group_rank, group_size
+from ..clip import Mark
 from ..mesh import as_group
 from .named import tensor_of
 from .p2p import Incoming, Links
@@ -98,6 +99,8 @@ class Pipeline:
         if sorted(ids) != expected:
             raise ValueError(f"pipeline rank {self.rank} of {self.p} must hold stages {expected}, got {ids}")
         self.modules = dict(zip(ids, modules))
+        for param in (q for m in modules for q in m.parameters()) if self.p > 1 else ():
+            param._pipeline_of = Mark((group,))         # a stage's: dl.clip_grad_norm_ on bare parameters
         self.num_stages, self.microbatches = num_stages, microbatches
         self.loss_fn, self.output = loss_fn or default_loss, output
         if isinstance(schedule, str):

@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import collectives as C
+from ..clip import mark_cut
 from ..mesh import as_group
 from . import regions as ops
 from .regions import SEQ_DIM
@@ -135,6 +136,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_f // t, in_f, **kw))
         self.bias = nn.Parameter(torch.empty(out_f // t, **kw)) if bias else None
         _init_like_linear(self.weight.data, None if self.bias is None else self.bias.data, in_f)
+        mark_cut(self, group)                             # for dl.clip_grad_norm_ on bare parameters
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, **kw) -> "ColumnParallelLinear":
@@ -184,6 +186,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_f, in_f // t, **kw))
         self.bias = nn.Parameter(torch.empty(out_f, **kw)) if bias else None
         _init_like_linear(self.weight.data, None if self.bias is None else self.bias.data, in_f)
+        mark_cut(self, group)                             # for dl.clip_grad_norm_ on bare parameters
         if self.bias is not None and self.sequence_parallel:
             sync_replicated_grad(self.bias, group)
 

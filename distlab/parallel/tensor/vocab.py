@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import collectives as C
+from ..clip import mark_cut
 from . import regions as ops
 from ..mesh import as_group
 from .linear import check_divisible
@@ -46,6 +47,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = C.group_rank(group) * per_rank
         self.vocab_end = self.vocab_start + per_rank
         self.weight = nn.Parameter(torch.empty(per_rank, dim, device=device, dtype=dtype).normal_())
+        mark_cut(self, group)                             # for dl.clip_grad_norm_ on bare parameters
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, group=None, **kw) -> "VocabParallelEmbedding":

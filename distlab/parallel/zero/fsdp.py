@@ -86,6 +86,8 @@ def fully_shard(module: nn.Module, *, group=None, mesh=None, param_dtype=None, r
         p._fsdp_copies = dp                           # a replica on every rank (`dl.clip_grad_norm_`)
     for (p, _), sp in zip(fresh, params):
         sp.shard._fsdp_copies = replica_comm          # distinct on every rank; under HSDP, a replica
+        if hasattr(p, "_cut_over"):                   # a tensor-parallel piece, sharded again
+            sp.shard._cut_over = p._cut_over
         sp.install(sp.shard)
         p._fsdp_moved = True                          # the original: gone from the module
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
