@@ -259,3 +259,11 @@ def test_activations_per_layer_equal_korthikanti_at_gpt3_width(tp, sp, dtype):
     s, h, a, size = 2048, 12288, 96, torch.finfo(dtype).bits // 8
     assert got == predicted_layer_bytes(s, 1, h, a, tp=tp, sp=sp, element_size=size) + unmodelled_bytes(
         s, 1, tp=tp, sp=sp)
+
+
+def test_a_fake_launch_leaves_this_process_as_it_was():
+    import sys
+    hook = sys.excepthook
+    dl.launch(dl.rank, world_size=64, backend="fake", ranks=(5, 63), output="quiet")
+    assert sys.excepthook is hook and not dist.is_initialized() and dl.rank() == 0 and dl.world_size() == 1
+    assert dl.device().type == "cpu"

@@ -97,7 +97,7 @@ def _one_rank(fn, r: int, world_size: int, args: tuple, kwargs: dict) -> tuple[b
 
     from .. import runtime
 
-    captured = io.StringIO()
+    captured, hook = io.StringIO(), sys.excepthook     # init_process_group wraps the hook in "[rank r]: "
     # no store: torch then gives the fake group its FakeStore, which holds nothing (nobody rendezvous), and
     # registers the "fake" backend (torch.testing._internal.distributed.fake_pg) on first use
     dist.init_process_group("fake", rank=r, world_size=world_size)
@@ -111,5 +111,6 @@ def _one_rank(fn, r: int, world_size: int, args: tuple, kwargs: dict) -> tuple[b
         events = tracer.export()
         runtime._leave()
         dist.destroy_process_group()
+        sys.excepthook = hook                            # this process is no rank once the rank is done
         sys.stdout.flush()
     return ok, value, events, captured.getvalue()
