@@ -229,6 +229,9 @@ def test_cli_dry_run_prints_each_listed_rank(capsys):
     (dict(world_size=8, strategy="single", backend="fake", ranks=[0]), "one rank is"),
     (dict(world_size=8, strategy="ddp", backend="fake", ranks=[8]), "not a rank"),
     (dict(world_size=8, strategy="ddp", backend="fake", ranks=[0], max_restarts=1), "restarts nothing"),
+    (dict(world_size=8, strategy="cp-ring", backend="fake", ranks=[0]), "cannot run cp=8"),
+    (dict(world_size=4, strategy="ep", model="gpt-moe-tiny", backend="fake", ranks=[0]), "cannot run ep=4"),
+    (dict(world_size=8, strategy="ddp", precision="fp16-mixed", backend="fake", ranks=[0]), "inf/NaN"),
 ])
 def test_train_refuses_bad_dry_runs_before_any_rank(kwargs, error):
     with pytest.raises(ValueError, match=error):

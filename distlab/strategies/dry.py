@@ -36,6 +36,15 @@ def check(spec: TrainSpec, world: int, backend: str) -> None:
                          "strategy='ddp', world_size=1, backend='fake', ranks=[0]")
     if spec.restart.max_restarts or spec.restart.shrink:
         raise ValueError("a dry run restarts nothing: drop max_restarts and shrink with backend='fake'")
+    d = spec.layout.degrees(world)
+    for axis, why in (("cp", "context parallelism's positions"), ("ep", "expert routing")):
+        if d[axis] > 1 or (axis == "ep" and spec.strategy == "ep"):
+            raise ValueError(f"a dry run cannot run {axis}={d[axis]} yet: {why} read tensor values (on the "
+                             "meta device there are none); dry-run the same layout without it")
+    checks = spec.numerics.skip_nonfinite or spec.numerics.nan_at_step is not None
+    if spec.precision == "fp16-mixed" or checks:
+        raise ValueError("a dry run has no values to check for inf/NaN: use precision='bf16-mixed' or 'fp32' "
+                         "and drop skip_nonfinite / nan_at_step with backend='fake'")
     if spec.checkpoint.checkpoint_dir is not None:
         raise ValueError("a dry run's tensors hold no values to save: drop checkpoint_dir with "
                          "backend='fake'")

@@ -153,7 +153,7 @@ def _checked_and_clipped(spec: TrainSpec, plan: Plan, step: int, guard: numerics
     if not skip and (spec.clip is not None or guard.checks):
         with C.scope(phase="step", operator="grad_norm"):     # checked runs: the norm, unclipped
             norm = plan.clip(spec.clip if spec.clip is not None else math.inf)
-    guard.record(step, norm)
+    guard.record(step, None if norm is None or norm.is_meta else norm)   # a dry run's norm has no value
     return not skip
 
 
