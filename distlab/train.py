@@ -4,7 +4,8 @@
     report.losses          # per step, from the rank that holds the loss
     report.params          # final full parameters by name (gathered)
     report.memory[r]       # rank r's ledger: {"peak": {...}, "peak_total": ..., "timeline": [...]}
-    report.comm[r]         # rank r's bytes: {"sent", "received", "sent_per_step", "sent_by_op"}
+    report.comm[r]         # rank r's bytes: {"sent", "received", "sent_per_step", "sent_by_op",
+                           #                  "sent_by_group"}
     report.run.trace       # everything recorded (None for "single", which runs in this process)
     report.stragglers()    # per step: each rank's compute time, the skew, the slowest rank
 

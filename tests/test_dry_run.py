@@ -270,3 +270,12 @@ def test_a_fake_launch_leaves_this_process_as_it_was():
     dl.launch(dl.rank, world_size=64, backend="fake", ranks=(5, 63), output="quiet")
     assert sys.excepthook is hook and not dist.is_initialized() and dl.rank() == 0 and dl.world_size() == 1
     assert dl.device().type == "cpu"
+
+
+def test_dry_run_comm_by_collective_and_by_mesh_group():
+    report = dl.train("3d:dp=2,tp=2,pp=2", model="gpt-small", world_size=8, backend="fake", ranks=[7, 0])
+    assert [m["peak"]["params"] > 0 for m in report.memory] == [True, True]
+    for comm in report.comm:                                  # in the order of ranks: 7, then 0
+        assert set(comm["sent_by_group"]) == {"dp", "tp", "pp"}
+        assert sum(comm["sent_by_group"].values()) == sum(comm["sent_by_op"].values()) == comm["sent"] > 0
+    assert report.comm[1]["sent_by_op"]["send"] > 0                       # stage 0 sends activations

@@ -16,6 +16,8 @@ Read it in this order:
     torchrun.py    torchrun's path: under RANK/WORLD_SIZE, ``fn`` runs in this process; a store prefix
                    per restart attempt
     flight.py      the flight recorder: each rank's last collectives, and the diagnosis of a hang
+    fake.py        dry runs: ``backend="fake", ranks=(0, ...)`` runs ``fn`` here as each listed rank of a
+                   job of any size, on torch's fake process group and the meta device
 
 Nothing here imports `parallel`, the strategies, the checkpoints or the models: the launcher runs any
 function, and the names of groups come from `distlab.runtime`.

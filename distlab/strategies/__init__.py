@@ -16,7 +16,8 @@ and DP on a mesh), `loop` (THE step loop every strategy runs) and `numerics` (it
 non-finite steps skipped on every rank, gradient-norm spikes), then one file per family, each only
 building the model, the criterion and the loop's `loop.Plan`: `data_parallel` (single, DDP, ZeRO), `fsdp`
 (`dl.fully_shard`), `tensor`, `pipeline`, `context` (cp-ring, cp-ulysses), `expert` (ep), `mesh` (3D),
-`mesh_axes` (its cp= and ep= axes).
+`mesh_axes` (its cp= and ep= axes). `dry`: the same strategies at real size in a dry run
+(``backend="fake"``), one step on the meta device.
 """
 from __future__ import annotations
 

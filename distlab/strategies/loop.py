@@ -159,12 +159,16 @@ def _checked_and_clipped(spec: TrainSpec, plan: Plan, step: int, guard: numerics
 
 def comm_totals(events, steps: int) -> dict:
     """Bytes this rank sent and received in ``events`` (its comm events of the training steps), in
-    all, per step and by op."""
+    all, per step, by op and by group (the name a mesh gave it, `runtime.name_group`; else "unnamed")."""
     by_op: dict[str, int] = {}
+    by_group: dict[str, int] = {}
     for e in events:
         by_op[e.name] = by_op.get(e.name, 0) + e.sent
+        group = e.args.get("group") or "unnamed"
+        by_group[group] = by_group.get(group, 0) + e.sent
     sent, received = sum(e.sent for e in events), sum(e.received for e in events)
-    return {"sent": sent, "received": received, "sent_per_step": sent / steps, "sent_by_op": by_op}
+    return {"sent": sent, "received": received, "sent_per_step": sent / steps, "sent_by_op": by_op,
+            "sent_by_group": by_group}
 
 
 def sum_losses(losses: list[float], group=None) -> list[float]:
