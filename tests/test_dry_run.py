@@ -279,3 +279,19 @@ def test_dry_run_comm_by_collective_and_by_mesh_group():
         assert set(comm["sent_by_group"]) == {"dp", "tp", "pp"}
         assert sum(comm["sent_by_group"].values()) == sum(comm["sent_by_op"].values()) == comm["sent"] > 0
     assert report.comm[1]["sent_by_op"]["send"] > 0                       # stage 0 sends activations
+
+
+@pytest.mark.parametrize("strategy, zero, states", [("ddp", 0, 39), ("zero1", 1, 1), ("zero3", 3, 5)])
+def test_mixed_precision_model_states_equal_the_zero_papers(strategy, zero, states):
+    """bf16-mixed Adam: 2 + 2 + K = 12 bytes per parameter (the fp32 master, momentum, variance), as the
+    ZeRO paper counts and `dl.theory.memory` charges; plus Adam's step scalars (``states`` tensors)."""
+    n, one_bucket = 1024, {"bucket_mb": 1e9} if zero else {}
+    theory = memory(SMALL.params, dp=n, zero=zero, precision="bf16-mixed", optimizer="adamw")
+    (peak,) = _dry(strategy, SMALL, n, [n - 1], precision="bf16-mixed", **one_bucket)
+    held = {1: 2 * n * shard_numel(SMALL.params, n)} if zero == 1 else {}
+    if zero == 3:                                          # per-unit padding, as in the fp32 test
+        embed, block, head, _ = _units(SMALL)
+        mine = sum(shard_numel(u, n) for u in [block] * SMALL.layers + [embed + head])
+        theory = memory(mine * n, dp=n, zero=3, precision="bf16-mixed", optimizer="adamw")
+    assert peak["params"] == held.get(zero, theory.params)
+    assert (peak["grads"], peak["optimizer"]) == (theory.grads, theory.optimizer + 4 * states)
