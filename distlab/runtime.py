@@ -79,8 +79,11 @@ def backend() -> str | None:
 
 
 def device() -> torch.device:
-    """Where this rank computes: its own GPU under NCCL, else the CPU (or where `place_on` put it).
+    """Where this rank computes: its own GPU under NCCL, ``meta`` under the fake backend of a dry run
+    (shapes without storage: nothing is computed), else the CPU (or where `place_on` put it).
     Strategies never assume CUDA."""
+    if backend() == "fake":
+        return torch.device("meta")
     if _state.placed is not None:
         return _state.placed
     if backend() == "nccl":

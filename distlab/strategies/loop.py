@@ -116,9 +116,14 @@ def _micro_steps(spec: TrainSpec, plan: Plan, step: int, observe: StepObserver,
                 with observe.backward(step, micro, scaled):
                     scaled.backward()
         if loss is not None:
-            total, held = total + loss.item() * plan.loss_share, True
+            total, held = total + _value(loss) * plan.loss_share, True
     observe.gradients_ready()
     return total if held else None
+
+
+def _value(loss: torch.Tensor) -> float:
+    """The loss as a number; NaN in a dry run (`distlab.launch.fake`), whose tensors hold no values."""
+    return math.nan if loss.is_meta else loss.item()
 
 
 def _optimizer_step(spec: TrainSpec, plan: Plan, step: int, observe: StepObserver,
@@ -148,23 +153,27 @@ def _checked_and_clipped(spec: TrainSpec, plan: Plan, step: int, guard: numerics
     if not skip and (spec.clip is not None or guard.checks):
         with C.scope(phase="step", operator="grad_norm"):     # checked runs: the norm, unclipped
             norm = plan.clip(spec.clip if spec.clip is not None else math.inf)
-    guard.record(step, norm)
+    guard.record(step, None if norm is None or norm.is_meta else norm)   # a dry run's norm has no value
     return not skip
 
 
 def comm_totals(events, steps: int) -> dict:
     """Bytes this rank sent and received in ``events`` (its comm events of the training steps), in
-    all, per step and by op."""
+    all, per step, by op and by group (the name a mesh gave it, `runtime.name_group`; else "unnamed")."""
     by_op: dict[str, int] = {}
+    by_group: dict[str, int] = {}
     for e in events:
         by_op[e.name] = by_op.get(e.name, 0) + e.sent
+        group = e.args.get("group") or "unnamed"
+        by_group[group] = by_group.get(group, 0) + e.sent
     sent, received = sum(e.sent for e in events), sum(e.received for e in events)
-    return {"sent": sent, "received": received, "sent_per_step": sent / steps, "sent_by_op": by_op}
+    return {"sent": sent, "received": received, "sent_per_step": sent / steps, "sent_by_op": by_op,
+            "sent_by_group": by_group}
 
 
 def sum_losses(losses: list[float], group=None) -> list[float]:
     """Every rank's share of each step's loss summed over ``group`` (metrics only: not traced)."""
-    if group_size(group) == 1:
+    if group_size(group) == 1 or device().type == "meta":      # a dry run: NaNs, nobody else to ask
         return losses
     t = torch.tensor(losses, dtype=torch.float64, device=device())
     dist.all_reduce(t, group=group)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from ..checkpoint.options import Checkpointing
 from ..memory import parse_bytes
-from ..rules import Custom, Flag, Number, OneOf, Text, Whole, check_fields, option
+from ..rules import Custom, Either, Flag, Number, OneOf, Text, Whole, check_fields, option
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")     # fp16: with dynamic loss scaling (`numerics`)
@@ -37,6 +37,12 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 MAX_SEED = 2**32 - 1
 AXES = ("dp", "pp", "cp", "ep", "tp")                  # the degrees, in the mesh's order (`parallel.mesh`)
 _FILL = "the ranks the other degrees leave"
+
+
+def _shape(value) -> None:
+    from ..theory.presets import ModelPreset
+    if not isinstance(value, ModelPreset):
+        raise TypeError
 
 
 def _degree(what: str):
@@ -178,7 +184,10 @@ class TrainSpec:
     """Everything a rank needs to train: `dl.train`'s own parameters, then one field per concern."""
 
     strategy: str = option("single", Text(example="ddp"), "the strategy's name (`distlab.strategies`)")
-    model: str = option("gpt-tiny", Text(example="gpt-tiny"), "a preset of `dl.models` or 'mlp'")
+    model: str = option("gpt-tiny", Either(Text(), Custom(_shape, "a dl.theory.ModelPreset"),
+                                           description="a preset name or a dl.theory.ModelPreset",
+                                           example="gpt-tiny"),
+                        "a preset of `dl.models`, 'mlp', or a `dl.theory.ModelPreset` (its shape)")
     steps: int = option(20, Whole(1, example=20), "optimizer steps")
     seed: int = option(0, Whole(0, MAX_SEED, example=0), "initial weights and data")
     global_batch: int = option(16, Whole(1, example=16), "rows per step, over all ranks")

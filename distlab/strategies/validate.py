@@ -19,6 +19,7 @@ import difflib
 
 from . import restart
 from ..checkpoint.directory import check_options as check_checkpoints
+from ..models import config
 from ..rules import Whole
 from .spec import TrainSpec
 
@@ -55,8 +56,11 @@ def check_world(spec: TrainSpec, world: int) -> None:
     check_recompute(spec, world)
 
 
-def check_model(model: str) -> None:
+def check_model(model) -> None:
     from ..models import PRESETS
+    if hasattr(model, "hidden") and hasattr(model, "layers"):     # a dl.theory.ModelPreset
+        config(model)
+        return
     models = sorted(PRESETS) + ["mlp"]
     if model not in models:
         close = difflib.get_close_matches(model, models, n=1)
@@ -69,8 +73,7 @@ def check_recompute(spec: TrainSpec, world: int) -> None:
     (their memory count cannot see it yet; zero bubble's weight pass would recompute every block again);
     full not with a mixture of experts (a second forward would count the router's balance loss twice);
     selective not with context parallelism (its attention cores are ring attention and Ulysses)."""
-    from ..models import PRESETS
-    how, cfg = spec.memory.recompute, PRESETS.get(spec.model)
+    how, cfg = spec.memory.recompute, config(spec.model)
     if not how:
         return
     if cfg is None:
