@@ -1,6 +1,8 @@
 """The named models of `dl.train(model=...)`, the CLI and the lessons, and the data set each trains on."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 
@@ -18,15 +20,16 @@ PRESETS = {
 }
 
 
-def build(name: str, seed: int = 0) -> nn.Module:
+def build(name: str, seed: int = 0, vocab: int | None = None) -> nn.Module:
     """A preset by name ("gpt-tiny", "gpt-small", "gpt-wide", "gpt-moe-tiny", "mlp"), initialised from
-    ``seed``."""
+    ``seed``; ``vocab``: another vocabulary size for a GPT (256 for the byte-level text of `dl.data`)."""
     torch.manual_seed(seed)
     if name == "mlp":
         return MLP()
     if name not in PRESETS:
         raise ValueError(f"unknown model {name!r}: choose one of {sorted(PRESETS) + ['mlp']}")
-    return GPT(PRESETS[name])
+    cfg = PRESETS[name] if vocab is None else dataclasses.replace(PRESETS[name], vocab=vocab)
+    return GPT(cfg)
 
 
 def dataset_for(name: str, seed: int = 0):
