@@ -46,8 +46,8 @@ class Loader:
     stream from ``position``; ``workers`` threads, ``prefetch`` batches in flight per worker, ``latency``
     seconds of (simulated) storage per batch."""
 
-    def __init__(self, dataset, sampler: DistributedSampler, batch: int, *, workers: int = 0, prefetch: int = 2,
-                 latency: float = 0.0, position: Position | None = None):
+    def __init__(self, dataset, sampler: DistributedSampler, batch: int, *, workers: int = 0,
+                 prefetch: int = 2, latency: float = 0.0, position: Position | None = None):
         self.dataset, self.sampler, self.batch = dataset, sampler, batch
         self.workers, self.prefetch, self.latency = workers, prefetch, latency
         self.position = position or Position()        # what the trainer has taken

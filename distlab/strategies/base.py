@@ -32,9 +32,10 @@ class RankResult:
 
 
 def build_model(spec: TrainSpec) -> nn.Module:
-    """``dl.models.build(spec.model, spec.seed)`` on ``dl.device()``: identical weights on every rank;
-    ``data="text"``: a vocabulary of 256 (bytes). ``spec.memory.recompute``: True or "full" (every transformer block recomputes in backward),
-    "selective" (only attention's scores and softmax, `models.attention_core`)."""
+    """``dl.models.build(spec.model, spec.seed)`` on ``dl.device()``: identical weights on every rank
+    (``data="text"``: a vocabulary of 256, bytes); ``spec.memory.recompute``: True or "full" (every
+    transformer block recomputes in backward), "selective" (only attention's scores and softmax,
+    `models.attention_core`)."""
     vocab = 256 if spec.data_loading.data == "text" else None           # bytes (`dl.data`)
     model = models.build(spec.model, spec.seed, vocab=vocab).to(device())
     how = spec.memory.recompute

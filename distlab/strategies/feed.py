@@ -96,7 +96,8 @@ class Feed:
         rank's position is past the step; record the step's sample ids."""
         for micro in range(self.spec.grad_accum):
             self.batch(step, micro)
-        self.samples[step] = torch.cat([self.served[(step, m)][0] for m in range(self.spec.grad_accum)]).tolist()
+        ids = [self.served[(step, m)][0] for m in range(self.spec.grad_accum)]
+        self.samples[step] = torch.cat(ids).tolist()
         self.served.clear()
 
     def summary(self) -> dict:

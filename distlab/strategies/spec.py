@@ -227,7 +227,7 @@ class TrainSpec:
                                       metadata={"doc": "saving, resuming, planted failures"})
     restart: Restart = field(default_factory=Restart, metadata={"doc": "relaunching after a failure"})
     data_loading: DataLoading = field(default_factory=DataLoading,
-                                      metadata={"doc": "the data: synthetic or the text corpus, and its loader"})
+                                      metadata={"doc": "synthetic data or the text corpus, and its loader"})
 
     def __post_init__(self):
         check_fields(self)
