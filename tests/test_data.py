@@ -140,3 +140,15 @@ def test_data_options_are_checked():
         dl.train("single", world_size=1, model="mlp", data="text")
     with pytest.raises(ValueError):
         dl.train("single", world_size=1, data="images")
+
+
+def test_every_layout_reads_the_same_global_batches():
+    """A pipeline's middle stage asks for no batch, yet its position moves with the others' (`step_done`);
+    with grad_accum, each step consumes its micro-batches in order: the same samples and losses as one
+    process."""
+    kw = dict(model="gpt-tiny", steps=3, global_batch=8, grad_accum=2, seed=1, data="text")
+    ref = dl.train("single", world_size=1, **kw)
+    pipe = dl.train("pp-1f1b", world_size=3, **kw)
+    assert all(r.info["data"]["samples"] == _samples(ref) for r in pipe.results)
+    assert all(r.info["data"]["position"] == ref.results[0].info["data"]["position"] for r in pipe.results)
+    assert pipe.losses == pytest.approx(ref.losses, rel=1e-5)
