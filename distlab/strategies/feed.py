@@ -41,7 +41,7 @@ class Feed:
         self.sampler = DistributedSampler(len(self.corpus), shuffle=o.shuffle, seed=spec.seed,
                                           drop_last=o.drop_last)
         self.loader = Loader(self.corpus, self.sampler, spec.micro_batch, workers=o.workers,
-                             prefetch=o.prefetch_batches, latency=o.data_latency)
+                             prefetch=o.read_ahead, latency=o.data_latency)
         self.restored: Position | None = None
         self.served: dict[tuple[int, int], tuple] = {}   # (step, micro) -> (ids, x, y) of the step so far
         self.samples: dict[int, list[int]] = {}          # step -> the global sample ids it consumed

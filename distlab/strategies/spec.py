@@ -11,7 +11,7 @@ dataclass per concern, each field with its default, its rule (`distlab.rules`) a
     +- checkpoint:          checkpoint_dir, checkpoint_every, keep_last, resume, async_save, fault
     |  Checkpointing        injection (`distlab.checkpoint.options`)
     +- restart: Restart     max_restarts, shrink
-    +- data_loading:        data ("synthetic" | "text"), workers, prefetch_batches, data_latency,
+    +- data_loading:        data ("synthetic" | "text"), workers, read_ahead, data_latency,
        DataLoading          shuffle, drop_last (`distlab.data`)
 
 A field's name is the keyword that sets it (``dl.train(..., bucket_mb=1)`` sets
@@ -180,7 +180,8 @@ class DataLoading:
                        "position every checkpoint holds")
     workers: int = option(0, Whole(0, example=2), "text: loader threads reading ahead (0: each step reads "
                                                   "its own batch)")
-    prefetch_batches: int = option(2, Whole(1, example=2), "text: batches in flight per worker")
+    read_ahead: int = option(2, Whole(1, example=2), "text: batches in flight per worker (torch's "
+                                                     "prefetch_factor)")
     data_latency: float = option(0.0, Number(0, example=0.05), "text: seconds of (simulated) slow storage "
                                                                "per batch read")
     shuffle: bool = option(True, Flag(), "text: shuffle the order each epoch (by seed + epoch)")
