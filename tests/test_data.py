@@ -152,3 +152,16 @@ def test_every_layout_reads_the_same_global_batches():
     assert all(r.info["data"]["samples"] == _samples(ref) for r in pipe.results)
     assert all(r.info["data"]["position"] == ref.results[0].info["data"]["position"] for r in pipe.results)
     assert pipe.losses == pytest.approx(ref.losses, rel=1e-5)
+
+
+def test_a_text_checkpoint_resumes_only_the_same_order(tmp_path):
+    """The position counts samples of one order: a checkpoint of the text resumed with synthetic data, or
+    with another shuffle, is refused (say what differs), not silently read from the wrong place."""
+    kw = dict(model="gpt-tiny", steps=2, global_batch=4, checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    dl.train("single", world_size=1, data="text", **kw)
+    with pytest.raises(dl.checkpoint.CheckpointError, match="data: saved"):
+        dl.train("single", world_size=1, **{**kw, "steps": 3}, resume=True)
+    with pytest.raises(dl.checkpoint.CheckpointError, match="'shuffle': True"):
+        dl.train("single", world_size=1, data="text", shuffle=False, **{**kw, "steps": 3}, resume=True)
+    r = dl.train("single", world_size=1, data="text", **{**kw, "steps": 3}, resume=True)
+    assert r.results[0].info["data"]["resumed_position"] == (0, 8) and list(_samples(r)) == [2]
