@@ -97,6 +97,9 @@ def _train_parser(sub) -> None:
                    help="relaunch a failed run from its newest checkpoint up to K times")
     p.add_argument("--shrink", nargs="?", const="auto", default=None, metavar="SIZES",
                    help="restart on one rank fewer each time, or on the given world sizes (e.g. 3,2)")
+    p.add_argument("--data", default=None, choices=["synthetic", "text"],
+                   help="the model's synthetic data (default), or the shipped text corpus through dl.data's "
+                        "loader (loader options: --option workers=2, data_latency=0.05, ...)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra strategy option (value parsed as JSON when it can be)")
     p.add_argument("--json", default=None, metavar="PATH",
@@ -126,7 +129,8 @@ def train_keywords(args) -> dict:
              "checkpoint_every": args.checkpoint_every, "keep_last": args.keep_last,
              "overlap": False if args.no_overlap else None, "prefetch": True if args.prefetch else None,
              "reshard_after_forward": False if args.no_reshard_after_forward else None,
-             "resume": True if args.resume else None, "async_save": True if args.async_save else None}
+             "resume": True if args.resume else None, "async_save": True if args.async_save else None,
+             "data": args.data}
     kw.update({k: v for k, v in flags.items() if v is not None})      # a flag not given: not a keyword
     if args.backend != "auto":
         kw["backend"] = args.backend

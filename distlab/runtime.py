@@ -29,6 +29,7 @@ class _RankState:
     comm_buffers: dict = field(default_factory=dict)      # dl.comm's receive buffers, kept between calls
     saved_tensors: object = None                          # what the memory ledger counts recomputations into
     placed: torch.device | None = None                    # where `place_on` put the rank, if anywhere
+    feed: object = None                                   # dl.train's data loader (`strategies.feed`), if any
 
 
 _state = _RankState()

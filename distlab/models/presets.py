@@ -8,6 +8,8 @@ full scale (``gpt3-175b``, ``llama3-8b``, ``llama3-70b``, ``llama3-405b``; shape
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn as nn
 
@@ -40,23 +42,26 @@ PRESETS = {
 REAL_SIZE = ("gpt3-175b", "llama3-8b", "llama3-70b", "llama3-405b")
 
 
-def config(model) -> GPTConfig | None:
-    """The `GPTConfig` of ``model``: a preset name, or a `dl.theory.ModelPreset`; None for ``"mlp"``."""
+def config(model, vocab: int | None = None) -> GPTConfig | None:
+    """The `GPTConfig` of ``model``: a preset name, or a `dl.theory.ModelPreset`; None for ``"mlp"``;
+    ``vocab``: another vocabulary size (256 for the byte-level text of `dl.data`)."""
     if hasattr(model, "hidden") and hasattr(model, "layers"):
-        return from_shape(model)
-    if model == "mlp":
+        cfg = from_shape(model)
+    elif model == "mlp":
         return None
-    if model not in PRESETS:
+    elif model not in PRESETS:
         raise ValueError(f"unknown model {model!r}: choose one of {sorted(PRESETS) + ['mlp']}")
-    return PRESETS[model]
+    else:
+        cfg = PRESETS[model]
+    return cfg if vocab is None else dataclasses.replace(cfg, vocab=vocab)
 
 
-def build(name, seed: int = 0) -> nn.Module:
+def build(name, seed: int = 0, vocab: int | None = None) -> nn.Module:
     """A preset by name ("gpt-tiny", "gpt-small", "gpt-wide", "gpt-moe-tiny", "mlp", the real sizes) or a
     `dl.theory.ModelPreset`, initialised from ``seed`` (on the default device: ``with torch.device("meta")``
-    for a real size)."""
+    for a real size); ``vocab``: another vocabulary size for a GPT."""
     torch.manual_seed(seed)
-    cfg = config(name)
+    cfg = config(name, vocab)
     return MLP() if cfg is None else GPT(cfg)
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .. import models
 from ..memory import recompute_context
-from ..runtime import device, rank
+from ..runtime import current_run, device, rank
 from .spec import TrainSpec
 
 
@@ -32,11 +32,13 @@ class RankResult:
 
 
 def build_model(spec: TrainSpec) -> nn.Module:
-    """``dl.models.build(spec.model, spec.seed)`` on ``dl.device()``: identical weights on every rank;
-    ``spec.memory.recompute``: True or "full" (every transformer block recomputes in backward),
-    "selective" (only attention's scores and softmax, `models.attention_core`)."""
+    """``dl.models.build(spec.model, spec.seed)`` on ``dl.device()``: identical weights on every rank
+    (``data="text"``: a vocabulary of 256, bytes); ``spec.memory.recompute``: True or "full" (every
+    transformer block recomputes in backward), "selective" (only attention's scores and softmax,
+    `models.attention_core`)."""
+    vocab = 256 if spec.data_loading.data == "text" else None           # bytes (`dl.data`)
     with torch.device(device()):                  # a dry run's meta device: built without a byte
-        model = models.build(spec.model, spec.seed)
+        model = models.build(spec.model, spec.seed, vocab=vocab)
     how = spec.memory.recompute
     for block in getattr(model, "blocks", ()):
         block.recompute = how in (True, "full")
@@ -74,11 +76,16 @@ def global_batch(spec: TrainSpec, step: int, micro: int = 0) -> tuple[torch.Tens
 
     The same on every rank and every world size: the full step's batch is drawn from the data set by
     (seed, step) and cut into ``grad_accum`` equal slices, so accumulation and a big batch agree.
+    With ``data="text"`` it is the next micro-batch of the run's loader (`feed`), whose position the
+    checkpoints hold: the same on every rank and world size too.
     """
     if not 0 <= micro < spec.grad_accum:
         raise ValueError(f"micro={micro} out of range for grad_accum={spec.grad_accum}")
     if dry_run():
         return dry_batch(spec)
+    if spec.data_loading.data != "synthetic":
+        x, y = current_run().feed.batch(step, micro)
+        return x.to(device()), y.to(device())
     x, y = _dataset(spec).batch(step, spec.global_batch)
     rows = slice(micro * spec.micro_batch, (micro + 1) * spec.micro_batch)
     return x[rows].to(device()), y[rows].to(device())

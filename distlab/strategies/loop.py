@@ -3,7 +3,7 @@
 A strategy builds the model, the criterion and a `Plan` (what one micro-step computes, which
 optimizer steps, how gradients are clipped, what a checkpoint holds); `run` drives it::
 
-    resume from a checkpoint (or start at step 0)
+    resume from a checkpoint (or start at step 0)     data="text": the loader's position with it (`feed`)
     for step in range(start, steps):
         for micro in range(grad_accum):                  all but the last under plan.no_sync()
             loss = plan.forward(step, micro)             "forward" span
@@ -37,6 +37,7 @@ from ..parallel import collectives as C
 from ..progress import progress
 from ..runtime import device, group_size, rank
 from . import checkpointing, numerics
+from . import feed as feeds
 from .base import TrainSpec
 from .observer import StepObserver
 
@@ -83,9 +84,13 @@ class Trained:
 def run(spec: TrainSpec, plan: Plan) -> Trained:
     """Resume (or start), then train steps ``start .. spec.steps - 1`` as ``plan`` says."""
     guard = numerics.StepGuard(spec, rank())              # fp16 loss scale, agreed skips, norms
+    feed = feeds.for_spec(spec)                           # data="text": the loader, its position checkpointed
+    state = feed.carry(plan.state) if feed is not None else plan.state
     # the checkpoint side holds checkpoint_dir for the run; leaving `with`, however the run ends, frees it
-    with checkpointing.for_spec(spec, guard.checkpointed(plan.state)) as ckpt:
+    with feeds.feeding(feed), checkpointing.for_spec(spec, guard.checkpointed(state)) as ckpt:
         start, losses = ckpt.resume()
+        if feed is not None:
+            feed.start(start)                             # the checkpoint's data position (or step 0's)
         observe = StepObserver(spec, plan)                # spans, marks, memory samples
         for step in range(start, spec.steps):
             ckpt.before_step(step)                        # fault injection (fail_at_step)
@@ -93,12 +98,14 @@ def run(spec: TrainSpec, plan: Plan) -> Trained:
             share = _micro_steps(spec, plan, step, observe, guard)
             losses.append(0.0 if share is None else share)
             _optimizer_step(spec, plan, step, observe, guard)
+            if feed is not None:
+                feed.step_done(step)                      # every rank's position past the step
             ckpt.after_step(step + 1, losses)
             shown = {} if share is None or not plan.loss_share else {"loss": share / plan.loss_share}
             progress(step + 1, spec.steps, **shown)       # this rank's loss on its part of the batch
         events = observe.comm_events()
         info = {"comm": comm_totals(events, max(1, spec.steps - start)), **ckpt.summary(start),
-                "numerics": guard.summary()}
+                "numerics": guard.summary(), **(feed.summary() if feed is not None else {})}
     return Trained(losses, start, events, {**info, **observe.memory()})
 
 

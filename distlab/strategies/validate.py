@@ -8,6 +8,7 @@ starts (`dl.train` calls it; each field's type and range was checked when the sp
     mixture of experts     only where it trains right (`moe_support`)
     numerics               fp16 and its options where the loop is handed the gradients (`numerics.check`)
     recompute              only where the memory count and the attention core allow it
+    data                   the text corpus for a GPT (`check_data`)
     checkpoints            what the options say together, the directory writable (`distlab.checkpoint`)
     restarts               the world size of every attempt (`restart.plan`), each checked as above
 
@@ -54,6 +55,7 @@ def check_world(spec: TrainSpec, world: int) -> None:
     refuse_moe(spec)                                          # a mixture of experts: ep, single, dp only
     check_numerics(spec, world)                               # fp16 and its options where supported
     check_recompute(spec, world)
+    check_data(spec)
 
 
 def check_model(model) -> None:
@@ -66,6 +68,13 @@ def check_model(model) -> None:
         close = difflib.get_close_matches(model, models, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(f"unknown model {model!r}{hint}: choose one of {models}")
+
+
+def check_data(spec: TrainSpec) -> None:
+    """``data="text"``: bytes (vocab 256) for a GPT preset (its vocabulary is set to 256); not the MLP."""
+    if spec.data_loading.data == "text" and spec.model == "mlp":
+        raise ValueError("data='text' is byte tokens for a GPT: choose a GPT preset such as "
+                         "model='gpt-tiny' (its vocabulary becomes 256), or data='synthetic' for the MLP")
 
 
 def check_recompute(spec: TrainSpec, world: int) -> None:
