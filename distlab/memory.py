@@ -7,7 +7,7 @@ Categories (the ZeRO paper's "model states" plus the "residual states", Rajbhand
     optimizer    optimizer state (Adam: exp_avg, exp_avg_sq, step) and fp32 master weights
     activations  tensors autograd saved for backward, counted by `saved_tensors_hooks`
     buffers      communication buffers (flat gradient buckets in flight, gathered copies)
-    host, disk   off the device (`parallel.zero.offload`): in rows where sampled; not in peak_total nor a limit
+    host, disk   off the device (`parallel.zero.offload`): in rows if sampled; not in peak_total nor a limit
 
 Bytes are counted by distinct storage (`storage_bytes`): views into one flat buffer count once,
 padding included, so a ZeRO ledger is comparable with `dl.theory.memory` exactly. On CUDA each

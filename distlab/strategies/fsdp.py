@@ -8,7 +8,8 @@ rest; the optimizer is built afterwards on ``model.parameters()``, the local sha
 ``spec.data_parallel``: ``hsdp`` (replicate degree R, default 1: mesh (R, N / R)), ``param_dtype``
 ("bf16", "fp16" or None; ``precision="bf16-mixed"`` means "bf16", "fp16-mixed" "fp16"),
 ``reshard_after_forward`` (True),
-``no_sync`` (True: accumulate micro-steps locally). Checkpoints: the "model-parallel" format, each
+``no_sync`` (True: accumulate micro-steps locally), ``offload`` ("cpu"/"disk": the optimizer an
+`OffloadedOptimizer` over the shards). Checkpoints: the "model-parallel" format, each
 shard a dim-0 block of its parameter (rows saved), so a checkpoint consolidates and reshards to and
 from the other strategies (`distlab.checkpoint.reshard`).
 """
@@ -22,8 +23,10 @@ from ..parallel.clip import clip_grad_norm_
 from ..parallel.zero import fsdp
 from ..parallel.zero.zero3 import default_units
 from ..runtime import rank, world_size
-from .base import RankResult, TrainSpec, build_model, make_optimizer, rank0_copy, require_rows
-from .data_parallel import _forward
+from ..parallel.zero.offload import OffloadedOptimizer
+from .base import (RankResult, TrainSpec, build_model, make_optimizer, optimizer_class, optimizer_kwargs,
+                   rank0_copy, require_rows)
+from .data_parallel import _forward, offload_options
 from .loop import Plan, run, sum_losses
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}
@@ -74,8 +77,10 @@ def train_rank(spec: TrainSpec) -> RankResult:
     require_rows(spec, n)
     kwargs = options(spec, n)
     model = shard(build_model(spec), **kwargs)
-    optimizer = make_optimizer(model.parameters(), spec)
-    params = optimizer.param_groups[0]["params"]
+    params = list(model.parameters())                # the shards, in the optimizer's order
+    offload = offload_options(spec)
+    optimizer = (OffloadedOptimizer(params, optimizer_class(spec), **offload, **optimizer_kwargs(spec))
+                 if offload else make_optimizer(params, spec))
     unit = fsdp.units(model)[-1]
     sharded = [p.shard for u in fsdp.units(model) for p in u.params]
     replicas = unit.replica_comm.group if unit.replica_comm is not None else None
