@@ -20,7 +20,8 @@ or "ring"), ``naive`` (DDP, False), ``compression`` (DDP: None or "powersgd", wi
 and ``error_feedback``, True; `distlab.parallel.data.powersgd`), ``prefetch`` (ZeRO-3, False),
 ``max_inflight`` (ZeRO, 1: flat gradient buckets alive at once), ``no_sync`` (accumulate locally;
 True except for ZeRO-3); ``offload`` ("cpu" or "disk", + ``offload_dir``: `distlab.parallel.zero.offload`).
-Checkpoints: ``checkpoint_dir``, ``checkpoint_every``, ``keep_last``, ``resume`` (True: the latest; or a step), and fault injection ``fail_at_step``/``fail_rank``/``fail_in``
+Checkpoints: ``checkpoint_dir``, ``checkpoint_every``, ``keep_last``, ``resume`` (True: the latest; or a
+step), and fault injection ``fail_at_step``/``fail_rank``/``fail_in``
 (see `distlab.strategies.checkpointing`). The steps themselves run in `distlab.strategies.loop`, whose own
 options apply here too: ``memory_limit``, and the numerics of `distlab.strategies.numerics` (fp16 loss
 scaling: ``loss_scale``, ``growth_interval``; ``skip_nonfinite``; ``spike_factor``; ``nan_at_step``).
