@@ -56,7 +56,7 @@ def _every_zero(_=None):
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3])            # 3: uneven flat shards (padding)
 def test_zero_offload_equals_zero_to_the_bit(world):
     """Every stage (and ZeRO-1 on its own), both tiers, equal the same run without offload: same
     parameters, bit for bit; the optimizer's bytes move to ``host`` (cpu) or ``disk``."""
@@ -127,7 +127,7 @@ def test_memory_limit_a_model_that_fits_only_offloaded():
     plain = dl.train("zero2", **KW)
     off = dl.train("zero2", **KW, offload="cpu")
     limit = (plain.memory[0]["peak_total"] + off.memory[0]["peak_total"]) // 2
-    with pytest.raises(dl.memory.MemoryLimitExceeded):
+    with pytest.raises(dl.LaunchError, match="MemoryLimitExceeded: out of memory"):     # raised in a rank
         dl.train("zero2", **KW, memory_limit=limit)
     fits = dl.train("zero2", **KW, memory_limit=limit, offload="cpu")
     assert fits.losses == plain.losses
@@ -139,24 +139,33 @@ def _live_tensor_bytes() -> int:
 
 
 def _peak_live(offload):
-    """The most tensor bytes alive in the process during the optimizer step (sampled after each shard's
-    step), ZeRO-2 over many small buckets, and the optimizer state's total."""
-    zero = dl.ZeRO(dl.models.build("gpt-tiny", 0), stage=2, optim=torch.optim.AdamW, lr=1e-3, bucket_mb=0.01,
+    """The most tensor bytes alive in the process during the second optimizer step (sampled after each
+    shard's step) above those alive before the run, ZeRO-2 over many small buckets; and the optimizer
+    state's total."""
+    gc.collect()
+    before = _live_tensor_bytes()
+    zero = dl.ZeRO(dl.models.build("gpt-tiny", 0), stage=2, optim=torch.optim.AdamW, lr=1e-3, bucket_mb=0.02,
                    offload=offload)
-    peak = [0]
-    for o in zero.optimizer.optimizer.optimizers:
-        o.register_step_post_hook(lambda *_: peak.__setitem__(0, max(peak[0], _live_tensor_bytes())))
+    peak = {"bytes": 0, "on": False}
+
+    def sample(*_):
+        if peak["on"]:
+            peak["bytes"] = max(peak["bytes"], _live_tensor_bytes())
+    for o in zero.optimizer.optimizer.optimizers[::3]:           # every third shard: gc walks are slow
+        o.register_step_post_hook(sample)
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(dl.rank()))
-    for _ in range(2):
+    for step in range(2):
         zero(x).float().mean().backward()
+        peak["on"] = step == 1                        # sample the second step: the state exists throughout
         zero.optimizer.step()
         zero.optimizer.zero_grad()
     state = sum(s.numel() for s in zero.optimizer.shards) * 12           # Adam's two moments + fp32 master
-    return peak[0], state, len(zero.optimizer.shards)
+    zero.optimizer.optimizer.close()
+    return peak["bytes"] - before, state, len(zero.optimizer.shards)
 
 
 def _both_live(_=None):
-    return {tier: _peak_live(tier) for tier in ("cpu", "disk")}
+    return {tier: _peak_live(tier) for tier in ("disk", "cpu")}
 
 
 def test_disk_offload_lowers_the_live_tensors_at_the_step_peak():
@@ -165,8 +174,9 @@ def test_disk_offload_lowers_the_live_tensors_at_the_step_peak():
     tensor alive, through the garbage collector)."""
     for out in dl.launch(_both_live, world_size=2, output="quiet").results:
         (cpu_peak, state, shards), (disk_peak, _, _) = out["cpu"], out["disk"]
-        assert shards >= 10
+        assert shards >= 8
         assert cpu_peak - disk_peak >= state * (1 - 4 / shards) * 0.9, (cpu_peak, disk_peak, state)
+        assert disk_peak < cpu_peak - 0.6 * state
 
 
 def test_offload_options_are_refused_before_ranks_start(tmp_path):

@@ -149,6 +149,8 @@ def train_rank(spec: TrainSpec) -> RankResult:
     params = rank0_copy(state)
     if hasattr(wrapped, "comm"):
         wrapped.comm.close()
+    if spec.memory.offload is not None:
+        opt.optimizer.close()                             # offload="disk": its files
     return RankResult(losses=losses if r == 0 else None, params=params, info=trained.info)
 
 

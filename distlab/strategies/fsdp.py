@@ -95,6 +95,8 @@ def train_rank(spec: TrainSpec) -> RankResult:
                 grads=lambda: [p.grad for p in params if p.grad is not None])
     trained = run(spec, plan)
     losses = sum_losses(trained.losses)
+    if offload:
+        optimizer.close()                                # offload="disk": its files
     full = fsdp.full_state_dict(model)
     params_out = rank0_copy(full)
     shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -92,6 +92,12 @@ class OffloadedOptimizer:
         """Bytes of the offload files now (the ledger's ``disk``; 0 for ``"cpu"``)."""
         return self.files.nbytes() if self.files is not None else 0
 
+    def close(self) -> None:
+        """Remove the offload files (``"disk"``; also done when the optimizer is collected or the process
+        exits normally: a forked rank that ends with ``os._exit`` needs this call)."""
+        if self.files is not None:
+            self.files.close()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             p.grad = None
@@ -183,6 +189,9 @@ class ShardFiles:
             os.makedirs(directory, exist_ok=True)
         self.path = tempfile.mkdtemp(prefix="distlab-offload-", dir=directory)
         self._cleanup = weakref.finalize(self, shutil.rmtree, self.path, True)
+
+    def close(self) -> None:
+        self._cleanup()
 
     def file(self, i: int) -> str:
         return os.path.join(self.path, f"shard-{i}.pt")
