@@ -135,9 +135,7 @@ class OffloadedOptimizer:
                 if p.grad is not None:
                     p.grad.record_stream(self.stream)
                     buf.copy_(p.grad, non_blocking=True)
-                events.append(torch.cuda.Event() if p.grad is not None else None)
-                if events[-1] is not None:
-                    events[-1].record(self.stream)
+                events.append(self.stream.record_event() if p.grad is not None else None)
         return events
 
     def _host_grad(self, i: int, ready) -> torch.Tensor:
