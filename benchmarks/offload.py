@@ -12,7 +12,9 @@ without offload (equal to the bit in fp32); the ledger's device bytes (params, g
 ``torch.save``/``torch.load`` in the offload directory (the page cache included, as the benchmark's own
 files are). Predicted extra seconds per step:
 
-    t = 8 Psi/N / B_host  +  [disk]  2 (8 + 4) Psi/N / B_disk      (Adam: K = 8; fp32 masters)
+    t = 8 Psi/N / B_host  +  [disk]  2 (8 + 4) Psi/N / B_disk  +  2 s t_file   (Adam: K = 8; fp32 masters;
+                                                                             s shards, t_file per file)
+The three tiers of a stage run in one launch, taking turns step by step, so they share the background load.
 
 Writes <out>.json and <out>.png.
 """
@@ -37,7 +39,8 @@ TIERS = (None, "cpu", "disk")
 
 
 def bandwidths(directory: str, nbytes: int = 64 * 2**20) -> dict[str, float]:
-    """Bytes per second of a host copy and of a torch.save + torch.load round trip (counted once each way)."""
+    """Bytes per second of a host copy and of a torch.save + torch.load round trip (counted once each way),
+    and the seconds one small file's save or load takes (the per-file cost)."""
     x = torch.randn(nbytes // 4)
     y = torch.empty_like(x)
     t = time.perf_counter()
@@ -49,54 +52,71 @@ def bandwidths(directory: str, nbytes: int = 64 * 2**20) -> dict[str, float]:
     torch.save(x, path)
     torch.load(path, weights_only=True)
     disk = 2 * nbytes / (time.perf_counter() - t)
+    small = torch.zeros(16)
+    t = time.perf_counter()
+    for _ in range(20):
+        torch.save(small, path)
+        torch.load(path, weights_only=True)
+    latency = (time.perf_counter() - t) / 40
     os.remove(path)
-    return {"host": host, "disk": disk}
+    return {"host": host, "disk": disk, "file_latency_s": latency}
 
 
-def rank_run(model_name: str, stage: int, tier, steps: int, warmup: int, seed: int, lr: float, offload_dir):
-    """One configuration on this rank: per-step seconds, final parameters (rank 0), the ledger's bytes."""
-    kw = {} if tier is None else {"offload": tier, **({"offload_dir": offload_dir} if tier == "disk" else {})}
-    zero = dl.ZeRO(build(model_name, seed).to(dl.device()), stage=stage, optim=torch.optim.AdamW, lr=lr, **kw)
-    measure, data = zero_memory(zero), dataset_for(model_name, seed)
-    times, peak = [], {}
+def rank_run(model_name: str, stage: int, steps: int, warmup: int, seed: int, lr: float, offload_dir):
+    """Every tier of one stage on this rank, taking turns step by step (so they see the same background
+    load): per-step seconds, final parameters (rank 0), the ledger's peak bytes, by tier."""
+    runs = {}
+    for tier in TIERS:
+        kw = {} if tier is None else {"offload": tier}
+        kw.update({"offload_dir": offload_dir} if tier == "disk" else {})
+        model = build(model_name, seed).to(dl.device())
+        zero = dl.ZeRO(model, stage=stage, optim=torch.optim.AdamW, lr=lr, **kw)
+        runs[tier] = {"zero": zero, "measure": zero_memory(zero), "times": [], "memory": {}}
+    data = dataset_for(model_name, seed)
     for step in range(warmup + steps):
         x, y = data.batch(step, 2 * dl.world_size())
         x, y = x[2 * dl.rank():2 * dl.rank() + 2], y[2 * dl.rank():2 * dl.rank() + 2]
-        dist.barrier()
-        t = time.perf_counter()
-        logits = zero(x)
-        torch.nn.functional.cross_entropy(logits.flatten(0, -2), y.flatten()).backward()
-        zero.optimizer.step()
-        zero.optimizer.zero_grad()
-        dist.barrier()
-        if step >= warmup:
-            times.append(time.perf_counter() - t)
-        peak = {k: max(v, peak.get(k, 0)) for k, v in measure().items()}
-    params = zero.full_state_dict()
-    if tier is not None:
-        zero.optimizer.optimizer.close()
-    return {"times": times, "memory": peak, "params": params if dl.rank() == 0 else None,
-            "shard_params": sum(s.numel() for s in zero.optimizer.shards)}
+        for tier in (TIERS if step % 2 else TIERS[::-1]):
+            run = runs[tier]
+            dist.barrier()
+            t = time.perf_counter()
+            logits = run["zero"](x)
+            torch.nn.functional.cross_entropy(logits.flatten(0, -2), y.flatten()).backward()
+            run["zero"].optimizer.step()
+            run["zero"].optimizer.zero_grad()
+            dist.barrier()
+            if step >= warmup:
+                run["times"].append(time.perf_counter() - t)
+            run["memory"] = {k: max(v, run["memory"].get(k, 0)) for k, v in run["measure"]().items()}
+    out = {}
+    for tier, run in runs.items():
+        opt = run["zero"].optimizer
+        params = run["zero"].full_state_dict()
+        if tier is not None:
+            opt.optimizer.close()
+        out[tier] = {"times": run["times"], "memory": run["memory"],
+                     "params": params if dl.rank() == 0 else None,
+                     "shard_params": sum(s.numel() for s in opt.shards), "shards": len(opt.shards)}
+    return out
 
 
 def measure(args, world: int, stage: int, offload_dir: str, bw: dict) -> list[dict]:
-    rows, ref = [], None
+    config = (args.model, stage, args.steps, args.warmup, args.seed, args.lr, offload_dir)
+    results = dl.launch(rank_run, world_size=world, backend=args.backend, args=config, output="quiet").results
+    rows, ref = [], results[0][None]["params"]
     for tier in TIERS:
-        config = (args.model, stage, tier, args.steps, args.warmup, args.seed, args.lr, offload_dir)
-        run = dl.launch(rank_run, world_size=world, backend=args.backend, args=config, output="quiet")
-        res = run.results
+        res = [r[tier] for r in results]
         slowest = [max(r["times"][i] for r in res) for i in range(args.steps)]
-        params = res[0].pop("params")
-        ref = params if tier is None else ref
-        shard = max(r["shard_params"] for r in res)
+        params = res[0]["params"]
         rows.append({"world": world, "stage": stage, "tier": tier or "none",
                      "step_s": statistics.median(slowest), "memory_rank0": res[0]["memory"],
-                     "shard_params": shard,
+                     "shard_params": max(r["shard_params"] for r in res), "shards": res[0]["shards"],
                      "equal_to_no_offload": all(torch.equal(ref[k], params[k]) for k in ref)})
     base = rows[0]["step_s"]
     for row in rows[1:]:
-        pred = dl.theory.offload.step_time(row["shard_params"], dp=1, tier=row["tier"],
-                                           host_bandwidth=bw["host"], disk_bandwidth=bw["disk"])
+        pred = dl.theory.offload.step_time(row["shard_params"], dp=1, tier=row["tier"], shards=row["shards"],
+                                           host_bandwidth=bw["host"], disk_bandwidth=bw["disk"],
+                                           disk_latency=bw["file_latency_s"])
         row["measured_extra_s"] = row["step_s"] - base
         row["predicted_extra_s"] = pred.total
     return rows

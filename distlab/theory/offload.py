@@ -68,12 +68,15 @@ class OffloadTime:
 
 def step_time(params: float, dp: int = 1, tier: str = "cpu", host_bandwidth: float = 25e9,
               disk_bandwidth: float = 3e9, state_bytes: int = 8, grad_bytes: int = 4, param_bytes: int = 4,
-              step_seconds: float = 0.0) -> OffloadTime:
+              step_seconds: float = 0.0, shards: int = 1, disk_latency: float = 0.0) -> OffloadTime:
     """What offloading the optimizer of ``params`` parameters sharded over ``dp`` ranks adds per step
     (bandwidths in bytes/s: PCIe 4 x16 ~25 GB/s, an NVMe drive ~3 GB/s; ``step_seconds``: the host
-    step's own time, measured or estimated). ``tier``: "cpu" (ZeRO-Offload) or "disk" (ZeRO-Infinity)."""
+    step's own time, measured or estimated). ``tier``: "cpu" (ZeRO-Offload) or "disk" (ZeRO-Infinity),
+    whose ``shards`` files are each read and written once a step at ``disk_latency`` seconds apiece."""
     if tier not in ("cpu", "disk"):
         raise ValueError(f"tier={tier!r}: 'cpu' or 'disk'")
     shard = params / dp
-    disk = 2 * (state_bytes + 4) * shard / disk_bandwidth if tier == "disk" else 0.0
+    disk = 0.0
+    if tier == "disk":                        # masters and state read and written, each file opened twice
+        disk = 2 * (state_bytes + 4) * shard / disk_bandwidth + 2 * shards * disk_latency
     return OffloadTime(host=(grad_bytes + param_bytes) * shard / host_bandwidth, disk=disk, step=step_seconds)
