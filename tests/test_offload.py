@@ -105,12 +105,15 @@ def test_fully_shard_with_an_offloaded_optimizer_equals_plain():
 KW = dict(model="gpt-tiny", steps=2, seed=0, world_size=2)
 
 
-@pytest.mark.parametrize("strategy,tier", [("zero1", "disk"), ("zero2", "cpu"), ("zero3", "disk"),
-                                           ("fsdp", "cpu")])
-def test_train_with_offload_equals_without(strategy, tier, tmp_path):
-    plain = dl.train(strategy, **KW)
+@pytest.mark.parametrize("strategy,tier,precision", [
+    ("zero1", "disk", "fp32"), ("zero2", "cpu", "fp32"), ("zero3", "disk", "fp32"), ("fsdp", "cpu", "fp32"),
+    ("zero2", "cpu", "fp16-mixed"), ("zero3", "cpu", "bf16-mixed")])
+def test_train_with_offload_equals_without(strategy, tier, precision, tmp_path):
+    """fp32, and mixed precision too: the fp32 masters move to the host and get the same fp32 gradients
+    (fp16: unscaled), so the low-precision parameters copied back are the same bits."""
+    plain = dl.train(strategy, **KW, precision=precision)
     dirs = {"offload_dir": tmp_path / "off"} if tier == "disk" else {}
-    off = dl.train(strategy, **KW, offload=tier, **dirs)
+    off = dl.train(strategy, **KW, offload=tier, precision=precision, **dirs)
     assert off.losses == plain.losses
     assert all(torch.equal(off.params[k], plain.params[k]) for k in plain.params)
     for mem, ref in zip(off.memory, plain.memory):

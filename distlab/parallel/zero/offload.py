@@ -103,18 +103,20 @@ class OffloadedOptimizer:
             p.grad = None
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grads=None):
         """Gradients down, every shard stepped on the host (``"disk"``: read, step, write back, one at
-        a time, the next read ahead in a thread), parameters up."""
+        a time, the next read ahead in a thread), parameters up. ``grads``: one gradient per parameter
+        (of any float dtype: ZeRO's fp32 gradient shards) instead of their ``.grad``."""
         if closure is not None:
             raise ValueError("OffloadedOptimizer.step does not take a closure")
-        ready = self._download()
+        grads = list(grads) if grads is not None else [p.grad for p in self.params]
+        ready = self._download(grads)
         with self._tier() as tier:
             for i, (p, m) in enumerate(zip(self.params, self.masters)):
-                if p.grad is None:
+                if grads[i] is None:
                     continue
                 tier.fetch(i)
-                m.grad = self._host_grad(i, ready)
+                m.grad = self._host_grad(i, grads[i], ready)
                 self.optimizers[i].step()
                 m.grad = None
                 self._upload(p, m)
@@ -123,7 +125,7 @@ class OffloadedOptimizer:
             torch.cuda.current_stream(self.params[0].device).wait_stream(self.stream)
 
     # -- device <-> host -----------------------------------------------------------------------
-    def _download(self):
+    def _download(self, grads: list):
         """CUDA: launch every gradient's copy into its pinned buffer on the side stream (after the
         compute stream has produced it); returns one event per shard. CPU: nothing to launch."""
         if self.stream is None:
@@ -131,18 +133,18 @@ class OffloadedOptimizer:
         self.stream.wait_stream(torch.cuda.current_stream(self.params[0].device))
         events = []
         with torch.cuda.stream(self.stream):
-            for p, buf in zip(self.params, self.grads):
-                if p.grad is not None:
-                    p.grad.record_stream(self.stream)
-                    buf.copy_(p.grad, non_blocking=True)
-                events.append(self.stream.record_event() if p.grad is not None else None)
+            for g, buf in zip(grads, self.grads):
+                if g is not None:
+                    g.record_stream(self.stream)
+                    buf.copy_(g, non_blocking=True)
+                events.append(self.stream.record_event() if g is not None else None)
         return events
 
-    def _host_grad(self, i: int, ready) -> torch.Tensor:
+    def _host_grad(self, i: int, grad: torch.Tensor, ready) -> torch.Tensor:
         if ready is not None:
             ready[i].synchronize()                          # shard i's gradient is in its pinned buffer
             return self.grads[i]
-        return self.params[i].grad.to(torch.float32, copy=True)     # CPU: the host copy, fp32
+        return grad.to(torch.float32, copy=True)            # CPU: the host copy, fp32
 
     def _upload(self, p: torch.Tensor, m: torch.Tensor) -> None:
         if self.stream is None:

@@ -47,7 +47,7 @@ class ShardedState:
     def __init__(self, buckets: list[FlatBucket], shards: list[torch.Tensor],
                  optim: type[torch.optim.Optimizer], comm: Collectives, max_inflight: int = 1,
                  offload: str | None = None, offload_dir=None, **optim_kwargs):
-        self.comm, self.buckets, self.shards = comm, buckets, shards
+        self.comm, self.buckets, self.shards, self.offload = comm, buckets, shards, offload
         self.params = [p for b in buckets for p in b.params]
         # what the inner optimizer updates: the shard itself (fp32 or offloaded: its fp32 master is on
         # the host) or an fp32 master copy of it on the device
@@ -93,6 +93,9 @@ class ShardedState:
     # -- the three moves of a step -------------------------------------------------------------
     def update_shards(self) -> None:
         """The inner optimizer's step on this rank's shards, from their gradient shards (in fp32)."""
+        if self.offload is not None:                       # on the host, from the shards (`offload`)
+            self.optimizer.step(grads=self.grad_shards)
+            return
         for m, g in zip(self.masters, self.grad_shards):
             m.grad = g if g.dtype == m.dtype else g.float()
         self.optimizer.step()
