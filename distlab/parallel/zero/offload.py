@@ -62,14 +62,16 @@ class OffloadedOptimizer:
         self.kind = offload
         cuda = self.params[0].is_cuda
         self.stream = torch.cuda.Stream(self.params[0].device) if cuda else None
-        self.masters = [host_copy(p, pinned=cuda).requires_grad_(True) for p in self.params]
         self.grads = [host_copy(p, pinned=True) for p in self.params] if cuda else None   # pinned, reused
-        self.optimizers = [optim([m], **optim_kwargs) for m in self.masters]
         self.files = ShardFiles(offload_dir) if offload == "disk" else None
-        if self.files is not None:
-            for i, m in enumerate(self.masters):
+        self.masters = []
+        for i, p in enumerate(self.params):
+            m = host_copy(p, pinned=cuda).requires_grad_(True)
+            if self.files is not None:                   # the master lives in its file between steps
                 self.files.write(i, m.detach(), {})
-                m.data = torch.empty(0)                  # the master lives in its file between steps
+                m.data = torch.empty(0)
+            self.masters.append(m)
+        self.optimizers = [optim([m], **optim_kwargs) for m in self.masters]
 
     # -- the torch.optim surface ---------------------------------------------------------------
     @property
