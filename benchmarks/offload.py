@@ -135,8 +135,9 @@ def plot(rows: list[dict], png: str) -> None:
                label="no-offload step + dl.theory.offload.step_time")
     ax.set_xticks(range(len(rows)), labels, fontsize=7)
     ax.set_ylabel("ms per step")
+    ax.set_ylim(0, 1.3 * max(max(pred), max(r["step_s"] * 1e3 for r in rows)))
     ax.set_title("ZeRO step time with the optimizer offloaded")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 
