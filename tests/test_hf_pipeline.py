@@ -8,7 +8,8 @@ GPipe, 1F1B and ZB-H1 at 2 stages, and 1F1B / ZB-H1 at 3 uneven stages, each equ
 same global batch: losses within 1e-5 relative, the first step's gradients within 1e-5 of their norm,
 the parameters after 3 AdamW steps within 1e-4 (AdamW's step g / (|g| + eps), eps = 1e-8, turns a ~1e-9
 rounding difference of a gradient entry near 1e-8 into a visible one: under ``make test``'s pinned AVX2
-kernels the layer-0 MLP weights of the Llama end 1.2e-5 of their norm apart); under ZB-H1 every I leaves all of its stage's weight gradients
+kernels the layer-0 MLP weights of the Llama end 1.2e-5 of their norm apart); under ZB-H1 every I leaves
+all of its stage's weight gradients
 (embeddings, projections, norms) to W. torch's own ``torch.distributed.pipelining`` (ScheduleGPipe)
 runs the same stages to the same numbers: with *manual* ``PipelineStage``s around our ``named_stage``
 modules, because its ``pipeline()`` tracer cannot take this Llama (torch 2.13, transformers 5.x:
