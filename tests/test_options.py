@@ -76,7 +76,7 @@ BAD = [
     (dict(seed=-1), "seed must be an integer from 0"),
     (dict(seed=True), "seed must be an integer from 0"),
     (dict(weight_decay=NAN), "weight_decay must be a finite number >= 0"),
-    (dict(model=None), "model must be a non-empty string"),
+    (dict(model=None), "model must be a preset name or a dl.theory.ModelPreset"),
     (dict(optimizer=None), "optimizer must be one of 'adamw', 'adam' or 'sgd'"),
     (dict(world_size=True), "world_size must be a positive integer"),
     (dict(world_size=2.0), "world_size must be a positive integer"),
