@@ -37,13 +37,15 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from .strategies import restart
 from .progress import bar_here, shown_by_default
-from .rules import Custom, Flag, Number, OneOf, check
-from .strategies import WORLD_SIZE, RankResult, TrainSpec, load, parse, validate
+from .rules import WORLD_SIZE, Custom, Flag, Number, OneOf, check
+
+if TYPE_CHECKING:                 # the strategies (and torch) load when `train` first runs, not on import
+    import torch
+
+    from .strategies import RankResult, TrainSpec
 
 
 def _is_dict(value) -> None:
@@ -126,6 +128,7 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
     TypeError for an option that does not exist, that says what to pass instead), then return None
     without training (a ``checkpoint_dir`` is created, as proof that it is writable). Only torchrun's
     world is checked later, when the launch meets it."""
+    from .strategies import load, parse, restart, validate
     check(ARGUMENTS, dict(world_size=world_size, options=options, output=output, timeout=timeout,
                           progress=progress, check_only=check_only))
     named = dict(model=model, steps=steps, seed=seed, global_batch=global_batch, lr=lr, optimizer=optimizer,
