@@ -49,13 +49,23 @@ STAMP   = $(VENV)/.installed
 
 .PHONY: lab test test-slow test-fast lint notebooks sources student bench browser clean
 
-$(STAMP): pyproject.toml
+# The lessons' kernels: JupyterLab provisions CurveZMQ keys for each kernel it starts (jupyter_client's
+# transport_encryption=auto, for kernels that declare support, as ipykernel's does), so the kernel's messages
+# are encrypted and it no longer warns at every start that it runs "over TCP without encryption". Written only
+# where this pyzmq has CurveZMQ and this jupyter_client the option (else JupyterLab would refuse the setting),
+# into the venv's own Jupyter config (etc/jupyter, read by the venv's JupyterLab), not over one already there.
+KERNEL_CONFIG = jupyter-config/jupyter_server_config.json
+
+$(STAMP): pyproject.toml $(KERNEL_CONFIG)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	@echo "distlab: installing PyTorch: $(TORCH_WHY_$(TORCH_BUILD))"
 	$(BIN)/python -m pip install --progress-bar on $(TORCH)
 	@echo "distlab: installing distlab with the lesson and test extras (.[lab,test]) into $(VENV)"
 	$(BIN)/python -m pip install --progress-bar on -e ".[lab,test]"
+	if $(BIN)/python -c "import sys, zmq, jupyter_client as j; \
+	    sys.exit(not (zmq.has('curve') and 'transport_encryption' in j.KernelManager.class_traits()))"; \
+	then mkdir -p $(VENV)/etc/jupyter && cp -n $(KERNEL_CONFIG) $(VENV)/etc/jupyter/; fi
 	touch $(STAMP)
 
 lab: $(STAMP)
