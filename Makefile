@@ -1,5 +1,6 @@
 # distlab: two commands for a newcomer.
-#   make lab    create .venv, install distlab with the lesson extras, open JupyterLab on notebooks/
+#   make lab    create .venv, install distlab with the lesson and test extras, write the learner's copy lab/
+#               (lab/student: exercises to write, lab/solved: the teacher's versions) and open JupyterLab there
 #   make test   create .venv, install distlab with the test extras, lint, run the whole suite (pytest + strict nbval)
 #
 # TORCH picks the PyTorch build. By default: on a machine with NVIDIA GPUs (nvidia-smi found), PyPI's default
@@ -47,7 +48,7 @@ BIN     = $(VENV)/bin
 REPRODUCIBLE = OMP_NUM_THREADS=1 MKL_CBWR=AVX2 ATEN_CPU_CAPABILITY=avx2
 STAMP   = $(VENV)/.installed
 
-.PHONY: lab test test-slow test-fast lint notebooks sources student bench browser clean
+.PHONY: lab lab-solved test test-slow test-fast lint notebooks sources student bench browser clean gpu-check
 
 # The lessons' kernels: JupyterLab provisions CurveZMQ keys for each kernel it starts (jupyter_client's
 # transport_encryption=auto, for kernels that declare support, as ipykernel's does), so the kernel's messages
@@ -68,7 +69,19 @@ $(STAMP): pyproject.toml $(KERNEL_CONFIG)
 	then mkdir -p $(VENV)/etc/jupyter && cp -n $(KERNEL_CONFIG) $(VENV)/etc/jupyter/; fi
 	touch $(STAMP)
 
+# The learner's working copy, ignored by git (.gitignore), so that JupyterLab's autosave, outputs and edited
+# exercises never touch a tracked file: lab/student (every lesson, each exercise's solution a stub: work here),
+# lab/solved (the teacher's versions: compare here), lab/distlab (a link to the package: the code the lessons
+# link). Re-running `make lab` writes what is missing and refreshes what the learner has not changed; a copy the
+# learner changed is kept (`$(BIN)/python -m distlab.lessons lab --force` replaces those too). The kernel imports
+# distlab from this checkout (the editable install). LAB_DIR picks another folder.
+LAB_DIR ?= lab
 lab: $(STAMP)
+	$(BIN)/python -m distlab.lessons $(LAB_DIR)
+	$(BIN)/jupyter lab --notebook-dir=$(LAB_DIR) $(ROOT_ARGS) $(LAB_ARGS)
+
+# A teacher (or an author editing lessons) opens the tracked, solved lessons themselves: autosave writes into them.
+lab-solved: $(STAMP)
 	$(BIN)/jupyter lab --notebook-dir=notebooks $(ROOT_ARGS) $(LAB_ARGS)
 
 # `make test` leaves out the tests marked slow (spawn and forkserver variants, larger worlds: a few minutes
@@ -119,3 +132,13 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Every GPU figure the project lacks, in one command of under 8 minutes on one GPU (benchmarks/gpu_check.py:
+# the gpu-marked tests, the memory ledger beside CUDA's allocator, bf16 step time and MFU, the collective
+# benchmarks on CUDA tensors; results in benchmarks/results/gpu/ and README's GPU table). It installs nothing
+# (a lent GPU machine has no internet): it runs in the .venv that `make test` made (torch with CUDA, the test
+# extra), order-only, so an existing .venv is used as it is. The same script on a CPU in seconds:
+#   python benchmarks/gpu_check.py --dry
+GPU_CHECK_ARGS ?=
+gpu-check: | $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py $(GPU_CHECK_ARGS)

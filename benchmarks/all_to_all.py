@@ -71,32 +71,35 @@ def _call(impl: str, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def measure(sizes, budget_s, min_reps, max_reps, calls):
+def measure(sizes, budget_s, min_reps, max_reps, calls, device=None, impls=IMPLS):
     """Inside each rank: per size and repeat, each implementation's time per call, timed over ``calls``
     calls back to back (nccl-tests' method, src/common.cu: start the iterations, wait, divide), the
     implementations taking turns. Timed one call alone, a result depended on which implementation ran
     just before (the same function under two names: 4.57 and 3.74 ms at 8 MB, 2 ranks); a likely cause,
-    not measured, is work gloo's threads still do after a call returns."""
-    device, n = dl.device(), dl.world_size()
+    not measured, is work gloo's threads still do after a call returns. ``device``: where the tensors live
+    (default ``dl.device()``); ``impls``: a subset of `IMPLS` that includes "torch"."""
+    device = dl.device() if device is None else torch.device(device)
+    n, impls = dl.world_size(), tuple(impls)
     dl.tracer().enabled = False                 # measure the collective, not the bookkeeping:
     with flight.paused():                       # neither the trace nor the launcher's flight recorder
-        return {nbytes: _measure_size(nbytes, n, device, budget_s, min_reps, max_reps, calls)
+        return {nbytes: _measure_size(nbytes, n, device, budget_s, min_reps, max_reps, calls, impls)
                 for nbytes in sizes}
 
 
-def _measure_size(nbytes, n, device, budget_s, min_reps, max_reps, calls):
+def _measure_size(nbytes, n, device, budget_s, min_reps, max_reps, calls, impls=IMPLS):
     rows = max(n, nbytes // 4 // 16 // n * n)                                       # (rows, 16) fp32
     x = torch.randn(rows, 16, generator=torch.Generator().manual_seed(dl.rank())).to(device)
     want = _call("torch", x)                                                        # also warms up
-    for impl in ("dl", "p2p"):
+    for impl in (i for i in impls if i != "torch"):
         if not torch.equal(_call(impl, x), want):
             raise AssertionError(f"{impl} all-to-all differs from all_to_all_single at {nbytes} bytes")
-    estimate = torch.tensor([_timed("dl", x, device, calls)], dtype=torch.float64)
-    dist.broadcast(estimate, 0)                 # every rank must run the same number of repeats
-    reps = int(min(max_reps, max(min_reps, budget_s / len(IMPLS) / max(float(estimate) * calls, 1e-6))))
-    times = {impl: [] for impl in IMPLS}
+    estimate = torch.tensor([_timed(impls[0], x, device, calls)], dtype=torch.float64, device=device)
+    dist.broadcast(estimate, 0)                 # every rank must run the same number of repeats (on the
+                                                # tensors' device: NCCL takes no CPU tensor)
+    reps = int(min(max_reps, max(min_reps, budget_s / len(impls) / max(float(estimate) * calls, 1e-6))))
+    times = {impl: [] for impl in impls}
     for rep in range(reps):
-        for impl in IMPLS[rep % len(IMPLS):] + IMPLS[:rep % len(IMPLS)]:     # each first in turn
+        for impl in impls[rep % len(impls):] + impls[:rep % len(impls)]:     # each first in turn
             times[impl].append(_timed(impl, x, device, calls))
     if dl.rank() == 0:
         print(f"n={n} {human(x.numel() * 4):>7}: "

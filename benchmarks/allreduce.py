@@ -70,9 +70,10 @@ def _call(impl: str, x: torch.Tensor):
         dist.all_reduce(x)
 
 
-def measure(sizes, impls, budget_s, min_reps, max_reps):
-    """Inside each rank: per size, per repeat, the time of each implementation (alternating)."""
-    device = dl.device()
+def measure(sizes, impls, budget_s, min_reps, max_reps, device=None):
+    """Inside each rank: per size, per repeat, the time of each implementation (alternating). ``device``:
+    where the tensors live (default ``dl.device()``; e.g. ``cuda:0`` for gloo ranks sharing one GPU)."""
+    device = dl.device() if device is None else torch.device(device)
     dl.tracer().enabled = False                 # measure the collectives, not the bookkeeping
     out = {}
     for nbytes in sizes:
@@ -90,8 +91,9 @@ def measure(sizes, impls, budget_s, min_reps, max_reps):
         t0 = time.perf_counter()
         _call(impls[0], x)
         _sync(device)
-        estimate = torch.tensor([(time.perf_counter() - t0) * len(impls)], dtype=torch.float64)
-        dist.broadcast(estimate, 0)             # every rank must run the same number of repeats
+        estimate = torch.tensor([(time.perf_counter() - t0) * len(impls)], dtype=torch.float64, device=device)
+        dist.broadcast(estimate, 0)             # every rank must run the same number of repeats (on the
+                                                # tensors' device: NCCL takes no CPU tensor)
         reps = int(min(max_reps, max(min_reps, budget_s / max(float(estimate), 1e-6))))
         times = {impl: [] for impl in impls}
         for rep in range(reps):

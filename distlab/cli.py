@@ -7,7 +7,8 @@
     distlab train --strategy zero2 --world-size 4 --steps 100 --checkpoint-dir ck --checkpoint-every 10 \
                   --max-restarts 2 --shrink --async-save
     distlab strategies                       every strategy name and the options it takes
-    distlab lessons DIR                      copy the lessons (Jupyter notebooks) into DIR/notebooks
+    distlab lessons DIR                      the lessons: DIR/student to work in, DIR/solved to compare with
+    distlab grade PATH --junit out.xml       every exercise check of student notebooks, headless, scored
     distlab --version
 
 Under torchrun the same command runs on every rank (``--world-size`` must equal torchrun's) and
@@ -287,11 +288,10 @@ def _strategies() -> int:
 
 
 def _lessons(args) -> int:
-    from .lessons import copy
-    copied = copy(args.dir, force=args.force)
-    root = copied[0].parent.parent
-    print(f"copied {len(copied)} lessons to {copied[0].parent}; the code they explain is {root / 'distlab'}\n"
-          f"open them with: jupyter lab {root}   (pip install distlab[lab] for JupyterLab and the widgets)")
+    from .lessons import copy, report
+    print(report(args.dir, copy(args.dir, force=args.force)))
+    print(f"open them with: jupyter lab {args.dir}   (pip install distlab[lab] for JupyterLab and the "
+          "widgets)")
     return 0
 
 
@@ -319,9 +319,12 @@ def _parser() -> tuple[_Parser, dict[str, _Parser]]:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _train_parser(sub)
     sub.add_parser("strategies", help="list the strategy names train accepts, and what each option does")
-    lessons = sub.add_parser("lessons", help="copy the lessons (Jupyter notebooks) into DIR/notebooks")
+    lessons = sub.add_parser("lessons", help="the lessons (Jupyter notebooks): DIR/student to work in "
+                             "(exercises to write), DIR/solved to compare with")
     lessons.add_argument("dir", metavar="DIR", help="where to put them (created if need be)")
-    lessons.add_argument("--force", action="store_true", help="overwrite lessons already there")
+    lessons.add_argument("--force", action="store_true", help="overwrite copies you changed too")
+    from .exercises.grade import add_parser as add_grade_parser      # (no torch: the harness loads on use)
+    add_grade_parser(sub)                              # `distlab grade`: distlab/exercises/grade.py
     return parser, sub.choices
 
 
@@ -338,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
             return _strategies()
         if args.command == "lessons":
             return _lessons(args)
+        if args.command == "grade":
+            return args.run(args)
     except Exception as err:
         if getattr(args, "traceback", False) or not isinstance(err, _reported()):
             raise

@@ -1,7 +1,15 @@
-"""`distlab lessons DIR`: the lessons (Jupyter notebooks) out of an installed distlab, ready to open.
+"""`distlab lessons DIR` and `make lab`: a working copy of the lessons made for learners.
 
-    distlab lessons ~/distlab-lessons      # DIR/notebooks/00_*.ipynb ... and DIR/distlab, the code they link
+    distlab lessons ~/distlab-lessons      # DIR/student/  every lesson, exercises stubbed: work here
+                                           # DIR/solved/   the teacher's versions, solutions shown
+                                           # DIR/distlab   a link to the package: the code they link
     jupyter lab ~/distlab-lessons
+    python -m distlab.lessons lab          # what `make lab` runs first: lab/ in a checkout (ignored by git)
+
+Nothing a learner edits is overwritten: a file is written when it is missing, or refreshed when the lesson
+changed and the copy is still as it was written (its hash is in ``DIR/.distlab-lessons.json``); a copy the
+learner changed (an exercise answered, outputs saved) is kept and named; ``force`` (``--force``) replaces
+it.
 
 Where the lessons are: in a source checkout, ``notebooks/`` beside the package; in an installed wheel, the
 data files ``share/distlab/lessons`` under the environment's prefix (pyproject's
@@ -13,7 +21,9 @@ is made a link to the installed package (a copy where links are not allowed): th
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
+import json
 import shutil
 import site
 import sys
@@ -44,21 +54,86 @@ def source() -> Path:
                             "folder they are")
 
 
-def copy(directory, force: bool = False) -> list[Path]:
-    """Copy every lesson into ``directory/notebooks`` and link ``directory/distlab`` to the package;
-    returns the copied notebooks. Refuses to overwrite a lesson already there unless ``force``."""
-    lessons = sorted(source().glob(PATTERN))
-    out = Path(directory).expanduser() / "notebooks"
-    there = [p.name for p in lessons if (out / p.name).exists()]
-    if there and not force:
-        raise FileExistsError(f"{out} already holds {', '.join(there)}: pass --force to overwrite them, "
-                              "or choose another directory")
-    out.mkdir(parents=True, exist_ok=True)
-    copied = [Path(shutil.copyfile(p, out / p.name)) for p in lessons]
-    code, package = out.parent / "distlab", Path(__file__).resolve().parent
+STUDENT, SOLVED = "student", "solved"
+MANIFEST = ".distlab-lessons.json"                 # what was written: {relative path: sha256}
+
+
+def student_version(path: Path) -> bytes:
+    """Lesson ``path`` as a student gets it: exercise solutions stubbed (`exercises.student`), else as is."""
+    from .exercises.student import has_exercises, student_notebook
+    raw = path.read_bytes()
+    nb = json.loads(raw)
+    if not has_exercises(nb):
+        return raw
+    return (json.dumps(student_notebook(nb), indent=1, sort_keys=True, ensure_ascii=False) + "\n").encode()
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def copy(directory, force: bool = False) -> dict[str, list[Path]]:
+    """Write the student and solved versions of every lesson into ``directory`` (see the module's
+    docstring) and link ``directory/distlab`` to the package. Returns {"written": [...], "kept": [...]}:
+    the files written or refreshed, and the learner's changed copies of lessons that changed since, left
+    alone (unless ``force``)."""
+    root = Path(directory).expanduser()
+    manifest_path = root / MANIFEST
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+    done: dict[str, list[Path]] = {"written": [], "kept": []}
+    for lesson in sorted(source().glob(PATTERN)):
+        for folder, data in ((STUDENT, student_version(lesson)), (SOLVED, lesson.read_bytes())):
+            target, key = root / folder / lesson.name, f"{folder}/{lesson.name}"
+            now = _sha(target.read_bytes()) if target.is_file() else None
+            if now == _sha(data):
+                manifest[key] = now                                    # up to date
+                continue
+            if now is not None and now != manifest.get(key) and not force:    # the learner's: left alone,
+                if manifest.get(key) != _sha(data):                           # named if the lesson changed
+                    done["kept"].append(target)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+            manifest[key] = _sha(data)
+            done["written"].append(target)
+    manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    _link_code(root)
+    return done
+
+
+def _link_code(root: Path) -> None:
+    """``root/distlab``: a link to the package, so that the lessons' ``../distlab/...`` links open."""
+    code, package = root / "distlab", Path(__file__).resolve().parent
     if not code.exists() and not code.is_symlink():
         try:
             code.symlink_to(package, target_is_directory=True)
         except OSError:                          # no links here (some file systems): a copy
             shutil.copytree(package, code, ignore=shutil.ignore_patterns("__pycache__"))
-    return copied
+
+
+def report(directory, done: dict[str, list[Path]]) -> str:
+    """What `copy` did, in words, with how to open the lessons."""
+    root = Path(directory).expanduser()
+    lines = [f"{root}: wrote {len(done['written'])} notebooks; {STUDENT}/ holds every lesson with its "
+             f"exercises to write, {SOLVED}/ the teacher's versions to compare with"]
+    if done["kept"]:
+        names = ", ".join(str(p.relative_to(root)) for p in done["kept"])
+        lines.append(f"kept your changed {names} (the lesson changed since: --force replaces them; "
+                     "copy your work elsewhere first)")
+    lines.append(f"start with {STUDENT}/00_launch_and_collectives.ipynb")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    """``python -m distlab.lessons DIR [--force]``: what `make lab` runs before starting JupyterLab."""
+    force = "--force" in argv
+    args = [a for a in argv if a != "--force"]
+    if len(args) != 1:
+        print("usage: python -m distlab.lessons DIR [--force]", file=sys.stderr)
+        return 2
+    print(report(args[0], copy(args[0], force=force)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

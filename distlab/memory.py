@@ -368,7 +368,7 @@ class Ledger:
             row["buffers"] = max(row["buffers"], self.budget.take_buffers())
             self.budget.check_row(row, label)
         extra = {}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_initialized():            # (is_available() first would cuInit: no fork after)
             extra = {"cuda_allocated": torch.cuda.memory_allocated(),
                      "cuda_peak": torch.cuda.max_memory_allocated()}
         self.timeline.append((label, {**row, **extra}))

@@ -33,6 +33,7 @@ class _RankState:
     comm_scopes: list = field(default_factory=list)       # the tags of every open `collectives.scope`
     comm_buffers: dict = field(default_factory=dict)      # dl.comm's receive buffers, kept between calls
     saved_tensors: object = None                          # what the memory ledger counts recomputations into
+    placed: torch.device | None = None                    # where `place_on` put the rank, if anywhere
 
 
 _state = _RankState()
@@ -86,11 +87,21 @@ def backend() -> str | None:
 
 
 def device() -> torch.device:
-    """Where this rank computes: its own GPU under NCCL, else the CPU. Strategies never assume CUDA."""
+    """Where this rank computes: its own GPU under NCCL, else the CPU (or where `place_on` put it).
+    Strategies never assume CUDA."""
+    if _state.placed is not None:
+        return _state.placed
     import torch
     if backend() == "nccl":
         return torch.device("cuda", local_rank())
     return torch.device("cpu")
+
+
+def place_on(dev) -> None:
+    """Compute on ``dev`` (e.g. ``"cuda:0"``) for the rest of this rank, whatever the backend: gloo ranks
+    sharing one GPU (NCCL refuses two ranks on one GPU) use CUDA tensors through gloo where gloo takes
+    them. Called inside a rank, after the launch made it (each launch starts from the backend's rule)."""
+    _state.placed = torch.device(dev)
 
 
 def tracer() -> Tracer:

@@ -22,6 +22,9 @@
 #
 # On a laptop the ranks talk through **gloo** over loopback TCP; on GPUs the same code uses **NCCL**. The code
 # you write does not change: it asks `dl.rank()`, `dl.world_size()` and `dl.device()`.
+#
+# Every lesson writes its formulas in one notation ([docs/notation.md](../docs/notation.md)): N ranks, Ψ
+# parameters (a count: bytes are written 2Ψ, 4Ψ, 16Ψ), messages of S bytes, latency α and link bandwidth B.
 
 # %%
 import os
@@ -58,9 +61,12 @@ assert run.results == [r ** 2 for r in range(WORLD)]
 # %% [markdown]
 # ## 2. When a rank fails
 #
-# A bug on one rank usually kills the others too: they were waiting for it in a collective and see their
-# connection close. `launch` reports the **root cause**, the rank that failed first of its own accord, with
-# its traceback, and stops every other rank so nothing keeps running in the background.
+# A bug on one rank usually kills the others too, and how depends on the backend. Under **gloo** (this course's
+# CPU backend) the peers waiting for it in a collective see their connection close and fail within moments.
+# Under **NCCL** they do not: a GPU collective whose peer has gone simply never completes, and the survivors hang
+# until NCCL's watchdog aborts them when the process group's timeout runs out (`init_process_group(timeout=...)`,
+# minutes by default; lesson 14 shows a hang). `launch` reports the **root cause**, the rank that failed first of
+# its own accord, with its traceback, and stops every other rank so nothing keeps running in the background.
 
 # %%
 def buggy():
@@ -233,7 +239,7 @@ assert busy[3] > busy[0] and wait[0] > wait[3]
 # %% [markdown]
 # ## Build it yourself
 #
-# Write each function below, then run the check under it: `dl.exercises.check` runs your code on real ranks (several world sizes, sizes that do not divide) beside the reference and says the first difference in words. The teacher's version of this notebook shows a solution; `make student` writes the version with the solutions taken out.
+# Write each function below, then run the check under it: `dl.exercises.check` runs your code on real ranks (several world sizes, sizes that do not divide) beside the reference and says the first difference in words. The teacher's version of this notebook shows a solution; the student version has a stub instead: `make lab` opens it (`lab/student/`), and `distlab lessons DIR` writes it to `DIR/student/`.
 
 # %%
 import os

@@ -107,7 +107,8 @@ assert max(e[name] for e in errors for name in e) < 1e-6
 #   **bytes sent per rank per step = 2(N-1)/N · 4Ψ**   (`dl.theory.dp_volume`)
 #
 # Packing changes the *number of messages*, and each costs a latency α (the α-β model:
-# T = Σ_messages 2(N-1)(α + (S_i/N)/β)): one per parameter tensor for the naive version, one per bucket otherwise.
+# T = Σ_messages 2(N-1)(α + (S_i/N)/B), B the link's bandwidth in bytes per second, as in lesson 01 and
+# [docs/notation.md](../docs/notation.md)): one per parameter tensor for the naive version, one per bucket otherwise.
 #
 # `dl.NaiveDDP(module)` is version 1; `dl.DDP(module, bucket_mb, overlap)` versions 2 (`overlap=False`) and 3.
 # Buckets are filled in **reverse registration order** ([buckets.py](../distlab/parallel/data/buckets.py)), the
@@ -243,8 +244,15 @@ plt.show()
 # How much time did overlap actually save? The **exposed** communication is the wait between the last gradient
 # and the end of `backward()`: all-reduces still in flight. These are wall-clock times on a small, shared CPU
 # machine where the communication thread competes with the compute for the same cores, so they vary from run to
-# run (this cell's output is not checked); on GPUs, where NCCL runs on its own streams, overlap hides almost all
-# of it.
+# run (this cell's output is not checked). On GPUs NCCL runs on its own streams, and overlap can hide the
+# all-reduce only when it is shorter than the backward it overlaps. Per GPU, a ring all-reduce of bf16 gradients
+# sends about 2 · 2Ψ bytes, 4Ψ/B seconds; the backward computes about 4Ψ FLOPs per token (two thirds of 6Ψ),
+# 4Ψ·t/(F·MFU) seconds for t tokens per GPU. Ψ cancels: the all-reduce hides only if **t > F·MFU/B**. On H100s
+# (F = 989 TFLOP/s in bf16, MFU 40%) with 400 Gb/s = 50 GB/s of network per GPU that is t > 396e12/50e9 ≈ 7,900
+# tokens per GPU per step (four sequences of 2,048); with fp32 gradients twice that; over NVLink (450 GB/s) about
+# 900. Below it the communication is exposed however well it overlaps; above it, what stays exposed is the last
+# bucket (the first layers' gradients, ready only when backward ends): its all-reduce, about 2·25 MB / 50 GB/s =
+# 1 ms for the default `bucket_mb=25`.
 
 # %% tags=["nbval-ignore-output"]
 def exposed_ms(trace, rank, step):
@@ -390,7 +398,7 @@ plt.show()
 # ## What to remember
 #
 # * DDP = replicas + averaged gradients: every rank takes the single-process step on the global batch.
-# * A ring all-reduce sends 2(N-1)/N · Ψ per rank whatever N is, so the bytes per step barely grow with N; the
+# * A ring all-reduce of Ψ fp32 gradients sends 2(N-1)/N · 4Ψ bytes per rank, under 8Ψ whatever N is; the
 #   number of messages (latency) is what bucketing fixes.
 # * Overlap launches each bucket as soon as it is full; measured here as an *order* (first all-reduce before
 #   the last gradient), on GPUs as time saved.
@@ -402,7 +410,7 @@ plt.show()
 # %% [markdown]
 # ## Build it yourself
 #
-# Write each function below, then run the check under it: `dl.exercises.check` runs your code on real ranks (several world sizes, sizes that do not divide) beside the reference and says the first difference in words. The teacher's version of this notebook shows a solution; `make student` writes the version with the solutions taken out.
+# Write each function below, then run the check under it: `dl.exercises.check` runs your code on real ranks (several world sizes, sizes that do not divide) beside the reference and says the first difference in words. The teacher's version of this notebook shows a solution; the student version has a stub instead: `make lab` opens it (`lab/student/`), and `distlab lessons DIR` writes it to `DIR/student/`.
 
 # %%
 import os

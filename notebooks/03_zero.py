@@ -29,13 +29,15 @@
 # optimizer state, updates the **same** parameters with the **same** averaged gradient. ZeRO (the *Zero
 # Redundancy Optimizer*) keeps one copy, split over the N data-parallel ranks:
 #
-#     stage   each rank keeps                                  bytes per rank          sent per step
-#     DDP     everything                                       (2 + 2 + K) Ψ            2 (N-1)/N · Ψ
-#     ZeRO-1  1/N of the optimizer state                       (2 + 2) Ψ + K Ψ / N      2 (N-1)/N · Ψ
-#     ZeRO-2  ... and 1/N of the gradients                     2 Ψ + (2 + K) Ψ / N      2 (N-1)/N · Ψ
-#     ZeRO-3  ... and 1/N of the parameters                    (2 + 2 + K) Ψ / N        3 (N-1)/N · Ψ
+#     stage   each rank keeps                                  bytes per rank          bytes sent per step
+#     DDP     everything                                       (2 + 2 + K) Ψ            2 (N-1)/N · 2Ψ
+#     ZeRO-1  1/N of the optimizer state                       (2 + 2) Ψ + K Ψ / N      2 (N-1)/N · 2Ψ
+#     ZeRO-2  ... and 1/N of the gradients                     2 Ψ + (2 + K) Ψ / N      2 (N-1)/N · 2Ψ
+#     ZeRO-3  ... and 1/N of the parameters                    (2 + 2 + K) Ψ / N        3 (N-1)/N · 2Ψ
 #
-# (Ψ in the last column is the bytes of one copy of the gradients.) Stages 1 and 2 cost **no extra
+# (Ψ is the number of parameters in both columns, as everywhere in the course: [docs/notation.md](../docs/notation.md).
+# The bf16 gradients and parameters that travel are 2 bytes each, so one copy is 2Ψ bytes; the ZeRO paper counts
+# the same volumes in elements, 2Ψ and 3Ψ.) Stages 1 and 2 cost **no extra
 # communication**; stage 3 costs 1.5x. In this lesson you predict each row with `dl.theory`, measure it with
 # distlab's ledger, and see where the bytes go.
 #
@@ -156,14 +158,15 @@ assert peak_buffers < PSI      # under a quarter of a whole fp32 gradient
 # %% [markdown]
 # ## 3. Bytes communicated per stage
 #
-# Per step and per rank, with Ψ the bytes of one gradient copy (ZeRO paper, Sec. 7):
+# Per step and per rank, with 2Ψ the bytes of one bf16 copy of the gradients or parameters (ZeRO paper, Sec. 7,
+# counts elements: Ψ each):
 #
-# * DDP: one all-reduce = reduce-scatter + all-gather: **2(N-1)/N · Ψ**
+# * DDP: one all-reduce = reduce-scatter + all-gather: **2(N-1)/N · 2Ψ**
 # * ZeRO-1/2: reduce-scatter the gradients (each rank gets the averaged gradient of its shard), update the shard,
-#   all-gather the parameters: the two halves of the all-reduce, **2(N-1)/N · Ψ**; ZeRO-2 just does the
+#   all-gather the parameters: the two halves of the all-reduce, **2(N-1)/N · 2Ψ**; ZeRO-2 just does the
 #   reduce-scatter during backward, bucket by bucket, and frees each gradient right away
 # * ZeRO-3: all-gather each unit's parameters before its forward, **again** before its backward (they were freed
-#   in between), reduce-scatter its gradients: **3(N-1)/N · Ψ**
+#   in between), reduce-scatter its gradients: **3(N-1)/N · 2Ψ**
 #
 # gloo does not report what it puts on the wire: the runs above record each torch collective with the ring's
 # count (`bytes="ring-model"`), which would only check the formula against itself. To **measure**, we train one
@@ -242,9 +245,11 @@ for name, stage in STRATEGIES.items():
 
 
 # %% [markdown]
-# At N = 4, ZeRO-3 brings 16 bytes per parameter to 4, ZeRO-1 to 4 + 12/4 = 7: on 64 GPUs, ZeRO-3 needs 0.25
-# bytes per parameter, which is how trillion-parameter models fit. (The bytes sent are half the fp32 ones: bf16
-# gradients and parameters travel.)
+# At N = 4, ZeRO-3 brings 16 bytes per parameter to 4, ZeRO-1 to 4 + 12/4 = 7. On 64 GPUs ZeRO-3 needs
+# 16/64 = 0.25 bytes per parameter: for a trillion parameters that is still 250 GB of model states per GPU, three
+# times an 80 GB GPU. The ZeRO paper's trillion-parameter case shards over 1,024 GPUs: 16 × 10¹² / 1024 ≈ 15.6 GB
+# per GPU, leaving room for activations. (The bytes sent are half the fp32 ones: bf16 gradients and parameters
+# travel.)
 #
 # ## 6. ZeRO-3 up close: gather, compute, free
 #
@@ -337,7 +342,7 @@ plt.show()
 # %% [markdown]
 # ## Build it yourself
 #
-# Write each function below, then run the check under it: `dl.exercises.check` runs your code on real ranks (several world sizes, sizes that do not divide) beside the reference and says the first difference in words. The teacher's version of this notebook shows a solution; `make student` writes the version with the solutions taken out.
+# Write each function below, then run the check under it: `dl.exercises.check` runs your code on real ranks (several world sizes, sizes that do not divide) beside the reference and says the first difference in words. The teacher's version of this notebook shows a solution; the student version has a stub instead: `make lab` opens it (`lab/student/`), and `distlab lessons DIR` writes it to `DIR/student/`.
 
 # %%
 import os

@@ -15,6 +15,8 @@
 # %% [markdown]
 # # 04 · Tensor parallelism and sequence parallelism
 #
+# *Symbols (N, Ψ, S, α, B, b, s, h, ...) as in [docs/notation.md](../docs/notation.md), the one table for every lesson.*
+#
 # Data parallelism copies the model; **tensor parallelism (TP)** cuts every big matrix into t pieces, one per rank,
 # so a model too large for one GPU fits on t of them (Shoeybi et al. 2019, *Megatron-LM*). The ranks then have to
 # talk *inside* every layer, which is why TP lives within a node, on the fastest links.
@@ -23,7 +25,9 @@
 #
 # 1. see how a linear layer is split (by output features, by input features) and check it against `nn.Linear`;
 # 2. turn a whole GPT into its TP form with `dl.tp.parallelize` and get the same loss and gradients;
-# 3. **predict** the communication per layer (two all-reduces of b·s·h forward, two backward) and **measure** it;
+# 3. **predict** the communication per layer (two all-reduces of b·s·h forward, two backward) and **measure** the
+#    calls (how many, of what size, where); their bytes per rank are *modelled* as a ring's (gloo does not say what
+#    it puts on the wire);
 # 4. add **sequence parallelism (SP)** (Korthikanti et al. 2022) and measure how it cuts activation memory by t;
 # 5. train with `tp` and match single-process training;
 # 6. split a model you wrote yourself with a **plan** (`dl.tp.parallelize(model, plan={...})`).
@@ -150,7 +154,7 @@ for sp in (False, True):
 # Rank 0 holds about a quarter of the weights: the attention, MLP, embedding and head matrices are split; the
 # LayerNorms and position embeddings (small) are replicated.
 #
-# ## 3. Communication per layer: predicted, then measured
+# ## 3. Communication per layer: predicted, then measured (calls) and modelled (bytes)
 #
 # Each layer has two TP regions (attention, MLP). Forward, each ends with *g*: an **all-reduce of the b·s·h
 # activations**. Backward, each begins (in reverse) with *f*: an all-reduce of dL/dX, also b·s·h. So per layer
@@ -159,7 +163,12 @@ for sp in (False, True):
 #
 #   bytes sent per rank = 4 · L · 2(t-1)/t · b·s·h · bytes per element
 #
-# Every collective records its op, message size and bytes in the trace, and two tags the wrapper finds out by
+# Every collective records its op, message size and bytes in the trace. The op and the message size are measured:
+# they are the call torch actually received. The bytes are not: torch's gloo all-reduce does not report what it
+# sends, so the wrapper records the bytes a ring moves for a message of that size (`bytes="ring-model"`; distlab's
+# own ring, built from send/recv, sends exactly these, `tests/test_comm.py`). The printout calls them "recorded
+# (ring model)", and the byte equality below is a check on the number and size of the calls, not a measurement of
+# the wire. The trace also carries two tags the wrapper finds out by
 # itself: `operator`, the function that called it (`ReduceFromRegion.forward` is *g*, `CopyToRegion.backward` is
 # *f*), and `phase="backward"` when autograd's engine is running. Which layer? `labels.label_modules(gpt)`
 # puts hooks on every submodule (from outside the model): forward hooks open a `scope(where=<module name>)`, and
@@ -440,9 +449,10 @@ assert measured == predicted
 # ## What to remember
 #
 # * Column-parallel splits output features, row-parallel input features; pairing them leaves one all-reduce per
-#   region forward (*g*) and one backward (*f*): 4 all-reduces of b·s·h per layer per step, measured above to the byte.
+#   region forward (*g*) and one backward (*f*): 4 all-reduces of b·s·h per layer per step. The calls and their sizes
+#   were measured above exactly; the bytes per rank are the ring's formula applied to them (modelled).
 # * That traffic grows with b·s·h and happens on the critical path of every layer, so TP stays inside a node
-#   (NVLink), while DP and PP cross nodes.
+#   (NVLink); across nodes go PP and DP (lesson 06: which of them is outermost is the layout's choice).
 # * Sequence parallelism turns each all-reduce into a reduce-scatter + all-gather (same bytes), plus a re-gather
 #   in the backward (+25%) so that it need not store the gathered input, and makes every activation 1/t: sbh(34 + 5as/h)/t instead of sbh(10 + 24/t + 5as/(ht)).
 # * Vocabulary parallelism shards the two largest matrices of a small model (embedding, head) and computes the
@@ -450,12 +460,13 @@ assert measured == predicted
 # * Your own model takes a plan, `dl.tp.parallelize(model, plan={"blocks.*.fc": "colwise", ...})`: the same
 #   column/row pairing by module name, with the head count read from the tensors.
 #
-# **Try it**: set `T = 2` in section 3, or a bigger `B`: the measured bytes follow the formula exactly.
+# **Try it**: set `T = 2` in section 3, or a bigger `B`: the calls stay four per layer of b·s·h each, so the
+# recorded (ring-model) bytes follow the formula exactly.
 
 # %% [markdown]
 # ## Build it yourself
 #
-# Write each function below, then run the check under it: `dl.exercises.check` runs your code on real ranks (several world sizes, sizes that do not divide) beside the reference and says the first difference in words. The teacher's version of this notebook shows a solution; `make student` writes the version with the solutions taken out.
+# Write each function below, then run the check under it: `dl.exercises.check` runs your code on real ranks (several world sizes, sizes that do not divide) beside the reference and says the first difference in words. The teacher's version of this notebook shows a solution; the student version has a stub instead: `make lab` opens it (`lab/student/`), and `distlab lessons DIR` writes it to `DIR/student/`.
 
 # %%
 import os

@@ -19,14 +19,16 @@
 #
 # | | splits | talks | per step, per rank |
 # |---|---|---|---|
-# | **DP** (lesson 02) | the batch | all-reduce of gradients | 2 (D-1)/D x Psi, once per step |
+# | **DP** (lesson 02) | the batch | all-reduce of gradients | 2 (D-1)/D x 4Ψ bytes (fp32), once per step |
 # | **TP** (lesson 04) | every weight matrix | all-reduce of activations | 4 per layer per microbatch, blocking |
 # | **PP** (lesson 05) | the layers | activations and gradients, point to point | one b s h message per microbatch and boundary |
 #
 # Large models use all three at once (Megatron-LM's "PTD-P", Narayanan et al. 2021): **TP inside a node**, where
-# the links are fastest, because its all-reduces sit on the critical path of every layer; **PP across nodes**,
-# because it sends the least; **DP over everything else**, because its one all-reduce per step can hide behind the
-# backward. The ranks form a 3D grid, the *mesh*, and each rank belongs to exactly one group along each axis.
+# the links are fastest, because its all-reduces sit on the critical path of every layer; **PP and DP across
+# nodes**: PP because it sends the least, DP because its one all-reduce per step can hide behind the backward.
+# On thousands of GPUs both axes span nodes; which one is outermost, and so alone crosses nodes on a small
+# cluster, is a choice of layout (section 1: Megatron puts PP outermost, distlab DP). The ranks form a 3D grid,
+# the *mesh*, and each rank belongs to exactly one group along each axis. (Ψ, D, T, P: [docs/notation.md](../docs/notation.md).)
 #
 # In this lesson you will
 #
@@ -277,10 +279,11 @@ plt.show()
 # * **TP carries the most**, several times the pipeline's traffic (the ratio is printed below), and it is
 #   *blocking*: the layer cannot go on until its all-reduce returns. That is why TP stays inside a node.
 # * **PP carries the least**: one activation (or gradient) per microbatch per stage boundary, point to point, which
-#   is why PP is what crosses the slow links between nodes.
-# * **DP** sends about the size of this rank's share of the parameters, Psi / (T P), once per step; for a large
-#   model that is large, but it overlaps the backward (lesson 02) and ZeRO can shard the optimizer behind it
-#   (`3d:dp=2,tp=2,pp=2,zero=1`).
+#   is why PP can cross the slow links between nodes (Megatron's layout; this mesh sends DP across instead).
+# * **DP** all-reduces the fp32 gradients of this rank's share of the parameters, 4Ψ/(T P) bytes (a little more:
+#   LayerNorms are replicated across TP), so it sends 2(D-1)/D · 4Ψ/(T P) per step: here, at D = 2, exactly the
+#   share, and towards twice the share as D grows. For a large model that is large, but it overlaps the backward
+#   (lesson 02) and ZeRO can shard the optimizer behind it (`3d:dp=2,tp=2,pp=2,zero=1`).
 # * The last stage's TP bytes exceed the first's by exactly the three small cross-entropy all-reduces.
 
 # %%
@@ -339,7 +342,8 @@ print("on all 8 ranks, every dp all-reduce of step 1 starts inside the rank's la
 #   replicas. Done right it is exactly single-process training on the same global batch.
 # * The pipeline accumulates gradients over microbatches, so DP communicates once per step, overlapped with the
 #   last microbatch's backward and finished after the flush.
-# * Per step, TP traffic >> PP traffic, and TP's is blocking: put TP on the fastest links, PP across nodes.
+# * Per step, TP traffic >> PP traffic, and TP's is blocking: put TP on the fastest links; PP and DP go across
+#   nodes (which of them is outermost is the layout's choice: Megatron PP, distlab DP).
 #
 # **Try it**: `dl.train("3d:dp=1,tp=2,pp=2,sp=1", world_size=4)` (sequence parallelism inside the stages: the
 # pipeline's messages shrink by T), or `"3d:dp=2,tp=1,pp=2,zero=1"` (ZeRO-1 over the replicas), or
@@ -348,7 +352,7 @@ print("on all 8 ranks, every dp all-reduce of step 1 starts inside the rank's la
 # %% [markdown]
 # ## Build it yourself
 #
-# Write each function below, then run the check under it: `dl.exercises.check` runs your code on real ranks (several world sizes, sizes that do not divide) beside the reference and says the first difference in words. The teacher's version of this notebook shows a solution; `make student` writes the version with the solutions taken out.
+# Write each function below, then run the check under it: `dl.exercises.check` runs your code on real ranks (several world sizes, sizes that do not divide) beside the reference and says the first difference in words. The teacher's version of this notebook shows a solution; the student version has a stub instead: `make lab` opens it (`lab/student/`), and `distlab lessons DIR` writes it to `DIR/student/`.
 
 # %%
 import os

@@ -15,6 +15,8 @@
 # %% [markdown]
 # # 07 · Interview prep: the numbers behind distributed training
 #
+# *Symbols (N, Ψ, S, α, B, b, s, h, ...) as in [docs/notation.md](../docs/notation.md), the one table for every lesson.*
+#
 # Every question about distributed training ends in arithmetic: *how many bytes per GPU*, *how long does the
 # all-reduce take*, *how much of the pipeline sits idle*. `dl.theory` holds those formulas, each one citing the
 # paper it comes from and tested against the paper's own figures; `dl.widgets` puts them behind sliders.
@@ -107,8 +109,11 @@ assert guide.result.plan.memory.total > memory_only.memory.total
 # ## 3. Communication: the ring all-reduce
 #
 # A ring all-reduce sends `2(N-1)/N · S` bytes per rank, so it takes `2(N-1)/N · S/B` plus `2(N-1)` latencies,
-# nearly flat in N. Trees pay only `2·log2 N` latencies but move the whole buffer at each level: they win for tiny
-# messages on many ranks. nccl-tests report `busbw = S/t · 2(N-1)/N`, comparable with the link's peak.
+# nearly flat in N. A plain tree (reduce up, broadcast down) pays only `2·log2 N` latencies but moves the whole
+# buffer at each level: that is the `tree` the explorer below draws, and it wins only for tiny messages on many
+# ranks. NCCL's tree is not plain: its *double binary tree* cuts the buffer into chunks pipelined through two
+# complementary trees, which keeps the bytes per rank near the ring's with a latency growing like log2 N, and NCCL
+# picks it for all-reduces across many nodes, for mid-sized and, as the node count grows, large messages. nccl-tests report `busbw = S/t · 2(N-1)/N`, comparable with the link's peak.
 
 # %% tags=["nbval-ignore-output"]
 comm = dl.widgets.allreduce_explorer(n=8, size_mb=100.0, link="nvlink4")
@@ -262,7 +267,8 @@ assert abs(llama.wall_days(2000) - 35.84) < 0.01
 assert 850 < steps_only < 950 < 1200 and 0.29 < palm.utilisation < 0.32
 
 # %% [markdown]
-# PaLM's 46.2% is measured over training steps; the chip-hours the paper reports hold about a third more, because a
+# PaLM's 46.2% is measured over training steps; the chip-hours the paper reports hold about half as many again
+# (46.2 / 30.4 ≈ 1.52: 1,200 × 6,144 + 336 × 3,072 chip-hours against 899 × 6,144 at 46.2%), because a
 # real run also stops, restarts from checkpoints and repeats steps (lesson 08 and Young/Daly's interval in
 # [checkpoint.py](../distlab/theory/checkpoint.py)). Llama 2 publishes hours but no MFU: the hours imply 43%.
 #
@@ -300,7 +306,8 @@ assert offloaded.gpu < 32 * GB < on_gpu                   # Ren et al. 2021: ove
 # * Mixed-precision Adam costs 16 bytes per parameter before activations; ZeRO divides 12, then 14, then all 16 of
 #   them by the data-parallel size.
 # * Activations grow with `s·b·h` per layer plus an `a·s²` attention term; recomputation trades them for compute.
-# * A ring all-reduce moves `2(N-1)/N · S` bytes per rank whatever N; trees win only for tiny messages.
+# * A ring all-reduce moves `2(N-1)/N · S` bytes per rank whatever N; a plain tree wins only for tiny messages,
+#   NCCL's pipelined double binary tree also for larger ones across many nodes.
 # * GPipe and 1F1B idle `(p-1)/(m+p-1)` of the step; interleaving and zero-bubble schedules shrink it.
 # * By memory alone, ZeRO-3 with full recomputation fits where tensor parallelism would; TP and PP are chosen for
 #   throughput.

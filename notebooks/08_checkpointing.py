@@ -15,6 +15,8 @@
 # %% [markdown]
 # # 08 · Checkpoints: sharded, atomic, resumable
 #
+# *Symbols (N, Ψ, S, α, B, b, s, h, ...) as in [docs/notation.md](../docs/notation.md), the one table for every lesson.*
+#
 # A job on thousands of GPUs meets a failure every few hours: Meta's Llama 3 run logged 419 unexpected
 # interruptions in 54 days (Dubey et al. 2024, *The Llama 3 Herd of Models*, Sec. 3.3.4). Training survives by
 # **checkpointing**: saving everything a step depends on, often enough that little work is lost, and resuming from
@@ -383,7 +385,7 @@ shutil.rmtree(CKPT)                       # this lesson's checkpoints were in a 
 # %% [markdown]
 # ## Build it yourself
 #
-# Write each function below, then run the check under it: `dl.exercises.check` runs your code on real ranks (several world sizes, sizes that do not divide) beside the reference and says the first difference in words. The teacher's version of this notebook shows a solution; `make student` writes the version with the solutions taken out.
+# Write each function below, then run the check under it: `dl.exercises.check` runs your code on real ranks (several world sizes, sizes that do not divide) beside the reference and says the first difference in words. The teacher's version of this notebook shows a solution; the student version has a stub instead: `make lab` opens it (`lab/student/`), and `distlab lessons DIR` writes it to `DIR/student/`.
 
 # %%
 import os

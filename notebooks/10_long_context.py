@@ -15,6 +15,8 @@
 # %% [markdown]
 # # 10 · Long context: ring attention and Ulysses
 #
+# *Symbols (N, Ψ, S, α, B, b, s, h, ...) as in [docs/notation.md](../docs/notation.md), the one table for every lesson.*
+#
 # Every layer of a transformer but one acts on each token alone: embeddings, LayerNorm, the MLP, the LM head.
 # **Attention** is the exception: every query looks at every (earlier) key. That makes long sequences expensive in
 # two ways: the score matrix softmax(QKᵀ) is s × s per head (memory **quadratic** in s), and even without storing it,
@@ -75,6 +77,14 @@ print(f"hidden {H}, heads {A}, sequence lengths {SEQS}")
 # Ulysses' local attention is the fused kernel that does the same. Per rank: 4·(s/c)·b·(17h + a) + 16·(s/c)·b bytes
 # (`dl.theory.cp_saved_bytes_per_layer`: the output in fp32 and one log-sum-exp per query and head replace the
 # softmax).
+#
+# So the gap between the plain layer and the CP lines below is **two effects multiplied**: not storing the s × s
+# matrix, which FlashAttention already saves on one rank, and splitting the tokens c ways, which is what context
+# parallelism adds. The figure measures no one-rank FlashAttention-style layer; the same formula at c = 1 predicts
+# it (the c = 2 and c = 4 runs match that formula to the byte). At s = 512: the plain layer saves 5,513,216 bytes
+# (measured), a one-rank FlashAttention-style layer would save 1,130,496 (predicted; 4.9x less: FlashAttention's
+# share), and ring attention at c = 4 saves 282,624 per rank (measured; another 4x: what splitting the sequence
+# saves).
 
 # %%
 def layer_bytes(attention=None):
@@ -125,9 +135,12 @@ plt.show()
 
 # %% [markdown]
 # On the log-log plot the plain layer bends upward (slope → 2: the s² term is already most of it at s = 512, with
-# only 4 heads of width 8), while the CP lines are straight with slope 1 and sit 1/c lower. Ring attention and
-# Ulysses save exactly the same bytes here. At real sizes (s = 128K tokens, 32 heads) the s² term would be tens of
-# GB per layer; no one stores it (FlashAttention), and CP then divides the linear part by c.
+# only 4 heads of width 8), while the CP lines are straight with slope 1 and sit 1/c below what one rank with
+# FlashAttention-style recomputation would save (c = 1 of the dotted formula, not drawn); most of their distance
+# from the plain layer is that recomputation, not the split. Ring attention and Ulysses save exactly the same
+# bytes here. At real sizes (s = 128K tokens, 32 heads) the score matrix alone would be 32 × 131,072² × 2 bytes ≈
+# 1.1 TB per layer per sequence in bf16 (Korthikanti's 5·a·s², with dropout's mask and output, 2.7 TB); no one
+# stores it (FlashAttention), and CP then divides the linear part by c.
 #
 # ## 2. Ring attention: which K/V block each rank holds at each step
 #
@@ -305,12 +318,14 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# In the contiguous run rank 3 computes four block pairs of s/4 while rank 0 computes one and then sits in its
-# hops, waiting for blocks that are late because their senders are busy; in the zig-zag run every rank computes
-# nine pairs of s/8, in 9/4 units of time instead of 4. Here 4 ranks share 2 CPU cores
-# (and other programs), so a rank is sometimes descheduled and a bar stretches: the wall-clock times below vary
-# from run to run (this cell's output is not checked); the FLOP counts above are exact, and on hardware with a
-# device per rank the time follows them.
+# By the schedule, in the contiguous run rank 3 computes four block pairs of s/4 while rank 0 computes one and then
+# sits in its hops, waiting for blocks that are late because their senders are busy; in the zig-zag run every rank
+# computes nine pairs of s/8, in 9/4 units of time instead of 4. **The timeline above does not show that cleanly, and is
+# not the evidence for it**: 4 ranks share 2 CPU cores (and other programs), a block pair here takes about a
+# millisecond, as long as a rank being descheduled, so the wall-clock compute per rank printed below is uneven in
+# both layouts (slowest / mean well above 1 for zig-zag too, and a different rank slowest from run to run; this
+# cell's output is not checked). The evidence is the FLOP count above, exact: slowest / mean 1.60 contiguous
+# against 1.00 zig-zag. On hardware with a device per rank the time follows the FLOPs.
 
 # %% tags=["nbval-ignore-output"]
 for zigzag, run in layouts.items():
@@ -502,7 +517,7 @@ for strategy in ("cp-ring", "cp-ulysses"):
 # %% [markdown]
 # ## Build it yourself
 #
-# Write each function below, then run the check under it: `dl.exercises.check` runs your code on real ranks (several world sizes, sizes that do not divide) beside the reference and says the first difference in words. The teacher's version of this notebook shows a solution; `make student` writes the version with the solutions taken out.
+# Write each function below, then run the check under it: `dl.exercises.check` runs your code on real ranks (several world sizes, sizes that do not divide) beside the reference and says the first difference in words. The teacher's version of this notebook shows a solution; the student version has a stub instead: `make lab` opens it (`lab/student/`), and `distlab lessons DIR` writes it to `DIR/student/`.
 
 # %%
 import os

@@ -15,6 +15,8 @@
 # %% [markdown]
 # # 11 · Mixture of experts: routing, capacity, and expert parallelism
 #
+# *Symbols (N, Ψ, S, α, B, b, s, h, ...) as in [docs/notation.md](../docs/notation.md), the one table for every lesson.*
+#
 # A dense transformer spends the same FLOPs on every token. A **mixture of experts** (MoE) replaces each block's MLP
 # by E MLPs, the *experts*, and a small *router* that sends each token to k of them (Shazeer et al. 2017,
 # *Outrageously Large Neural Networks*; GShard, Lepikhin et al. 2020; Switch Transformer, Fedus et al. 2021). The
@@ -168,8 +170,13 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Without the auxiliary loss the router learns favourites and the busiest expert overflows its capacity; with it
-# the load is flatter and far fewer pairs are dropped. The weight is a trade: too large and the balance term
+# The imbalance is not the router learning favourites: the untrained router of section 1 is already uneven (its
+# busiest expert takes about 1.5 times the mean load), the first AdamW step makes it worse in every run (2.2 to 2.5
+# times the mean, a fifth to a quarter of the pairs dropped), and from there training *without* the auxiliary
+# loss flattens it (busiest / mean 2.50 -> 1.91 over 30 steps, dropped pairs 26% -> 12%). With the loss it
+# flattens further: 1.52 at 0.01, 1.44 at 0.1, with 4% and 2.5% of the pairs dropped. What the loss buys here is the
+# difference between those rows. (A router collapsing onto a few experts is real on long runs, which is why
+# Switch and GShard add the loss; 30 steps of this tiny model do not show it.) The weight is a trade: too large and the balance term
 # fights the language-modelling loss (Switch found 1e-2 a good compromise; here, on a tiny model trained 30 steps,
 # a larger weight shows the effect more clearly).
 #
@@ -348,8 +355,10 @@ assert all(sent == [one] * 4 for sent in exact)
 #
 #     4 L k T h < 2 P_experts,     i.e.   T < T* = P_experts / (2 L k h)
 #
-# We measure both, on N = 2 ranks: model-state bytes after one AdamW step, and bytes sent per step at two batch
-# sizes, one on each side of T*.
+# We measure the memory, on N = 2 ranks: model-state bytes after one AdamW step. The bytes per step, at two batch
+# sizes, one on each side of T*, are half measured: the all-to-all's bytes are counted exactly (each rank's rows
+# times their size, `bytes="exact"`), while the gradients' all-reduce runs on torch's gloo and is recorded with a
+# ring's bytes for the real calls (`bytes="ring-model"`, as in lessons 04, 06 and 09): modelled.
 
 # %%
 def model_states(replicate):
@@ -383,7 +392,7 @@ for batch in (4, 32):
         predicted[side, t] = ring * (P.dense if side == "ep" else P.total) + (
             dl.theory.moe_step_all_to_all_bytes(t, H, K, N, L) if side == "ep" else 0)
         assert abs(by_op["all_reduce"] - ring * (P.dense if side == "ep" else P.total)) <= 0.01 * by_op["all_reduce"]
-    print(f"T = {t:4} tokens per rank (T* = {T_STAR:.0f}): bytes sent per step  ep {sent['ep', t]:7.0f} "
+    print(f"T = {t:4} tokens per rank (T* = {T_STAR:.0f}): bytes recorded per step  ep {sent['ep', t]:7.0f} "
           f"(predicted {predicted['ep', t]:7.0f}),  replicated {sent['replicated', t]:7.0f} "
           f"(predicted {predicted['replicated', t]:7.0f})")
 small, large = SIZES
@@ -400,7 +409,7 @@ for (side, t), b in sent.items():
     ax_b.plot(t, b / 1024, "o", color="C0" if side == "ep" else "C1")
 ax_b.axvline(T_STAR, color="k", ls=":", label=f"T* = {T_STAR:.0f}")
 ax_b.set(xlabel="tokens per rank per step", ylabel="KiB sent per rank per step",
-         title=f"{MODEL}, N = {N}: dots measured")
+         title=f"{MODEL}, N = {N}: dots recorded (all-to-all exact, all-reduce ring-model)")
 ax_b.legend(fontsize=8)
 ns = [1, 2, 4, 8]
 mixtral = dl.theory.gpt_moe_params(32000, 4096, 4096, 32, 8, 2, ffn=14336, tied=False, bias=False)   # 2-matrix experts
@@ -431,8 +440,8 @@ print(f"Mixtral-shaped (two-matrix experts; Mixtral's SwiGLU experts have three)
 #   `dl.theory.gpt_moe_params` gives total and active.
 # * Capacity C = ceil(capacity_factor k T / E): what does not fit is dropped, first choices before second, in
 #   token order. Even uniform routing drops a few percent at factor 1 (`dl.theory.expected_drop_fraction`).
-# * The Switch balance loss `E sum f_i P_i` (1 when even) keeps the router from overloading favourites: measured
-#   here as fewer drops and a flatter load.
+# * The Switch balance loss `E sum f_i P_i` (1 when even) flattens the load: here the imbalance was there from the
+#   start, training alone reduced it, and the loss reduced it further (fewer drops, a flatter load, measured).
 # * Expert parallelism splits the experts and moves tokens: four all-to-alls per MoE layer per step, `k T h (n-1)/n`
 #   values each under balance. With the token counts all-gathered first, it drops exactly what one process drops,
 #   so it equals single.
@@ -447,7 +456,7 @@ print(f"Mixtral-shaped (two-matrix experts; Mixtral's SwiGLU experts have three)
 # %% [markdown]
 # ## Build it yourself
 #
-# Write each function below, then run the check under it: `dl.exercises.check` runs your code on real ranks (several world sizes, sizes that do not divide) beside the reference and says the first difference in words. The teacher's version of this notebook shows a solution; `make student` writes the version with the solutions taken out.
+# Write each function below, then run the check under it: `dl.exercises.check` runs your code on real ranks (several world sizes, sizes that do not divide) beside the reference and says the first difference in words. The teacher's version of this notebook shows a solution; the student version has a stub instead: `make lab` opens it (`lab/student/`), and `distlab lessons DIR` writes it to `DIR/student/`.
 
 # %%
 import os

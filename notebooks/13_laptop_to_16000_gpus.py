@@ -123,14 +123,15 @@ print("within 15% of the paper's 140 TFLOP/s and 34 days")
 #
 # Four constants are fitted (least squares, `calibrate.fit`) from the CPU time of distlab's runs:
 #
-#     CPU per step = FLOPs / speed + CPU cost of the collectives (alpha, beta)
+#     CPU per step = FLOPs / speed + CPU cost of the collectives (alpha, B)
 #                    + overhead per step + pipeline actions x per-action cost + TP collectives x per-collective cost
 #
 # (the last: Megatron's f and g are autograd functions around every tensor-parallel all-reduce, and their
 # Python costs more than the bare call's alpha).
 #
-# The link's CPU cost (alpha, beta) comes from timing one small and one large `all_reduce` with the same clock
-# (t = 2(n-1) alpha + 2(n-1)/n S / beta, lesson 01's ring, solved by `calibrate.fit_link`). Then every strategy
+# The link's CPU cost (alpha, B: latency and bandwidth, as in lesson 01 and [docs/notation.md](../docs/notation.md))
+# comes from timing one small and one large `all_reduce` with the same clock
+# (t = 2(n-1) alpha + 2(n-1)/n S / B, lesson 01's ring, solved by `calibrate.fit_link`). Then every strategy
 # is **predicted by constants fitted without it** (leave one out): `ddp`, `zero3` (parameters gathered for every
 # forward and backward), `tp` (two all-reduces per layer and pass), `pp-1f1b` (eight actions per step) and
 # `3d:dp=1,tp=2,pp=2` and `3d:dp=2,tp=1,pp=2` on 4 ranks (twice as many ranks as cores: half the FLOPs per
@@ -180,7 +181,7 @@ N, SMALL, LARGE = 2, 64, 4 << 20
 link_run = dl.launch(bench, world_size=N, args=([SMALL, LARGE],), output="quiet")
 link, link_wall = link_from(link_run.results, 1, "gloo loopback, CPU"), link_from(link_run.results, 0, "wall")
 for what, x in (("CPU cost: ", link), ("wall time:", link_wall)):
-    print(f"{what} alpha = {x.latency * 1e6:4.0f} us per message, beta = {x.bandwidth / 1e9:.2f} GB/s")
+    print(f"{what} alpha = {x.latency * 1e6:4.0f} us per message, B = {x.bandwidth / 1e9:.2f} GB/s")
 
 # %% tags=["nbval-ignore-output"]
 cfg = dl.models.PRESETS["gpt-small"]
@@ -308,8 +309,11 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# Where the rows differ, the simulator says why: Narayanan's 1.7B model is slow because its 2,304-wide layers
-# spend relatively long in memory-bound work (softmax of 24 heads x 2048^2 scores); the 1T model loses 12% to the
+# Where the rows differ, the simulator says why, and where it cannot, the table says so. Narayanan's published rows
+# are nearly flat, 135 to 163 TFLOP/s: the 1.7B model's 137 sits mid-table (18.4B's 135 is the lowest), so there is
+# no slow small model to explain. The simulator gets the order wrong there: it puts 1.7B at 148, above every row
+# from 7.5B to 76.1B, and its largest errors are at the two ends (+7.9% at 1.7B, -6.6% at 529.6B), while the paper
+# tunes the layout (TP, PP, batch) row by row. The 1T model loses 12% to the
 # bubble of 64 stages; Korthikanti's "present work" beats full recomputation by the fourth forward it no longer
 # runs; Llama 3 drops from 43% to 41% MFU on 16,384 GPUs because half the microbatches per pipeline double the
 # bubble's share. Below: where the time goes for a few of them.

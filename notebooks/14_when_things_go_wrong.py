@@ -15,6 +15,8 @@
 # %% [markdown]
 # # 14 · When things go wrong
 #
+# *Symbols (N, Ψ, S, α, B, b, s, h, ...) as in [docs/notation.md](../docs/notation.md), the one table for every lesson.*
+#
 # At scale, failure is the normal case: Meta's Llama 3 run logged 419 unexpected interruptions in 54 days
 # (Dubey et al. 2024, Sec. 3.3.4), about one every three hours. This lesson causes each classic failure **on
 # purpose**, on a laptop, looks at what distlab shows about it, and fixes it:

@@ -234,14 +234,18 @@ def _links_resolve(folder: Path) -> None:
 def test_distlab_lessons_copies_them_out_with_the_code_they_link(tmp_path, capsys):
     assert len(LESSONS) >= 9
     assert main(["lessons", str(tmp_path / "mine")]) == 0
-    out = tmp_path / "mine" / "notebooks"
-    assert sorted(p.name for p in out.iterdir()) == LESSONS
-    assert all((out / n).read_bytes() == (ROOT / "notebooks" / n).read_bytes() for n in LESSONS)
-    _links_resolve(out)
+    solved, student = tmp_path / "mine" / "solved", tmp_path / "mine" / "student"
+    assert sorted(p.name for p in solved.iterdir()) == sorted(p.name for p in student.iterdir()) == LESSONS
+    assert all((solved / n).read_bytes() == (ROOT / "notebooks" / n).read_bytes() for n in LESSONS)
+    assert "### BEGIN SOLUTION" not in (student / "01_ring_allreduce.ipynb").read_text()
+    _links_resolve(solved)
+    _links_resolve(student)
     assert "jupyter lab" in capsys.readouterr().out
-    assert main(["lessons", str(tmp_path / "mine")]) == 2              # never overwrites silently
-    assert "--force" in capsys.readouterr().err
+    (student / LESSONS[0]).write_text((student / LESSONS[0]).read_text() + " ")    # the learner's edit
+    assert main(["lessons", str(tmp_path / "mine")]) == 0              # never overwrites it silently
+    assert (student / LESSONS[0]).read_text().endswith(" ")
     assert main(["lessons", str(tmp_path / "mine"), "--force"]) == 0
+    assert (student / LESSONS[0]).read_text().endswith("}\n")
 
 
 def test_a_built_wheel_carries_the_lessons_and_finds_them_installed(tmp_path):
@@ -278,8 +282,8 @@ def test_a_built_wheel_carries_the_lessons_and_finds_them_installed(tmp_path):
                          text=True, env=env, cwd=tmp_path, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.splitlines()[0] == str((tmp_path / "env" / "share" / "distlab" / "lessons").resolve())
-    assert sorted(p.name for p in (tmp_path / "out" / "notebooks").iterdir()) == LESSONS
-    _links_resolve(tmp_path / "out" / "notebooks")
+    assert sorted(p.name for p in (tmp_path / "out" / "student").iterdir()) == LESSONS
+    _links_resolve(tmp_path / "out" / "student")
 
 
 def test_widgets_without_ipywidgets_say_how_to_get_them(monkeypatch):

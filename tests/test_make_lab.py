@@ -1,6 +1,7 @@
-"""README's first command, `make lab`, starts JupyterLab on the lessons: as root too (Jupyter refuses root
-unless told), with the user's own arguments (LAB_ARGS). The server is started exactly as `make` would start it
-(the command is read from `make -n`), seen to serve, and stopped."""
+"""README's first command, `make lab`, writes the learner's copy of the lessons (lab/student, lab/solved) and
+starts JupyterLab there: as root too (Jupyter refuses root unless told), with the user's own arguments
+(LAB_ARGS). The commands are run exactly as `make` would run them (read from `make -n`), the server seen to
+serve the student versions, and stopped."""
 from __future__ import annotations
 
 import os
@@ -19,13 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "distlab-test"
 
 
-def _lab_command(lab_args: str) -> list[str]:
-    """The jupyter command `make lab` runs (``make -n``: printed, not run), with this test's venv."""
-    out = subprocess.run(["make", "-n", "-s", "lab", f"VENV={sys.prefix}", f"LAB_ARGS={lab_args}",
-                          f"STAMP={ROOT / 'pyproject.toml'}"],            # the install step counts as done
+def _lab_commands(lab_args: str, lab_dir: Path, target: str = "lab") -> list[list[str]]:
+    """The commands `make lab` runs (``make -n``: printed, not run), with this test's venv."""
+    out = subprocess.run(["make", "-n", "-s", target, f"VENV={sys.prefix}", f"LAB_ARGS={lab_args}",
+                          f"LAB_DIR={lab_dir}", f"STAMP={ROOT / 'pyproject.toml'}"],   # installed: as done
                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    line = [ln for ln in out.splitlines() if "jupyter lab" in ln][-1]
-    return shlex.split(line)
+    return [shlex.split(line) for line in out.splitlines() if line.strip()]
 
 
 def _free_port() -> int:
@@ -35,8 +35,8 @@ def _free_port() -> int:
 
 
 def _listing(port: int, proc, deadline: float) -> str:
-    """The server's listing of the lesson folder, asked until it answers (or it exits, or time is up)."""
-    url = f"http://127.0.0.1:{port}/api/contents?token={TOKEN}"
+    """The server's listing of the student folder, asked until it answers (or it exits, or time is up)."""
+    url = f"http://127.0.0.1:{port}/api/contents/student?token={TOKEN}"
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             with urllib.request.urlopen(url, timeout=10) as reply:
@@ -50,10 +50,16 @@ def _listing(port: int, proc, deadline: float) -> str:
                     reason="needs JupyterLab in this environment (pip install -e '.[lab]')")
 def test_make_lab_serves_the_lessons_as_this_user_with_lab_args(tmp_path):
     port = _free_port()
-    cmd = _lab_command(f"--no-browser --ip=127.0.0.1 --port={port} --ServerApp.port_retries=0 "
-                       f"--ServerApp.token={TOKEN}")
+    lab_dir = tmp_path / "lab"
+    write, cmd = _lab_commands(f"--no-browser --ip=127.0.0.1 --port={port} --ServerApp.port_retries=0 "
+                               f"--ServerApp.token={TOKEN}", lab_dir)
+    assert write[1:] == ["-m", "distlab.lessons", str(lab_dir)], write
+    subprocess.run(write, cwd=ROOT, check=True, capture_output=True,
+                   env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert ("--allow-root" in cmd) == (os.getuid() == 0), cmd
-    assert "--no-browser" in cmd and "--notebook-dir=notebooks" in cmd
+    assert "--no-browser" in cmd and f"--notebook-dir={lab_dir}" in cmd
+    solved = _lab_commands("", lab_dir, "lab-solved")[-1]
+    assert "--notebook-dir=notebooks" in solved                        # the teacher opens the tracked ones
     log = tmp_path / "lab.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

@@ -329,22 +329,25 @@ def load(directory, step: int | str = "latest", *, map_location="cpu", verify: b
     path = _step_dir(directory, step)
     info = manifest(directory, step)
     r, n = _rank_world()
-    if info["world_size"] != n:
-        raise CheckpointError(
-            f"checkpoint {path} was saved by {info['world_size']} ranks, this run has {n}: each rank's file "
-            f"belongs to the rank that wrote it. Load it with world_size={info['world_size']}, or read all "
-            f"of them with dl.checkpoint.consolidate (dl.train's resume does that when the world size or "
-            f"the layout changes)")
+    if info["world_size"] != n:                   # dl.train's formats consolidate; your own dicts do not
+        other = ("read all of them with dl.checkpoint.consolidate (dl.train's resume does that when the "
+                 "world size or the layout changes)" if info["meta"].get("format") else "read every rank's "
+                 "state in one process with dl.checkpoint.load_all (save(model=) loads at any world size)")
+        raise CheckpointError(f"checkpoint {path} was saved by {info['world_size']} ranks, this run has {n}: "
+                              f"each rank's file belongs to the rank that wrote it. Load it with "
+                              f"world_size={info['world_size']}, or {other}")
     return _rank_state(path, info, r, verify, map_location)
 
 
-def load_all(directory, step: int | str = "latest", *, map_location="cpu", verify: bool = True) -> list[dict]:
-    """Every rank's state of checkpoint ``step``, in rank order, whatever the world size of this run
-    (for consolidating or resharding a checkpoint; each file is read and verified once)."""
+def load_all(directory, step: int | str = "latest", *, map_location="cpu", verify: bool = True,
+             ranks=None) -> list[dict]:
+    """Every rank's state of checkpoint ``step`` (only those of ``ranks``, if given), in rank order, whatever
+    the world size of this run (for consolidating or resharding; each file is read and verified once)."""
     path = _step_dir(directory, step)
     info = manifest(directory, step)
     files: dict[int, dict] = {}
-    return [_rank_state(path, info, r, verify, map_location, files) for r in range(info["world_size"])]
+    ranks = range(info["world_size"]) if ranks is None else ranks
+    return [_rank_state(path, info, r, verify, map_location, files) for r in ranks]
 
 
 def _rank_state(path: Path, info: dict, r: int, verify: bool, map_location,

@@ -57,6 +57,7 @@ def register(exercise: Exercise) -> Exercise:
     return exercise
 
 
+
 @dataclass
 class Result:
     """What ``check`` found: ``passed``, what was checked, the first problem and a hint."""
@@ -181,9 +182,13 @@ def p2p_during(call: Callable[[], Any]) -> tuple[Any, list[tuple[str, int, int]]
     return out, (log.messages[before:] if log else [])
 
 
-def _on_rank(name: str, fn: Callable, log_dir: str) -> list:
-    """What each rank runs: the exercise's cases, with every send and receive logged for hangs."""
+def _on_rank(module: str, name: str, fn: Callable, log_dir: str) -> list:
+    """What each rank runs: the exercise's cases, with every send and receive logged for hangs. The
+    module that registers the exercise is imported first (a rank started by spawn has not yet)."""
+    import importlib
+
     import distlab as dl
+    importlib.import_module(module)
     with P2PLog(Path(log_dir) / f"rank{dl.rank()}.jsonl"):
         return run_cases(REGISTRY[name], fn, dl.world_size())
 
@@ -229,7 +234,8 @@ def _launch(exercise: Exercise, fn: Callable, n: int, timeout: float) -> list | 
     import distlab as dl
     with tempfile.TemporaryDirectory(prefix="distlab-exercise-") as logs:
         try:
-            return dl.launch(_on_rank, world_size=n, args=(exercise.name, fn, logs), timeout=timeout,
+            where = exercise.reference.__module__           # the module that registers it
+            return dl.launch(_on_rank, world_size=n, args=(where, exercise.name, fn, logs), timeout=timeout,
                              output="quiet").results
         except dl.LaunchError as err:
             last_line = err.failures[err.rank].strip().splitlines()[-1] if err.rank is not None else ""

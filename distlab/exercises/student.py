@@ -14,13 +14,12 @@ same student version; this module does it without nbgrader:
 from __future__ import annotations
 
 import ast
+import copy
 import inspect
 import re
 import sys
 import textwrap
 from pathlib import Path
-
-import nbformat
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 HIDDEN_BEGIN, HIDDEN_END = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
@@ -61,22 +60,35 @@ def exercise_cells(names: list[str]) -> list:
 
         python -m distlab.exercises.student --cells buckets ring_all_reduce      # needs jupytext
     """
+    import nbformat
+
     from distlab.exercises import task
     intro = ("## Build it yourself\n\nWrite each function below, then run the check under it: "
              "`dl.exercises.check` runs your code on real ranks (several world sizes, sizes that do not "
              "divide) beside the reference and says the first difference in words. The teacher's version "
-             "of this notebook shows a solution; `make student` writes the version with the solutions "
-             "taken out.")
+             "of this notebook shows a solution; the student version has a stub instead: `make lab` opens "
+             "it (`lab/student/`), and `distlab lessons DIR` writes it to `DIR/student/`.")
     cells = [nbformat.v4.new_markdown_cell(intro), nbformat.v4.new_code_cell(PRELUDE)]
     for name in names:
         meta = {"schema_version": 3, "locked": False, "points": 0}
         cells += [nbformat.v4.new_markdown_cell(f"**{name}**: {task(name)}"),
                   nbformat.v4.new_code_cell(solution_source(name), metadata={"nbgrader": {
                       **meta, "solution": True, "grade": False, "grade_id": name}}),
-                  nbformat.v4.new_code_cell(f'dl.exercises.check("{name}", {name}).require();', metadata={
+                  nbformat.v4.new_code_cell(check_source(name), metadata={
                       "nbgrader": {**meta, "solution": False, "grade": True, "locked": True, "points": 1,
                                    "grade_id": f"check_{name}"}})]
     return cells
+
+
+def check_source(name: str) -> str:
+    """The graded check cell of exercise ``name`` (what `distlab grade` runs, whatever a student made of
+    it)."""
+    return f'dl.exercises.check("{name}", {name}).require();'
+
+
+def text(source) -> str:
+    """A cell's source as one string (a notebook file may store it as a list of lines)."""
+    return source if isinstance(source, str) else "".join(source)
 
 
 def strip_source(source: str, markdown: bool = False) -> str:
@@ -102,23 +114,26 @@ def strip_source(source: str, markdown: bool = False) -> str:
 
 
 def student_notebook(nb):
-    """A copy of notebook ``nb`` for students (see the module's docstring)."""
-    nb = nbformat.from_dict(nb)
-    for cell in nb.cells:
+    """A copy of notebook ``nb`` for students (see the module's docstring): an nbformat notebook or the
+    plain dict of its JSON file (no nbformat needed then)."""
+    nb = copy.deepcopy(nb)
+    for cell in nb["cells"]:
+        source = text(cell["source"])
         graded = cell.get("metadata", {}).get("nbgrader", {})
-        had_solution = BEGIN in cell.source or HIDDEN_BEGIN in cell.source
-        cell.source = strip_source(cell.source, markdown=cell.cell_type == "markdown")
-        if cell.cell_type == "code" and (had_solution or graded.get("grade")):
-            cell.outputs, cell.execution_count = [], None
+        had_solution = BEGIN in source or HIDDEN_BEGIN in source
+        cell["source"] = strip_source(source, markdown=cell["cell_type"] == "markdown")
+        if cell["cell_type"] == "code" and (had_solution or graded.get("grade")):
+            cell["outputs"], cell["execution_count"] = [], None
     return nb
 
 
 def has_exercises(nb) -> bool:
-    return any(BEGIN in cell.source for cell in nb.cells)
+    return any(BEGIN in text(cell["source"]) for cell in nb["cells"])
 
 
 def write_student_versions(source: Path, destination: Path) -> list[Path]:
     """Every lesson of ``source`` that has exercises, as a student version in ``destination``."""
+    import nbformat
     destination.mkdir(parents=True, exist_ok=True)
     written = []
     for path in sorted(source.glob("[0-9][0-9]_*.ipynb")):
@@ -133,8 +148,9 @@ def write_student_versions(source: Path, destination: Path) -> list[Path]:
 def percent_cells(names: list[str]) -> str:
     """`exercise_cells` as jupytext percent-format text, the format of the lessons' sources, no header."""
     import jupytext
-    text = jupytext.writes(nbformat.v4.new_notebook(cells=exercise_cells(names)), "py:percent")
-    return text[text.index("# %%"):]
+    import nbformat
+    out = jupytext.writes(nbformat.v4.new_notebook(cells=exercise_cells(names)), "py:percent")
+    return out[out.index("# %%"):]
 
 
 def main(argv: list[str]) -> int:

@@ -78,7 +78,9 @@ class Run:
 # -- choosing how to launch ---------------------------------------------------------------------
 def _cuda_count() -> int:
     import torch
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    # device_count() asks NVML and leaves CUDA uninitialised; is_available() would call cuInit here, and a
+    # child forked after that cannot use CUDA ("poison fork", torch docs: torch.cuda.is_available's note)
+    return torch.cuda.device_count()
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
@@ -171,6 +173,13 @@ def _spawn_payload(fn, args, kwargs) -> bytes:
             "or use start_method='fork' on Linux.") from exc
 
 
+def _import_before_forking() -> None:
+    """Import once, here, what nearly every rank imports on its first optimizer: ``torch.optim``
+    loads ``torch._dynamo`` lazily (seconds of CPU), and a forked rank that loads it pays again, in
+    every rank of every launch. Imported before the fork, every rank inherits it for free."""
+    import torch._dynamo  # noqa: F401
+
+
 # -- the launch ---------------------------------------------------------------------------------
 def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | None = None,
            backend: str = "auto", start_method: str = "auto", timeout: float = 300.0,
@@ -198,6 +207,8 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
 
     backend = resolve_backend(backend, world_size)
     method = resolve_start_method(start_method)
+    if method == "fork":
+        _import_before_forking()
     started = time.perf_counter()
     deadline = time.monotonic() + timeout                 # starting the ranks counts too
     ranks: list[RankStatus] = []

@@ -11,6 +11,7 @@ Reading order (each folder's ``__init__`` states the order of its own files):
     expert/          expert parallelism: the model's mixture-of-experts layer (models/moe.py) with its
                      experts split over ranks, tokens dispatched by all-to-all
     mesh.py          the device mesh that composes them: torch.arange(world).view(dp, pp, tp)
+    placement.py     where each parameter's piece lives under any of them (what a checkpoint records)
 
 Dependencies point one way: nothing here imports strategies, checkpoints, plots or widgets.
 """

@@ -32,7 +32,8 @@ def warmup_lr(lr: float, step: int, warmup_steps: int) -> float:
 
 
 def noise_scale(trace_cov: float, grad_sq_norm: float) -> float:
-    """McCandlish et al.'s simple noise scale B_noise = tr(Sigma) / |G|^2 (their B_simple, eq. 2.8)."""
+    """McCandlish et al.'s simple noise scale B_simple = tr(Sigma) / |G|^2 (eq. 2.8). Their B_noise weighs
+    Sigma and G by the Hessian, tr(H Sigma) / (G^T H G): equal only when H is a multiple of the identity."""
     if grad_sq_norm <= 0:
         raise ValueError("the gradient's squared norm must be positive (at a minimum B_noise is infinite)")
     return trace_cov / grad_sq_norm

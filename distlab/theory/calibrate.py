@@ -61,8 +61,9 @@ def core_share(ranks: int, cores: float, others: float = 0.0) -> float:
 
 def fit_link(n: int, small: tuple[float, float], large: tuple[float, float],
              name: str = "measured") -> LinkPreset:
-    """alpha and beta from two timed ring all-reduces, ``(bytes, seconds)`` each: `theory.comm`'s
-    t = 2(n-1) alpha + 2 (n-1)/n S / beta solved for alpha from the small one (bytes ~ 0), then for beta."""
+    """alpha (latency) and B (bandwidth, bytes/s) from two timed ring all-reduces, ``(bytes, seconds)``
+    each: `theory.comm`'s t = 2(n-1) alpha + 2 (n-1)/n S / B solved for alpha from the small one
+    (bytes ~ 0), then for B."""
     if n < 2 or large[0] <= small[0]:
         raise ValueError(f"need n >= 2 ranks and a large message bigger than the small one; "
                          f"got n={n}, small={small}, large={large}")

@@ -114,12 +114,13 @@ CONCEPTUAL = [
         "Too many data loader worker processes"],
        "Collectives match by order; "
        "a rank that diverges (a data-dependent branch, a crash) leaves peers waiting."),
-    _q("Failure modes", "Training runs out of memory during backward but not forward. Likely fix?",
-       "Recompute activations in the backward",
-       ["Raise the learning rate so it converges sooner", "Add more data loader workers",
-        "Disable gradient clipping to save its buffer"],
-       "Backward holds the stored activations plus gradients and temporaries; "
-       "recompute (or a smaller micro-batch) trades FLOPs for memory."),
+    _q("Failure modes", "Training runs out of memory in backward, not forward: the memory ledger shows the "
+       "gradients pushing weights + gradients + optimizer state over the limit. Likely fix?",
+       "Shard gradients and weights (ZeRO-3)",
+       ["Recompute activations in the backward", "Raise the learning rate so it converges sooner",
+        "Add more data loader workers"],
+       "Backward's peak adds a gradient for every weight; when model states dominate, shard them "
+       "(ZeRO-2/3, FSDP; lesson 14). Recomputation cures an OOM from activations, which peaks in forward."),
     _q("Failure modes", "Loss becomes NaN with fp16 but not bf16. Why?",
        "fp16's narrow exponent overflows",
        ["bf16 has more mantissa bits than fp16", "fp16 matrix multiplies are slower",
