@@ -57,7 +57,7 @@ STAMP   = $(VENV)/.installed
 # into the venv's own Jupyter config (etc/jupyter, read by the venv's JupyterLab), not over one already there.
 KERNEL_CONFIG = jupyter-config/jupyter_server_config.json
 
-$(STAMP): pyproject.toml $(KERNEL_CONFIG)
+$(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	@echo "distlab: installing PyTorch: $(TORCH_WHY_$(TORCH_BUILD))"
