@@ -30,10 +30,10 @@ def no_training(monkeypatch):
     """Fail the test if anything starts a rank or trains (``single`` trains in this process)."""
     def tripwire(*args, **kwargs):
         raise AssertionError("training started: the error should have come before it")
-    train_module = sys.modules["distlab.train"]
+    runner = sys.modules["distlab.strategies.runner"]            # where dl.train's run goes down
     monkeypatch.setattr(sys.modules["distlab.launch"], "launch", tripwire)
-    monkeypatch.setattr(train_module, "_launched", tripwire)
-    monkeypatch.setattr(train_module, "_single", tripwire)
+    monkeypatch.setattr(runner, "_launched", tripwire)
+    monkeypatch.setattr(runner, "_single", tripwire)
 
 
 def _with_dir(kwargs: dict, directory) -> dict:

@@ -15,7 +15,8 @@ Read it in this order:
     lifeline.py    the pipe and the subreaper that end a rank's whole process tree when the parent goes
     torchrun.py    torchrun's path: under RANK/WORLD_SIZE, ``fn`` runs in this process; a store prefix
                    per restart attempt
-    flight.py      the flight recorder: each rank's last collectives, and the diagnosis of a hang
+    flight.py      the flight recorder: each rank's last collectives in a ring buffer that outlives it
+    diagnosis.py   the rings read after a hang, in words: who waits where, who never came
 
 Nothing here imports `parallel`, the strategies, the checkpoints or the models: the launcher runs any
 function, and the names of groups come from `distlab.runtime`.

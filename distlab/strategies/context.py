@@ -87,8 +87,8 @@ def train_rank(spec: TrainSpec) -> RankResult:
     dp, n, zigzag = check(spec, world)
     tp = spec.layout.tp
     mesh = Mesh(dp=dp, cp=n, tp=tp)                          # arange(world).view(dp, cp, tp), tp fastest
-    layout = replace(spec.layout, zigzag=zigzag)
-    par = parallelize(build_model(spec), layout, mesh, bucket_mb=spec.data_parallel.bucket_mb)  # TP->CP->DP
+    layout = replace(spec.layout, zigzag=zigzag, cp=n)
+    par = parallelize(build_model(spec), layout, mesh, data_parallel=spec.data_parallel)     # TP->CP->DP
     model, d = par.model, mesh.coords().dp
     groups = {"tp": mesh.group("tp") if tp > 1 else None, "cp": mesh.group("cp"), "dp": par.replicas}
     opt = LocalOptimizer(model.parameters(), spec)

@@ -47,6 +47,7 @@ from .base import (
     rank0_copy,
     require_rows,
 )
+from .compose import parallelize
 from .loop import Plan, run, sum_losses
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
@@ -97,26 +98,15 @@ class LocalOptimizer:
 
 def _wrap(spec: TrainSpec, model: torch.nn.Module):
     """(model to call, optimizer with clip_grad_norm_/step/zero_grad, a callable returning the ledger's
-    bytes by category), the last measured from outside by `distlab.memory`."""
-    o = spec.data_parallel
+    bytes by category), the last measured from outside by `distlab.memory`. The wrapper is THE composition
+    function's DP step (`distlab.strategies.compose`): DDP (NaiveDDP, PowerSGDDDP) for ddp, none for
+    single, ZeRO's engine, built with its optimizer, for zero1-3."""
+    par = parallelize(model, spec.layout, data_parallel=spec.data_parallel)
     if spec.layout.zero == 0:
-        wrapped = model
-        if spec.strategy == "ddp" and o.compression == "powersgd":
-            from ..parallel.data import PowerSGDDDP
-            wrapped = PowerSGDDDP(model, rank=o.powersgd_rank, error_feedback=o.error_feedback, comm=o.comm)
-        elif spec.strategy == "ddp" and o.naive:
-            from ..parallel.data import NaiveDDP
-            wrapped = NaiveDDP(model, comm=o.comm)
-        elif spec.strategy == "ddp":
-            from ..parallel.data import DDP
-            wrapped = DDP(model, bucket_mb=o.bucket_mb, overlap=o.overlap, comm=o.comm)
         opt = LocalOptimizer(model.parameters(), spec)
-        return wrapped, opt, replica_memory(model, opt.optimizer, opt.masters if opt.mixed else ())
-    from ..parallel.zero import ZeRO
-    zero = ZeRO(model, stage=spec.layout.zero, optim=optimizer_class(spec), bucket_mb=o.bucket_mb,
-                overlap=o.overlap, prefetch=o.prefetch, comm=o.comm, max_inflight=o.max_inflight,
-                **optimizer_kwargs(spec))
-    return zero, zero.optimizer, zero_memory(zero)
+        return par.wrapped, opt, replica_memory(model, opt.optimizer, opt.masters if opt.mixed else ())
+    par.optimizer(optimizer_class(spec), **optimizer_kwargs(spec))
+    return par.ddp, par.ddp.optimizer, zero_memory(par.ddp)
 
 
 def train_rank(spec: TrainSpec) -> RankResult:

@@ -140,7 +140,7 @@ def train_rank(spec: TrainSpec) -> RankResult:
                          "data-parallel replica and micro-step (global_batch / grad_accum / dp)")
     model = build_model(spec)
     names = list(dict(model.named_parameters()))
-    par = parallelize(model, layout, mesh, bucket_mb=spec.data_parallel.bucket_mb)   # TP -> PP -> DP
+    par = parallelize(model, layout, mesh, data_parallel=spec.data_parallel)   # TP -> PP -> DP
     modules, stage_ids, v = par.stages, par.stage_ids, len(par.stages)
     pipe = Pipeline(modules if v > 1 else modules[0], stage_ids if v > 1 else stage_ids[0],
                     mesh.pp * v, schedule=layout.schedule, microbatches=m,

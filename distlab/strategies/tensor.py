@@ -1,8 +1,9 @@
 """Strategies ``tp`` and ``tp-sp``: every rank trains one tensor-parallel shard of the same GPT.
 
 All ranks form one TP group and see the *whole* global batch (tensor parallelism splits the model,
-not the data). Each step: forward and backward per micro-batch (`dl.tp.parallelize`'s layers do the
-f/g communication), then an ordinary optimizer step on this rank's shards -- the optimizer never
+not the data). The model is laid out by THE composition function (`distlab.strategies.compose`:
+`dl.tp.parallelize` over the world). Each step: forward and backward per micro-batch (the tensor-parallel
+layers do the f/g communication), then an ordinary optimizer step on this rank's shards -- the optimizer never
 talks, since every parameter is either a shard only this rank updates or replicated with equal
 gradients on all ranks. ``spec.layout.sequence_parallel`` (``tp-sp`` sets it; ``tp`` takes
 ``sequence_parallel=True``) adds Megatron's sequence parallelism.
@@ -23,6 +24,7 @@ from ..runtime import rank
 from ..memory import replica_memory
 from ..models import PRESETS
 from .base import RankResult, TrainSpec, autocast, build_model, check_gpt, global_batch, make_optimizer
+from .compose import parallelize
 from .loop import Plan, run
 
 
@@ -52,7 +54,7 @@ def sharded_params(modules) -> list[torch.Tensor]:
 def train_rank(spec: TrainSpec) -> RankResult:
     check_gpt(spec, spec.strategy)
     sp = spec.layout.sequence_parallel
-    model = tp_lib.parallelize(build_model(spec), sequence_parallel=sp)
+    model = parallelize(build_model(spec), spec.layout).model      # TP over the world (`compose`)
     optimizer = make_optimizer(model.parameters(), spec)
     params = optimizer.param_groups[0]["params"]
     sharded = sharded_params([model])

@@ -56,7 +56,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..collectives import Collectives
+from ..flat_collectives import Collectives
 from ..mesh import as_group, describe, grid_groups, mesh_dims, span_group
 from .fsdp_unit import FSDPUnit, ShardedParam
 

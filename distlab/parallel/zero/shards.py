@@ -19,7 +19,7 @@ import weakref
 import torch
 
 from ..clip import scale_to_norm
-from ..collectives import Collectives
+from ..flat_collectives import Collectives
 from ..data.buckets import FlatBucket, bucketize, trainable
 from .reducer import GradReducer
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..collectives import Collectives
+from ..flat_collectives import Collectives
 from ..data.ddp import accumulate_locally, broadcast_from_rank0
 from .shards import ShardedState, flat_layout
 
