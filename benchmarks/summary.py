@@ -258,12 +258,31 @@ def checkpoint_stall() -> list[str]:
             f"{'yes' if t['met'] else 'no'} |", ""]
 
 
+def dry_run() -> list[str]:
+    d = _load("dry_run")
+    if not d:
+        return []
+    rows = []
+    for r in d["results"]:
+        states = [sum(x["peak"][k] for k in ("params", "grads", "optimizer")) / 2**30 for x in r["ranks"]]
+        theory = sum(r["theory"][k] for k in ("params", "grads", "optimizer")) / 2**30
+        rows.append(f"| {r['model']} | {r['strategy']} | {r['world_size']} | {r['seconds']:.1f} s | "
+                    + " / ".join(f"{v:.2f}" for v in states) + f" | {theory:.2f} |")
+    target = d.get("target")
+    met = "" if not target else f" Target: {target['what']}: {target['seconds']:.1f} s, " + (
+        "met." if target["met"] else "**not met**.")
+    return [f"**Dry runs** (the fake backend: one step of the real code on meta tensors, the first and the "
+            f"last rank; `benchmarks/dry_run.py`).{met}{_load_note(d['meta'])}", "",
+            "| model | layout | ranks | seconds | model states GiB (first / last rank) | theory GiB |",
+            "|---|---|---|---|---|---|", *rows, ""]
+
+
 def tables() -> str:
     parts = launch_latency() + allreduce() + data_parallel() + tensor_parallel() + pipeline() + checkpoint()
     parts += expert_parallel()
     parts += fsdp()
     parts += all_to_all() + context_parallel()
-    parts += checkpoint_stall()
+    parts += checkpoint_stall() + dry_run()
     return "\n".join(parts).rstrip() + "\n"
 
 

@@ -26,6 +26,7 @@ _LAZY = {
     "comm": (".comm", None),
     "theory": (".theory", None),
     "models": (".models", None),
+    "data": (".data", None),
     "memory": (".memory", None),
     "viz": (".viz", None),
     "widgets": (".widgets", None),

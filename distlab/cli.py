@@ -81,10 +81,14 @@ def _train_parser(sub) -> None:
                    help="ranks to launch (default 1; under torchrun, torchrun's WORLD_SIZE, "
                         "which it must equal)")
     p.add_argument("--model", default="gpt-tiny",
-                   help="gpt-tiny, gpt-small, gpt-wide, gpt-moe-tiny (for ep) or mlp")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
+                   help="gpt-tiny, gpt-small, gpt-wide, gpt-moe-tiny (for ep) or mlp; with --backend fake "
+                        "also gpt3-175b, llama3-8b, llama3-70b, llama3-405b")
+    _dry_run_flags(p)
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps; a dry run (--backend fake) takes 1 unless given (default: 20)")
     p.add_argument("--seed", type=int, default=0, help="weights and data")
-    p.add_argument("--global-batch", type=int, default=16, help="rows per step, over all ranks")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="rows per step, over all ranks (default 16; a dry run one row per microbatch)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"], help="optimizer")
     p.add_argument("--weight-decay", type=float, default=0.0, help="weight decay")
@@ -119,6 +123,9 @@ def _train_parser(sub) -> None:
                    help="relaunch a failed run from its newest checkpoint up to K times")
     p.add_argument("--shrink", nargs="?", const="auto", default=None, metavar="SIZES",
                    help="restart on one rank fewer each time, or on the given world sizes (e.g. 3,2)")
+    p.add_argument("--data", default=None, choices=["synthetic", "text"],
+                   help="the model's synthetic data (default), or the shipped text corpus through dl.data's "
+                        "loader (loader options: --option workers=2, data_latency=0.05, ...)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra strategy option (value parsed as JSON when it can be)")
     p.add_argument("--json", default=None, metavar="PATH",
@@ -129,19 +136,36 @@ def _train_parser(sub) -> None:
     p.add_argument("--traceback", action="store_true", help="on an error, show the full traceback")
 
 
+def _dry_run_flags(p) -> None:
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl", "fake"],
+                   help="fake: a dry run of the --ranks listed, here, at any world size (NaN losses)")
+    p.add_argument("--ranks", default=None, metavar="R,R,...",
+                   help="with --backend fake: the ranks to run, e.g. 0,1023")
+
+
 def train_keywords(args) -> dict:
     """``distlab train``'s flags as `dl.train`'s keywords (the strategy aside): the same keywords a
     notebook would pass, parsed into the same typed spec (`distlab.strategies.parse`)."""
-    kw = dict(model=args.model, steps=args.steps, seed=args.seed, global_batch=args.global_batch, lr=args.lr,
+    kw = dict(model=args.model, seed=args.seed, lr=args.lr,
               optimizer=args.optimizer, weight_decay=args.weight_decay, grad_accum=args.grad_accum,
               precision=args.precision, clip=args.clip)
-    flags = {"comm": args.comm, "bucket_mb": args.bucket_mb, "recompute": args.recompute, "hsdp": args.hsdp,
+    flags = {"steps": args.steps, "global_batch": args.global_batch,       # None: train's default
+             "comm": args.comm, "bucket_mb": args.bucket_mb, "recompute": args.recompute, "hsdp": args.hsdp,
              "param_dtype": args.param_dtype, "checkpoint_dir": args.checkpoint_dir,
              "checkpoint_every": args.checkpoint_every, "keep_last": args.keep_last,
              "overlap": False if args.no_overlap else None, "prefetch": True if args.prefetch else None,
              "reshard_after_forward": False if args.no_reshard_after_forward else None,
-             "resume": True if args.resume else None, "async_save": True if args.async_save else None}
+             "resume": True if args.resume else None, "async_save": True if args.async_save else None,
+             "data": args.data}
     kw.update({k: v for k, v in flags.items() if v is not None})      # a flag not given: not a keyword
+    if args.backend != "auto":
+        kw["backend"] = args.backend
+    if args.ranks is not None:
+        try:
+            kw["ranks"] = [int(r) for r in args.ranks.split(",")]
+        except ValueError:
+            raise ValueError(f"--ranks expects rank numbers separated by commas (e.g. 0,1023), got "
+                             f"{args.ranks!r}") from None
     for item in args.option:
         if "=" not in item:
             raise ValueError(f"--option expects KEY=VALUE (e.g. --option microbatches=4), got {item!r}")
@@ -196,21 +220,24 @@ def _run_train(args) -> int:
     printing = os.environ.get("RANK", "0") == "0"   # under torchrun every rank has the report: one prints it
     out = sys.stderr if args.json == "-" else sys.stdout     # stdout is the JSON's, then
     if printing:                                             # what runs, before the ranks start
-        print(f"{args.strategy} on {world} rank(s), {args.model}, global batch {args.global_batch}",
-              file=out, flush=True)
+        dry = " (a dry run: fake backend)" if args.backend == "fake" else ""
+        batch = args.global_batch or ("the dry run's" if dry else 16)
+        print(f"{args.strategy} on {world} rank(s){dry}, {args.model}, global batch {batch}", file=out,
+              flush=True)
     try:
         report = train(args.strategy, **kwargs)
     except (ValueError, TypeError) as err:                # every check passed: the run itself failed
         raise RunFailed(f"{type(err).__name__}: {err}") from err
     if not printing:
         return 0
-    times = step_seconds(report)
+    times = step_seconds(report) if args.backend != "fake" else {}   # a dry run's time is no step time
     for step, loss in enumerate(report.losses):
         took = f"  {times[step] * 1e3:8.1f} ms" if step in times else ""     # a resumed run's own steps
         print(f"step {step:4d}  loss {loss:.6f}{took}", file=out)
     if times:
         print(mean_step_time(times), file=out)
-    for r, (comm, mem) in enumerate(zip(report.comm, report.memory)):
+    listed = train_keywords(args).get("ranks") or range(len(report.memory))
+    for r, comm, mem in zip(listed, report.comm, report.memory):
         peak = mem.get("peak", {})
         parts = "  ".join(f"{k} {v / 2**20:.3f}" for k, v in peak.items())
         sent = comm.get("sent_per_step", 0) / 2**20

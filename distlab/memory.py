@@ -49,17 +49,24 @@ from .runtime import current_run, tracer
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 
 
+def storage_key(storage) -> int:
+    """What tells storages apart: the address of their data; for a storage without data (a ``meta`` or a
+    FakeTensor's, the tensors of a dry run, `distlab.launch.fake`) its address is 0 for all of them, so
+    the storage object's own (``_cdata``, the C++ StorageImpl that every view shares)."""
+    return storage._cdata if storage.device.type == "meta" else storage.data_ptr()
+
+
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once, padding
-    included)."""
+    included); tensors without storage (meta, fake) by the ``nbytes`` their storage would hold."""
     seen, total = set(), 0
     for t in tensors:
         if t is None:
             continue
         s = t.untyped_storage()
-        if s.nbytes() == 0 or s.data_ptr() in seen:
+        if s.nbytes() == 0 or storage_key(s) in seen:
             continue
-        seen.add(s.data_ptr())
+        seen.add(storage_key(s))
         total += s.nbytes()
     return total
 
@@ -189,7 +196,7 @@ class SavedTensors:
     def count(self, t: torch.Tensor, owner) -> bool:
         """Count ``t``'s storage while ``owner`` lives (once per storage however many hold it)."""
         storage = t.untyped_storage()
-        key = storage.data_ptr()
+        key = storage_key(storage) if storage.nbytes() else 0
         if key == 0:
             return False
         if self._refs.get(key, 0) == 0:
@@ -259,14 +266,14 @@ class SavedActivations:
     """
 
     def __init__(self, *modules: nn.Module):
-        self._param_storages = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
+        self._param_storages = {storage_key(p.untyped_storage()) for m in modules for p in m.parameters()}
         self._seen: dict[int, int] = {}
         self.tensors: list[tuple[tuple, torch.dtype, int]] = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        ptr = storage.data_ptr()
+        ptr = storage_key(storage)
         if ptr not in self._param_storages and ptr not in self._seen:
             self._seen[ptr] = storage.nbytes()
             self.tensors.append((tuple(t.shape), t.dtype, storage.nbytes()))

@@ -34,6 +34,7 @@ class _RankState:
     comm_buffers: dict = field(default_factory=dict)      # dl.comm's receive buffers, kept between calls
     saved_tensors: object = None                          # what the memory ledger counts recomputations into
     placed: torch.device | None = None                    # where `place_on` put the rank, if anywhere
+    feed: object = None                                   # dl.train's data loader (`strategies.feed`), if any
 
 
 _state = _RankState()
@@ -87,11 +88,14 @@ def backend() -> str | None:
 
 
 def device() -> torch.device:
-    """Where this rank computes: its own GPU under NCCL, else the CPU (or where `place_on` put it).
+    """Where this rank computes: its own GPU under NCCL, ``meta`` under the fake backend of a dry run
+    (shapes without storage: nothing is computed), else the CPU (or where `place_on` put it).
     Strategies never assume CUDA."""
+    import torch
+    if backend() == "fake":
+        return torch.device("meta")
     if _state.placed is not None:
         return _state.placed
-    import torch
     if backend() == "nccl":
         return torch.device("cuda", local_rank())
     return torch.device("cpu")
@@ -101,6 +105,7 @@ def place_on(dev) -> None:
     """Compute on ``dev`` (e.g. ``"cuda:0"``) for the rest of this rank, whatever the backend: gloo ranks
     sharing one GPU (NCCL refuses two ranks on one GPU) use CUDA tensors through gloo where gloo takes
     them. Called inside a rank, after the launch made it (each launch starts from the backend's rule)."""
+    import torch
     _state.placed = torch.device(dev)
 
 

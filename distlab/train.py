@@ -4,7 +4,8 @@
     report.losses          # per step, from the rank that holds the loss
     report.params          # final full parameters by name (gathered)
     report.memory[r]       # rank r's ledger: {"peak": {...}, "peak_total": ..., "timeline": [...]}
-    report.comm[r]         # rank r's bytes: {"sent", "received", "sent_per_step", "sent_by_op"}
+    report.comm[r]         # rank r's bytes: {"sent", "received", "sent_per_step", "sent_by_op",
+                           #                  "sent_by_group"}
     report.run.trace       # everything recorded (None for "single", which runs in this process)
     report.stragglers()    # per step: each rank's compute time, the skew, the slowest rank
 
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .launch import fake
 from .rules import WORLD_SIZE, Custom, Flag, Number, OneOf, check
 
 if TYPE_CHECKING:                 # the strategies (and torch) load when `train` first runs, not on import
@@ -69,18 +71,19 @@ ARGUMENTS = {
     "timeout": Number(0, strict=True, example=300.0),
     "progress": Flag(none="a bar when a person watches"),
     "check_only": Flag(),
+    "backend": OneOf("auto", "gloo", "nccl", "fake"),
 }
 #: what one rank holds of its own, at the least: a process with torch, gloo and a tiny model loaded
 #: (measured: a gpt-tiny DDP rank forked on Linux has about 130 MiB of private memory)
 RANK_BYTES = 128 * 2**20
 
 
-def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny", steps: int = 20,
-          seed: int = 0, *, global_batch: int = 16, lr: float = 1e-3, optimizer: str = "adamw",
+def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny", steps: int | None = None,
+          seed: int = 0, *, global_batch: int | None = None, lr: float = 1e-3, optimizer: str = "adamw",
           weight_decay: float = 0.0, grad_accum: int = 1, precision: str = "fp32",
           clip: float | None = None, options: dict | None = None, output: str = "quiet",
           timeout: float = 300.0, progress: bool | None = None, max_restarts: int = 0, shrink=False,
-          check_only: bool = False, **more_options) -> Report | None:
+          check_only: bool = False, backend: str = "auto", ranks=None, **more_options) -> Report | None:
     """Train ``model`` with ``strategy`` on ``world_size`` ranks. Every other keyword (and every entry of
     ``options``) is a field of the typed spec (`distlab.strategies.spec`), e.g. ``bucket_mb=1,
     overlap=False, comm="ring"`` for DDP, ``prefetch=True`` for ZeRO-3; one the strategy does not read
@@ -90,24 +93,32 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
     the checkpoint options, the restart plan, the ranks this machine can hold; a ValueError, or a
     TypeError for an option that does not exist, that says what to pass instead), then return None
     without training (a ``checkpoint_dir`` is created, as proof that it is writable). Only torchrun's
-    world is checked later, when the launch meets it."""
-    from .strategies import parse, validate
+    world is checked later, when the launch meets it. ``backend="fake", ranks=[...]``: a dry run of the
+    listed ranks at any world size and real model sizes (`distlab.strategies.dry`; ``steps`` 1 and a
+    global batch of one row per microbatch unless given); ``model`` may be a `dl.theory.ModelPreset`."""
+    from .strategies import dry, parse, validate
     from .strategies.runner import run
     check(ARGUMENTS, dict(world_size=world_size, options=options, output=output, timeout=timeout,
-                          progress=progress, check_only=check_only))
-    named = dict(model=model, steps=steps, seed=seed, global_batch=global_batch, lr=lr, optimizer=optimizer,
-                 weight_decay=weight_decay, grad_accum=grad_accum, precision=precision, clip=clip,
-                 max_restarts=max_restarts, shrink=shrink, **more_options)
+                          progress=progress, check_only=check_only, backend=backend))
+    listed = fake.check(world_size, ranks, backend)
+    steps = dry.default_steps(backend) if steps is None else steps
+    named = dict(model=model, steps=steps, seed=seed, global_batch=global_batch or 16, lr=lr,
+                 optimizer=optimizer, weight_decay=weight_decay, grad_accum=grad_accum, precision=precision,
+                 clip=clip, max_restarts=max_restarts, shrink=shrink, **more_options)
     twice = sorted(set(options or {}) & set(named))
     if twice:
         raise TypeError(f"{twice[0]!r} is given twice, as a keyword and in options=: pass it once")
     spec = parse(strategy, **named, **(options or {}))
+    dry.check(spec, world_size, backend)
+    if backend == "fake" and global_batch is None:
+        spec = spec.replace(global_batch=dry.default_rows(spec, world_size))
     sizes = validate(spec, world_size)        # every check, once, before any rank starts
-    if spec.strategy != "single":
+    if spec.strategy != "single" and backend != "fake":
         check_machine(world_size)
     if check_only:
         return None
-    return run(spec, sizes, output=output, timeout=timeout, progress=progress)     # -> strategies.runner
+    return run(spec, sizes, output=output, timeout=timeout, progress=progress,      # -> strategies.runner
+               dry_ranks=listed)
 
 
 def check_machine(world_size: int) -> None:

@@ -29,6 +29,7 @@ TINY = {  # script -> arguments that make it take seconds
     "all_to_all": ["--ranks", "2", "--sizes", "4K,1M", "--budget", "0.05", "--min-reps", "2",
                    "--max-reps", "3", "--calls", "2", "--launches", "1"],
     "context_parallel": ["--ranks", "2", "--seq", "64", "--repeats", "2"],
+    "dry_run": ["--cases", "quick"],
 }
 
 
@@ -84,6 +85,6 @@ def test_summary_renders_a_table_for_every_result(results):
     text = _summary(results).tables()
     for title in ("Ring all-reduce", "Data parallelism", "Tensor parallelism", "Pipeline parallelism",
                   "Checkpoints", "Expert parallelism", "FSDP2", "All-to-all", "Context parallelism",
-                  "Checkpoint stall"):
+                  "Checkpoint stall", "Dry runs"):
         assert f"**{title}**" in text, title
     assert text.count("\n|---") >= 6

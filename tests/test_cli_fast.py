@@ -76,3 +76,10 @@ def test_mean_step_time_leaves_the_warm_up_out_and_says_so():
     assert "step 0, the warm-up, left out" in line
     assert "over 1 step; step 4, the warm-up" in mean_step_time({4: 1.0, 5: 0.2})
     assert "1 step, the warm-up" in mean_step_time({0: 1.0})
+
+
+def test_runtime_asks_without_torch_and_places_with_it():
+    code = ("import sys, distlab.runtime as r; assert r.rank() == 0 and r.world_size() == 1; "
+            "assert 'torch' not in sys.modules; r.place_on('cpu'); print(r.device())")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "cpu", run.stderr[-2000:]

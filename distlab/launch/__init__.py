@@ -17,6 +17,8 @@ Read it in this order:
                    per restart attempt
     flight.py      the flight recorder: each rank's last collectives in a ring buffer that outlives it
     diagnosis.py   the rings read after a hang, in words: who waits where, who never came
+    fake.py        dry runs: ``backend="fake", ranks=(0, ...)`` runs ``fn`` here as each listed rank of a
+                   job of any size, on torch's fake process group and the meta device
 
 Nothing here imports `parallel`, the strategies, the checkpoints or the models: the launcher runs any
 function, and the names of groups come from `distlab.runtime`.

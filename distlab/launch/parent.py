@@ -48,12 +48,12 @@ import multiprocessing as mp
 
 from ..progress import ProgressBar, shown_by_default
 from ..trace import Trace
-from . import flight, torchrun
+from . import fake, flight, torchrun
 from . import rank as rank_side
 from .supervisor import (EXIT_SECONDS, LaunchError, RankStatus, Supervisor, interrupts_deferred,
                          raise_if_failed, shutdown)
 
-BACKENDS = ("auto", "gloo", "nccl")
+BACKENDS = ("auto", "gloo", "nccl")         # and "fake", with ranks=... (`fake`): a dry run in this process
 START_METHODS = ("auto", "fork", "spawn", "forkserver")
 OUTPUT_MODES = ("live", "ordered", "quiet")
 
@@ -128,7 +128,7 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _check_inputs(fn, world_size, output, timeout, host) -> None:
+def _check_inputs(fn, world_size, output, timeout, host, backend="auto") -> None:
     if not callable(fn):
         raise TypeError(f"fn must be callable (a function to run on every rank), got {type(fn).__name__}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -142,7 +142,8 @@ def _check_inputs(fn, world_size, output, timeout, host) -> None:
     if not isinstance(host, str) or not host.strip():       # "" would listen on every interface
         raise ValueError(f"host={host!r}: pass the address the rendezvous listens on, e.g. '127.0.0.1' "
                          f"(this machine only)")
-    _check_limits(world_size)
+    if backend != "fake":                                   # a dry run starts no process
+        _check_limits(world_size)
 
 
 def _check_limits(world_size: int) -> None:
@@ -183,20 +184,26 @@ def _import_before_forking() -> None:
 # -- the launch ---------------------------------------------------------------------------------
 def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | None = None,
            backend: str = "auto", start_method: str = "auto", timeout: float = 300.0,
-           output: str = "ordered", host: str = "127.0.0.1", progress: bool | None = None) -> Run:
+           output: str = "ordered", host: str = "127.0.0.1", progress: bool | None = None,
+           ranks=None) -> Run:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return a `Run`.
 
     ``timeout`` bounds the whole launch and every collective inside it (the process group's own
     timeout), so a hang ends in a `LaunchError` naming the ranks that never finished. ``host`` is
     where the rendezvous listens: loopback unless you give an address other machines can reach.
     ``progress``: a bar for what ranks report with ``dl.progress`` (None: if a person watches).
+    ``backend="fake", ranks=(0, ...)``: a dry run, ``fn`` run here as each listed rank of a
+    ``world_size``-rank job on a fake process group; ``run.results`` in the order of ``ranks`` (`fake`).
     """
-    _check_inputs(fn, world_size, output, timeout, host)
+    _check_inputs(fn, world_size, output, timeout, host, backend)
+    listed = fake.check(world_size, ranks, backend)
     kwargs = dict(kwargs or {})
     if rank_side.INSIDE_A_LAUNCH in os.environ:
         raise RuntimeError(f"dl.launch was called inside rank {os.environ[rank_side.INSIDE_A_LAUNCH]} of "
                            "another launch (already inside a launch): launches do not nest. Call the "
                            "function here (this rank is one of the world), or launch it from the notebook.")
+    if listed is not None:
+        return Run(**fake.launch_fake(fn, world_size, listed, tuple(args), kwargs, output))
     if _under_torchrun():
         launched = int(os.environ["WORLD_SIZE"])
         if world_size != launched:

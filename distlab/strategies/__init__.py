@@ -17,7 +17,8 @@ families: every family builds its model there), `loop` (THE step loop every stra
 `numerics` (its fp16 loss scaling, non-finite steps skipped on every rank, gradient-norm spikes), then
 one file per family, each only building the model (through `compose`), the criterion and the loop's
 `loop.Plan`: `data_parallel` (single, DDP, ZeRO), `fsdp` (`dl.fully_shard`), `tensor`, `pipeline`,
-`context` (cp-ring, cp-ulysses), `expert` (ep), `mesh` (3D), `mesh_axes` (its cp= and ep= axes).
+`context` (cp-ring, cp-ulysses), `expert` (ep), `mesh` (3D), `mesh_axes` (its cp= and ep= axes). `dry`:
+the same strategies at real size in a dry run (``backend="fake"``), one step on the meta device.
 
 The walk of ``dl.train(strategy=...)``, room by room: it leaves ``train.py`` once and does not come back
 until the report is made::

@@ -35,7 +35,7 @@ import torch
 
 from ..checkpoint.state import model_parallel_state, replicated_state
 from ..memory import replica_memory
-from ..models import PRESETS, shard
+from ..models import config, shard
 from ..parallel import collectives as C
 from ..parallel import context as cp_lib
 from ..parallel import tensor as tp_lib
@@ -65,14 +65,14 @@ def check(spec: TrainSpec, world: int) -> tuple[int, int, bool]:
                          f"(the context-parallel degree is world / (dp tp))")
     require_rows(spec, dp, "data-parallel replicas")
     n = world // dp // tp
-    if spec.model not in PRESETS:
+    if config(spec.model) is None:
         raise ValueError(f"{spec.strategy} splits the sequence of a GPT: choose a GPT preset such as "
                          f"model='gpt-tiny', not {spec.model!r}")
     if spec.precision != "fp32":
         raise ValueError(f"{spec.strategy} runs in fp32 here: pass precision='fp32'")
     zigzag = spec.layout.zigzag if spec.layout.zigzag is not None else spec.layout.attention == "ring"
-    check_length(PRESETS[spec.model].seq_len, n, zigzag, what=f"{spec.model}'s sequence length")
-    cfg = PRESETS[spec.model]
+    check_length(config(spec.model).seq_len, n, zigzag, what=f"{spec.model}'s sequence length")
+    cfg = config(spec.model)
     for what, size in (("heads", cfg.heads), ("d_model", cfg.d_model), ("vocab", cfg.vocab)):
         tp_lib.check_divisible(what, size, tp, "choose another model or tp")
     heads = cfg.heads // tp

@@ -58,7 +58,7 @@ def check(spec: TrainSpec, n: int) -> None:
                          "(the expert-parallel degree is world / dp)")
     require_rows(spec, n)
     n //= dp
-    cfg = models.PRESETS.get(spec.model)
+    cfg = models.config(spec.model)
     if cfg is None or not cfg.experts:
         moe = sorted(k for k, c in models.PRESETS.items() if c.experts)
         raise ValueError(f"strategy 'ep' splits the experts of a mixture-of-experts GPT, and {spec.model!r} "

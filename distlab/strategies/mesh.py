@@ -61,6 +61,7 @@ from .base import (
     TrainSpec,
     autocast,
     build_model,
+    dry_run,
     check_gpt,
     check_pieces,
     gather_params,
@@ -70,7 +71,7 @@ from .base import (
     optimizer_class,
     optimizer_kwargs,
 )
-from . import mesh_axes
+from . import dry, mesh_axes
 from .compose import Parallel, parallelize
 from .loop import Plan, run, sum_losses
 from .tensor import check_shards, sharded_params
@@ -123,7 +124,9 @@ def bytes_by_axis(events) -> dict[str, int]:
     return out
 
 
-def _digest(t: torch.Tensor) -> str:
+def _digest(t: torch.Tensor) -> str | None:
+    if t.is_meta:                                    # a dry run's tensors have no bytes to hash
+        return None
     return hashlib.sha1(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
@@ -145,6 +148,9 @@ def train_rank(spec: TrainSpec) -> RankResult:
     pipe = Pipeline(modules if v > 1 else modules[0], stage_ids if v > 1 else stage_ids[0],
                     mesh.pp * v, schedule=layout.schedule, microbatches=m,
                     loss_fn=_criterion(spec, par.model, mesh, rows), group=mesh.pp_group)
+    if dry_run():                                   # no shape headers through a fake group
+        dry.seed_pipeline_shapes(pipe, len(rows[mesh.dp_rank]), model,
+                                 mesh.tp if layout.sequence_parallel else 1)
     stash = PipelineStash()
     pipe.observers += [ActionTrace(), stash]              # measured from outside: spans, stash bytes
     params = list(pipe.parameters())

@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 
 from ..checkpoint.options import OPTIONS as CHECKPOINT_OPTIONS
 from ..rules import Flag, Number, Whole, rule_of
-from .spec import CONCERNS, WHERE, DataParallel, Layout, Numerics, Restart, TrainSpec
+from .spec import CONCERNS, WHERE, DataLoading, DataParallel, Layout, Numerics, Restart, TrainSpec
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,8 @@ NAMED = {
 #: how `names` and the CLI show the mesh entry: the form `dl.train` takes
 MESH_FORM = "3d:dp=D,tp=T,pp=P"
 ALIASES = {"sp": "sequence_parallel"}
-#: the keywords every strategy takes: the loop's (memory), the numerics' and the checkpoint's
-SHARED = ("memory_limit", "recompute") + CHECKPOINT_OPTIONS
+#: the keywords every strategy takes: the loop's (memory), the numerics', the checkpoint's and the data's
+SHARED = ("memory_limit", "recompute") + CHECKPOINT_OPTIONS + tuple(f.name for f in fields(DataLoading))
 TOP = tuple(f.name for f in fields(TrainSpec) if f.name not in CONCERNS and f.name != "strategy")
 _TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
 

@@ -34,6 +34,7 @@ from .base import (
     TrainSpec,
     autocast,
     build_model,
+    dry_run,
     check_pieces,
     gather_params,
     global_batch,
@@ -41,6 +42,7 @@ from .base import (
     make_optimizer,
     microbatch_count,
 )
+from . import dry
 from .compose import parallelize
 from .loop import Plan, run
 
@@ -89,6 +91,8 @@ def train_rank(spec: TrainSpec) -> RankResult:
     plain = loss_fn(spec)
     pipe = Pipeline(modules if v > 1 else modules[0], ids if v > 1 else ids[0], p * v, schedule=name,
                     microbatches=m, loss_fn=lambda out, y: plain(out, y) / spec.grad_accum)
+    if dry_run():                                   # no shape headers through a fake group
+        dry.seed_pipeline_shapes(pipe, spec.micro_batch, model)
     stash = PipelineStash()
     pipe.observers += [ActionTrace(), stash]              # measured from outside: spans, stash bytes
     params = list(pipe.parameters())

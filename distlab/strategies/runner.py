@@ -4,9 +4,11 @@ when a rank fails and restarts are allowed -- and the `Report` `dl.train` return
 the trace, each rank's memory and bytes, notes from the checkpoint side and the numerics.
 
     spec, sizes (validated) -> load(spec.strategy) -> _single | restart.run(_launched) | _launched -> Report
+                                                   (a dry run, ``backend="fake"``: _dry_run, the listed ranks)
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -64,10 +66,13 @@ class Report:
                 f"steps={len(self.losses)}, final loss={last})")
 
 
-def run(spec: TrainSpec, sizes: list[int], *, output: str, timeout: float, progress: bool | None) -> Report:
+def run(spec: TrainSpec, sizes: list[int], *, output: str, timeout: float, progress: bool | None,
+        dry_ranks: tuple | None = None) -> Report:
     """Run ``spec`` (validated: `validate.validate` gave ``sizes``, the world size of every attempt) and
-    report it."""
+    report it; ``dry_ranks``: only those ranks, here, on the fake backend (`distlab.strategies.dry`)."""
     train_rank = load(spec.strategy)
+    if dry_ranks is not None:
+        return _dry_run(train_rank, spec, sizes[0], dry_ranks, output, timeout)
     if spec.strategy == "single":
         return _single(train_rank, spec, progress)
 
@@ -106,6 +111,20 @@ def _launched(train_rank, spec: TrainSpec, world_size: int, output: str, timeout
         raise RuntimeError(f"strategy {strategy!r} returned no losses on any rank")
     params = next((r.params for r in results if r.params is not None), None)
     return Report(spec, world_size, holder.losses, params, run, [r.info.get("memory", {}) for r in results],
+                  [r.info.get("comm", {}) for r in results], results, time.perf_counter() - start)
+
+
+def _dry_run(train_rank, spec: TrainSpec, world_size: int, ranks: tuple, output: str,
+             timeout: float) -> Report:
+    """The listed ranks of a ``world_size``-rank run, here, on the fake backend (`strategies.dry`):
+    memory and comm one entry per listed rank, in the order of ``ranks``; losses NaN."""
+    from ..launch import launch
+    start = time.perf_counter()
+    run = launch(train_rank, world_size=world_size, args=(spec,), output=output, timeout=timeout,
+                 backend="fake", ranks=ranks)
+    results: list[RankResult] = run.results
+    losses = next((r.losses for r in results if r.losses is not None), [math.nan] * spec.steps)
+    return Report(spec, world_size, losses, None, run, [r.info.get("memory", {}) for r in results],
                   [r.info.get("comm", {}) for r in results], results, time.perf_counter() - start)
 
 

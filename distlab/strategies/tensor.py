@@ -22,7 +22,7 @@ from ..parallel import tensor as tp_lib
 from ..parallel.clip import clip_grad_norm_
 from ..runtime import rank
 from ..memory import replica_memory
-from ..models import PRESETS
+from ..models import config
 from .base import RankResult, TrainSpec, autocast, build_model, check_gpt, global_batch, make_optimizer
 from .compose import parallelize
 from .loop import Plan, run
@@ -32,7 +32,7 @@ def check_shards(spec: TrainSpec, t: int, sequence_parallel: bool, who: str) -> 
     """Refuse, before any rank starts, a GPT whose heads, width, vocabulary (and, with sequence
     parallelism, sequence) do not split over ``t`` tensor-parallel ranks (`dl.tp.parallelize`'s rule)."""
     check_gpt(spec, who)
-    cfg = PRESETS[spec.model]
+    cfg = config(spec.model)
     sizes = {"heads": cfg.heads, "d_model": cfg.d_model, "vocab": cfg.vocab}
     if sequence_parallel:
         sizes["seq_len"] = cfg.seq_len

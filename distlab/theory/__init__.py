@@ -40,7 +40,7 @@ from distlab.theory.offload import OffloadEstimate, zero2_offload, zero3_offload
 from distlab.theory.params import gpt_params, transformer_params
 from distlab.theory.pipeline import bubble, bubble_time
 from distlab.theory.planner import Advice, Plan, advise, cheapest_plan, fits
-from distlab.theory.presets import GPUS, LINKS, MODELS, gpu, link, model
+from distlab.theory.presets import GPUS, LINKS, MODELS, ModelPreset, gpu, link, model
 from distlab.theory.throughput import (chinchilla_tokens, mfu, scaling_efficiency, throughput,
                                        training_flops, training_time)
 from distlab.theory.units import GB, GiB, MB, MiB
@@ -56,7 +56,8 @@ __all__ = [
     "MemoryBreakdown", "bytes_per_param", "memory",
     "shard_numel", "OffloadEstimate", "zero2_offload", "zero3_offload", "gpt_params",
     "transformer_params", "bubble", "bubble_time", "Advice", "Plan", "advise", "cheapest_plan", "fits",
-    "GPUS", "LINKS", "MODELS", "gpu", "link", "model", "chinchilla_tokens", "mfu", "scaling_efficiency",
+    "GPUS", "LINKS", "MODELS", "ModelPreset", "gpu", "link", "model", "chinchilla_tokens", "mfu",
+    "scaling_efficiency",
     "throughput", "training_flops", "training_time", "GB", "GiB", "MB", "MiB",
     "MoEParams", "ep_memory", "ep_params_per_rank", "expert_capacity", "gpt_moe_params",
     "moe_all_to_all_bytes", "moe_layer_params", "moe_step_all_to_all_bytes", "expected_drop_fraction",
