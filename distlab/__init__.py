@@ -41,6 +41,7 @@ _LAZY = {
     "PowerSGDDDP": (".parallel.data", "PowerSGDDDP"),
     "ZeRO": (".parallel.zero", "ZeRO"),
     "ShardedOptimizer": (".parallel.zero", "ShardedOptimizer"),
+    "OffloadedOptimizer": (".parallel.zero", "OffloadedOptimizer"),
     "fully_shard": (".parallel.zero", "fully_shard"),
     "full_state_dict": (".parallel.zero", "full_state_dict"),
     "clip_grad_norm_": (".parallel.clip", "clip_grad_norm_"),

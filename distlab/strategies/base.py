@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import models
-from ..memory import recompute_context
+from ..recomputation import recompute_context
 from ..runtime import current_run, device, rank
 from .spec import TrainSpec
 

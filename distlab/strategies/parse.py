@@ -30,7 +30,8 @@ class Named:
 
 
 _DDP = ("bucket_mb", "overlap", "comm", "naive", "no_sync", "compression", "powersgd_rank", "error_feedback")
-_ZERO = ("bucket_mb", "overlap", "comm", "no_sync", "max_inflight")
+_OFFLOAD = ("offload", "offload_dir")
+_ZERO = ("bucket_mb", "overlap", "comm", "no_sync", "max_inflight") + _OFFLOAD
 _PIPE = ("microbatches", "balance")
 _MESH = tuple(f.name for f in fields(Layout) if f.name != "experts") + ("sp", "bucket_mb")
 #: every strategy name (the mesh as "3d"): what it sets, what its family reads (``single`` takes ddp's
@@ -41,7 +42,8 @@ NAMED = {
     "zero1": Named({"dp": None, "zero": 1}, _ZERO),
     "zero2": Named({"dp": None, "zero": 2}, _ZERO),
     "zero3": Named({"dp": None, "zero": 3}, _ZERO + ("prefetch",)),
-    "fsdp": Named({"dp": None, "zero": 3}, ("hsdp", "param_dtype", "reshard_after_forward", "no_sync")),
+    "fsdp": Named({"dp": None, "zero": 3},
+                  ("hsdp", "param_dtype", "reshard_after_forward", "no_sync") + _OFFLOAD),
     "tp": Named({"tp": None}, ("sequence_parallel",)),
     "tp-sp": Named({"tp": None, "sequence_parallel": True}),
     "pp-gpipe": Named({"pp": None, "schedule": "gpipe"}, _PIPE),

@@ -7,7 +7,7 @@ dataclass per concern, each field with its default, its rule (`distlab.rules`) a
     +- data_parallel:       the data-parallel wrapper's knobs: buckets, overlap, comm, compression,
     |  DataParallel         ZeRO-3's prefetch, FSDP's hsdp / param_dtype / reshard_after_forward
     +- numerics: Numerics   fp16 loss scaling, non-finite steps, spikes, a planted NaN
-    +- memory: Memory       recompute, memory_limit
+    +- memory: Memory       recompute, memory_limit, offload, offload_dir
     +- checkpoint:          checkpoint_dir, checkpoint_every, keep_last, resume, async_save, fault
     |  Checkpointing        injection (`distlab.checkpoint.options`)
     +- restart: Restart     max_restarts, shrink
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from ..checkpoint.options import Checkpointing
 from ..memory import parse_bytes
-from ..rules import Custom, Either, Flag, Number, OneOf, Text, Whole, check_fields, option
+from ..rules import Custom, Directory, Either, Flag, Number, OneOf, Text, Whole, check_fields, option
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")     # fp16: with dynamic loss scaling (`numerics`)
@@ -152,6 +152,12 @@ class Memory:
                                                          "string like '64MB'", example="64MB",
                                                          none="no limit"),
                                             "out of memory the moment the ledger crosses this")
+    offload: str | None = option(None, OneOf("cpu", "disk", none="on the device"),
+                                 "zero1-3, fsdp: the optimizer state and fp32 masters in host memory ('cpu', "
+                                 "ZeRO-Offload) or in files under offload_dir ('disk', ZeRO-Infinity); the "
+                                 "optimizer steps there")
+    offload_dir: object = option(None, Directory(example="offload", none="a temporary directory"),
+                                 "offload='disk': the directory its files go under")
 
     def __post_init__(self):
         check_fields(self)
