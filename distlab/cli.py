@@ -110,19 +110,7 @@ def _train_parser(sub) -> None:
                    help="fsdp: gather and compute dtype")
     p.add_argument("--no-reshard-after-forward", action="store_true",
                    help="fsdp: keep the gathered parameters from forward to backward")
-    p.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints here")
-    p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
-                   help="save every K steps and at the end")
-    p.add_argument("--keep-last", type=int, default=None, metavar="N",
-                   help="keep only the newest N checkpoints")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the latest complete checkpoint (from scratch when there is none)")
-    p.add_argument("--async-save", action="store_true",
-                   help="write checkpoints in the background (training stalls only for a copy to CPU memory)")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                   help="relaunch a failed run from its newest checkpoint up to K times")
-    p.add_argument("--shrink", nargs="?", const="auto", default=None, metavar="SIZES",
-                   help="restart on one rank fewer each time, or on the given world sizes (e.g. 3,2)")
+    _checkpoint_flags(p)
     p.add_argument("--data", default=None, choices=["synthetic", "text"],
                    help="the model's synthetic data (default), or the shipped text corpus through dl.data's "
                         "loader (loader options: --option workers=2, data_latency=0.05, ...)")
@@ -141,6 +129,23 @@ def _dry_run_flags(p) -> None:
                    help="fake: a dry run of the --ranks listed, here, at any world size (NaN losses)")
     p.add_argument("--ranks", default=None, metavar="R,R,...",
                    help="with --backend fake: the ranks to run, e.g. 0,1023")
+
+
+def _checkpoint_flags(p) -> None:
+    """``distlab train``'s checkpoint and restart flags."""
+    p.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints here")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
+                   help="save every K steps and at the end")
+    p.add_argument("--keep-last", type=int, default=None, metavar="N",
+                   help="keep only the newest N checkpoints")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest complete checkpoint (from scratch when there is none)")
+    p.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background (training stalls only for a copy to CPU memory)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="relaunch a failed run from its newest checkpoint up to K times")
+    p.add_argument("--shrink", nargs="?", const="auto", default=None, metavar="SIZES",
+                   help="restart on one rank fewer each time, or on the given world sizes (e.g. 3,2)")
 
 
 def train_keywords(args) -> dict:
