@@ -29,11 +29,37 @@ Other subcommands may be added by other modules.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
+import re
 import sys
 
 from . import __version__
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a did-you-mean for a misspelled subcommand, choice or flag (argparse's own
+    ``suggest_on_error`` arrives in Python 3.14)."""
+
+    def error(self, message: str):
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:
+            message += _did_you_mean(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)), quote=True)
+        return super().error(message)
+
+    def refuse_unknown(self, extra: list[str]):
+        """``unrecognized arguments: --stratgy ddp (did you mean --strategy?)``, from this (sub)parser."""
+        flags = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
+        hints = "".join(_did_you_mean(a.split("=", 1)[0], flags) for a in extra if a.startswith("-"))
+        self.error(f"unrecognized arguments: {' '.join(extra)}{hints}")
+
+
+def _did_you_mean(word: str, options: list[str], quote: bool = False) -> str:
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    if not close:
+        return ""
+    return f" (did you mean {close[0]!r}?)" if quote else f" (did you mean {close[0]}?)"
 
 
 class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
@@ -84,19 +110,7 @@ def _train_parser(sub) -> None:
                    help="fsdp: gather and compute dtype")
     p.add_argument("--no-reshard-after-forward", action="store_true",
                    help="fsdp: keep the gathered parameters from forward to backward")
-    p.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints here")
-    p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
-                   help="save every K steps and at the end")
-    p.add_argument("--keep-last", type=int, default=None, metavar="N",
-                   help="keep only the newest N checkpoints")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the latest complete checkpoint (from scratch when there is none)")
-    p.add_argument("--async-save", action="store_true",
-                   help="write checkpoints in the background (training stalls only for a copy to CPU memory)")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                   help="relaunch a failed run from its newest checkpoint up to K times")
-    p.add_argument("--shrink", nargs="?", const="auto", default=None, metavar="SIZES",
-                   help="restart on one rank fewer each time, or on the given world sizes (e.g. 3,2)")
+    _checkpoint_flags(p)
     p.add_argument("--data", default=None, choices=["synthetic", "text"],
                    help="the model's synthetic data (default), or the shipped text corpus through dl.data's "
                         "loader (loader options: --option workers=2, data_latency=0.05, ...)")
@@ -115,6 +129,23 @@ def _dry_run_flags(p) -> None:
                    help="fake: a dry run of the --ranks listed, here, at any world size (NaN losses)")
     p.add_argument("--ranks", default=None, metavar="R,R,...",
                    help="with --backend fake: the ranks to run, e.g. 0,1023")
+
+
+def _checkpoint_flags(p) -> None:
+    """``distlab train``'s checkpoint and restart flags."""
+    p.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints here")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
+                   help="save every K steps and at the end")
+    p.add_argument("--keep-last", type=int, default=None, metavar="N",
+                   help="keep only the newest N checkpoints")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest complete checkpoint (from scratch when there is none)")
+    p.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background (training stalls only for a copy to CPU memory)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="relaunch a failed run from its newest checkpoint up to K times")
+    p.add_argument("--shrink", nargs="?", const="auto", default=None, metavar="SIZES",
+                   help="restart on one rank fewer each time, or on the given world sizes (e.g. 3,2)")
 
 
 def train_keywords(args) -> dict:
@@ -191,24 +222,25 @@ def _run_train(args) -> int:
     kwargs = dict(world_size=world, progress=args.progress, **train_keywords(args))
     train(args.strategy, check_only=True, **kwargs)       # bad input: one line, exit 2, no rank started
     _check_writable(args.json)
+    printing = os.environ.get("RANK", "0") == "0"   # under torchrun every rank has the report: one prints it
+    out = sys.stderr if args.json == "-" else sys.stdout     # stdout is the JSON's, then
+    if printing:                                             # what runs, before the ranks start
+        dry = " (a dry run: fake backend)" if args.backend == "fake" else ""
+        batch = args.global_batch or ("the dry run's" if dry else 16)
+        print(f"{args.strategy} on {world} rank(s){dry}, {args.model}, global batch {batch}", file=out,
+              flush=True)
     try:
         report = train(args.strategy, **kwargs)
     except (ValueError, TypeError) as err:                # every check passed: the run itself failed
         raise RunFailed(f"{type(err).__name__}: {err}") from err
-    if os.environ.get("RANK", "0") != "0":       # under torchrun every rank has the report: one prints it
+    if not printing:
         return 0
-    out = sys.stderr if args.json == "-" else sys.stdout     # stdout is the JSON's, then
     times = step_seconds(report) if args.backend != "fake" else {}   # a dry run's time is no step time
-    dry = " (a dry run: fake backend)" if args.backend == "fake" else ""
-    print(f"{args.strategy} on {report.world_size} rank(s){dry}, {args.model}, global batch "
-          f"{report.spec.global_batch}", file=out)
     for step, loss in enumerate(report.losses):
         took = f"  {times[step] * 1e3:8.1f} ms" if step in times else ""     # a resumed run's own steps
         print(f"step {step:4d}  loss {loss:.6f}{took}", file=out)
     if times:
-        mean = sum(times.values()) / len(times)
-        print(f"mean step time {mean * 1e3:.1f} ms ({1 / mean:.2f} steps/s over {len(times)} steps)",
-              file=out)
+        print(mean_step_time(times), file=out)
     listed = train_keywords(args).get("ranks") or range(len(report.memory))
     for r, comm, mem in zip(listed, report.comm, report.memory):
         peak = mem.get("peak", {})
@@ -225,6 +257,17 @@ def _run_train(args) -> int:
         with open(args.json, "w") as f:
             json.dump(_as_json(args, report, times), f, indent=1)
     return 0
+
+
+def mean_step_time(times: dict[int, float]) -> str:
+    """The steady step time: the mean over this run's steps but its first, the warm-up (allocations,
+    the first collectives' connections; often ten times a steady step), which the line says it left out."""
+    first, *steady = sorted(times)
+    if not steady:
+        return f"mean step time {times[first] * 1e3:.1f} ms (1 step, the warm-up: no steady step to time)"
+    mean = sum(times[s] for s in steady) / len(steady)
+    return (f"mean step time {mean * 1e3:.1f} ms ({1 / mean:.2f} steps/s over {len(steady)} "
+            f"step{'s' * (len(steady) != 1)}; step {first}, the warm-up, left out)")
 
 
 def _as_json(args, report, times: dict[int, float]) -> dict:
@@ -258,13 +301,21 @@ def step_seconds(report) -> dict[int, float]:
 
 
 def _strategies() -> int:
-    from .strategies.parse import NAMED, SHARED, key, names
+    """Every strategy name and the options it reads, then what each option does: the docstring of its
+    field in the typed spec (`distlab.strategies.spec`)."""
+    import textwrap
+
+    from .strategies.parse import NAMED, SHARED, describe, key, names, options
     for name in names():
         own = NAMED[key(name)].reads
         note = "  (ddp's, read and ignored: one process)" if name == "single" else ""
         print(f"{name:<20} {', '.join(own) or '-'}{note}")
     print(f"\nevery strategy also takes {', '.join(SHARED)} (and the numerics' options where fp16 runs); "
           "pass options as --option KEY=VALUE (or the flags of `distlab train --help`)")
+    print("\nwhat each option does:")
+    for option in dict.fromkeys(o for name in names() for o in options(name)):
+        lines = textwrap.wrap(describe(option), 84, break_on_hyphens=False) or ["-"]
+        print(f"  {option:<24}{lines[0]}", *(f"  {'':<24}{line}" for line in lines[1:]), sep="\n")
     return 0
 
 
@@ -293,22 +344,28 @@ def _error(err: Exception) -> int:
     return 2
 
 
-def main(argv: list[str] | None = None) -> int:
-    from .checkpoint.store import CheckpointError
-    from .launch import LaunchError
-    from .memory_budget import MemoryLimitExceeded
-    parser = argparse.ArgumentParser(prog="distlab", description="distributed training, from send/recv up")
+def _parser() -> tuple[_Parser, dict[str, _Parser]]:
+    """The ``distlab`` parser and its subcommands' parsers, by name."""
+    parser = _Parser(prog="distlab", description="distributed training, from send/recv up")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _train_parser(sub)
-    sub.add_parser("strategies", help="list the strategy names train accepts, and their options")
+    sub.add_parser("strategies", help="list the strategy names train accepts, and what each option does")
     lessons = sub.add_parser("lessons", help="the lessons (Jupyter notebooks): DIR/student to work in "
                              "(exercises to write), DIR/solved to compare with")
     lessons.add_argument("dir", metavar="DIR", help="where to put them (created if need be)")
     lessons.add_argument("--force", action="store_true", help="overwrite copies you changed too")
-    from .exercises.grade import add_parser as add_grade_parser
+    from .exercises.grade import add_parser as add_grade_parser      # (no torch: the harness loads on use)
     add_grade_parser(sub)                              # `distlab grade`: distlab/exercises/grade.py
-    args = parser.parse_args(argv)
+    return parser, sub.choices
+
+
+def main(argv: list[str] | None = None) -> int:
+    # torch and the strategies load only once a command runs: --help and a typo answer at once
+    parser, commands = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        commands[args.command].refuse_unknown(extra)
     try:
         if args.command == "train":
             return _run_train(args)
@@ -318,12 +375,19 @@ def main(argv: list[str] | None = None) -> int:
             return _lessons(args)
         if args.command == "grade":
             return args.run(args)
-    except (ValueError, TypeError, OSError, CheckpointError, LaunchError, MemoryLimitExceeded,
-            RunFailed) as err:
-        if getattr(args, "traceback", False):
+    except Exception as err:
+        if getattr(args, "traceback", False) or not isinstance(err, _reported()):
             raise
         return _error(err)
     return 2
+
+
+def _reported() -> tuple[type, ...]:
+    """The errors said in one line (`_error`) rather than as a traceback."""
+    from .checkpoint.store import CheckpointError
+    from .launch import LaunchError
+    from .memory_budget import MemoryLimitExceeded
+    return (ValueError, TypeError, OSError, CheckpointError, LaunchError, MemoryLimitExceeded, RunFailed)
 
 
 if __name__ == "__main__":

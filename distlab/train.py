@@ -38,12 +38,23 @@ loop, `distlab.strategies.loop`.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .launch import fake
-from .rules import Custom, Flag, Number, OneOf, check
-from .strategies import WORLD_SIZE, dry, parse, validate
-from .strategies.runner import Report, run
+from .rules import WORLD_SIZE, Custom, Flag, Number, OneOf, check
+
+if TYPE_CHECKING:                 # the strategies (and torch) load when `train` first runs, not on import
+    from .strategies.runner import Report
 
 __all__ = ["train", "Report", "check_machine", "available_memory"]
+
+
+def __getattr__(name: str):
+    """``Report`` (`distlab.strategies.runner`), loaded on first use with the strategies and torch."""
+    if name == "Report":
+        from .strategies.runner import Report
+        return Report
+    raise AttributeError(f"module 'distlab.train' has no attribute {name!r}")
 
 
 def _is_dict(value) -> None:
@@ -85,6 +96,8 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
     world is checked later, when the launch meets it. ``backend="fake", ranks=[...]``: a dry run of the
     listed ranks at any world size and real model sizes (`distlab.strategies.dry`; ``steps`` 1 and a
     global batch of one row per microbatch unless given); ``model`` may be a `dl.theory.ModelPreset`."""
+    from .strategies import dry, parse, validate
+    from .strategies.runner import run
     check(ARGUMENTS, dict(world_size=world_size, options=options, output=output, timeout=timeout,
                           progress=progress, check_only=check_only, backend=backend))
     listed = fake.check(world_size, ranks, backend)

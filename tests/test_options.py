@@ -10,6 +10,7 @@ launch refuses an empty host.
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 import math
 import os
@@ -30,7 +31,7 @@ def no_training(monkeypatch):
     """Fail the test if anything starts a rank or trains (``single`` trains in this process)."""
     def tripwire(*args, **kwargs):
         raise AssertionError("training started: the error should have come before it")
-    runner = sys.modules["distlab.strategies.runner"]            # where dl.train's run goes down
+    runner = importlib.import_module("distlab.strategies.runner")   # where dl.train's run goes down
     monkeypatch.setattr(sys.modules["distlab.launch"], "launch", tripwire)
     monkeypatch.setattr(runner, "_launched", tripwire)
     monkeypatch.setattr(runner, "_single", tripwire)

@@ -104,7 +104,7 @@ def train_rank(spec: TrainSpec) -> RankResult:
 
     plan = Plan(forward, opt, _state(model, opt, groups, tp), loss_share=1 / (dp * n),
                 no_sync=par.ddp.no_sync if par.ddp is not None else None, clip=_clip(model, opt, groups, tp),
-                memory=replica_memory(model, opt.optimizer, ()))
+                memory=replica_memory(model, opt.optimizer, ()), loss_group=groups["dp"])
     trained = run(spec, plan)
     losses = sum_losses(trained.losses, groups["dp"])
     params = rank0_copy(tp_lib.full_state_dict(model) if tp > 1 else model.state_dict())

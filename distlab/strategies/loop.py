@@ -35,7 +35,8 @@ import torch.distributed as dist
 from ..checkpoint.state import RankState
 from ..parallel import collectives as C
 from ..progress import progress
-from ..runtime import device, group_size, rank
+from ..progress import share as progress_share
+from ..runtime import device, group_members, group_size, rank
 from . import checkpointing, numerics
 from . import feed as feeds
 from .base import TrainSpec
@@ -50,9 +51,10 @@ class Plan:
     itself (a pipeline schedule) and returns the loss only to report it.
     ``optimizer``: ``.step()`` and ``.zero_grad()``. ``state``: what a checkpoint saves and restores.
     ``loss_share``: this rank's reported loss per unit of backpropagated loss (1/N for N replicas
-    whose shares are summed at the end). ``no_sync()``: a context in which a backward accumulates
-    locally (all micro-steps but the last run in it). ``sync_grads()``: finishes gradient communication
-    after the micro-steps. ``clip(max_norm)``: scales gradients to the whole model's norm.
+    whose shares are summed at the end, over ``loss_group``: the progress bar sums them the same way).
+    ``no_sync()``: a context in which a backward accumulates locally (all micro-steps but the last run
+    in it). ``sync_grads()``: finishes gradient communication after the micro-steps.
+    ``clip(max_norm)``: scales gradients to the whole model's norm.
     ``memory()``: bytes held by category, sampled into the memory ledger. ``grads()``: after
     ``sync_grads``, the gradient tensors this rank's optimizer will read (fp32), for loss scaling and
     the non-finite check (`numerics`).
@@ -68,6 +70,7 @@ class Plan:
     clip: Callable[[float], object] | None = None
     memory: Callable[[], dict] | None = None
     grads: Callable[[], list] | None = None
+    loss_group: object = None          # the ranks whose shares sum to the reported loss (None: the world)
 
 
 @dataclass
@@ -101,8 +104,10 @@ def run(spec: TrainSpec, plan: Plan) -> Trained:
             if feed is not None:
                 feed.step_done(step)                      # every rank's position past the step
             ckpt.after_step(step + 1, losses)
+            if share is not None:                         # the bar sums the shares, as the report does
+                progress_share(step + 1, "loss", share, group_members(plan.loss_group))
             shown = {} if share is None or not plan.loss_share else {"loss": share / plan.loss_share}
-            progress(step + 1, spec.steps, **shown)       # this rank's loss on its part of the batch
+            progress(step + 1, spec.steps, **shown)       # (and this rank's own loss, until the sum is in)
         events = observe.comm_events()
         info = {"comm": comm_totals(events, max(1, spec.steps - start)), **ckpt.summary(start),
                 "numerics": guard.summary(), **(feed.summary() if feed is not None else {})}

@@ -231,7 +231,7 @@ def _plan(spec: TrainSpec, mesh: Mesh, rows, par: Parallel, pipe, optimizer) -> 
                                  keeps_history=pipe.last and mesh.dp_rank == 0, replica_group=mesh.dp_group,
                                  layout=layout)
     return Plan(forward, optimizer, state, backward=False, loss_share=1 / mesh.dp, clip=clip,
-                sync_grads=sync.finish if sync is not None else None)
+                sync_grads=sync.finish if sync is not None else None, loss_group=mesh.dp_group)
 
 
 def _full_tensors(modules, mesh: Mesh) -> dict[str, torch.Tensor]:

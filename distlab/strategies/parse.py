@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 
 from ..checkpoint.options import OPTIONS as CHECKPOINT_OPTIONS
 from ..rules import Flag, Number, Whole, rule_of
-from .spec import CONCERNS, DataLoading, DataParallel, Layout, Numerics, Restart, TrainSpec
+from .spec import CONCERNS, WHERE, DataLoading, DataParallel, Layout, Numerics, Restart, TrainSpec
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,15 @@ def parse(strategy: str = "single", **keywords) -> TrainSpec:
             given[field_name] = given.pop(alias)
     preset = TrainSpec(strategy, layout=Layout(**NAMED[name].layout))     # what the name alone says
     return preset.replace(**given)                                          # each keyword into its concern
+
+
+def describe(keyword: str) -> str:
+    """What ``keyword`` sets, in words: the docstring of its field in the typed spec (an alias: its
+    field's), as ``distlab strategies`` lists it."""
+    if keyword in ALIASES:
+        return f"the same as {ALIASES[keyword]}"
+    cls = CONCERNS[WHERE[keyword]] if keyword in WHERE else TrainSpec
+    return next((f.metadata.get("doc", "") for f in fields(cls) if f.name == keyword), "")
 
 
 def keywords_of(spec: TrainSpec) -> dict:

@@ -22,10 +22,8 @@ import difflib
 from . import restart
 from ..checkpoint.directory import check_options as check_checkpoints
 from ..models import config
-from ..rules import Whole
+from ..rules import WORLD_SIZE       # what world_size takes (re-exported: `strategies.WORLD_SIZE`)
 from .spec import TrainSpec
-
-WORLD_SIZE = Whole(1, example=4)          # what world_size takes (and what a machine holds: `train`)
 
 
 def validate(spec: TrainSpec, world_size: int) -> list[int]:
