@@ -62,6 +62,13 @@ def _is_dict(value) -> None:
         raise TypeError
 
 
+def _are_ranks(value) -> None:
+    """Whole numbers (not bools) in a list or tuple; each against the world size: `launch.fake.check`."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(r, int) and not isinstance(r, bool)
+                                                       for r in value):
+        raise TypeError
+
+
 #: what `train`'s own arguments take (`distlab.rules`); every other parameter is a keyword of the typed
 #: spec, whose field declares its rule (`distlab.strategies.spec`)
 ARGUMENTS = {
@@ -72,6 +79,7 @@ ARGUMENTS = {
     "progress": Flag(none="a bar when a person watches"),
     "check_only": Flag(),
     "backend": OneOf("auto", "gloo", "nccl", "fake"),
+    "ranks": Custom(_are_ranks, "a list of rank numbers", example=[0, 1023], none="not a dry run"),
 }
 #: what one rank holds of its own, at the least: a process with torch, gloo and a tiny model loaded
 #: (measured: a gpt-tiny DDP rank forked on Linux has about 130 MiB of private memory)
@@ -99,7 +107,7 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
     from .strategies import dry, parse, validate
     from .strategies.runner import run
     check(ARGUMENTS, dict(world_size=world_size, options=options, output=output, timeout=timeout,
-                          progress=progress, check_only=check_only, backend=backend))
+                          progress=progress, check_only=check_only, backend=backend, ranks=ranks))
     listed = fake.check(world_size, ranks, backend)
     steps = dry.default_steps(backend) if steps is None else steps
     named = dict(model=model, steps=steps, seed=seed, global_batch=global_batch or 16, lr=lr,
