@@ -8,6 +8,7 @@
 # when that index answers within 3 s (else PyPI's default, as on machines whose pip config already provides a
 # CPU wheel). Override with any pip arguments, e.g.
 #   make lab TORCH="torch==2.13.0 --index-url <the CUDA wheel index for your driver>"
+# The install says which build it chose and why before it starts, and pip shows its progress.
 
 PYTHON ?= python3
 # extra JupyterLab arguments, e.g.  make lab LAB_ARGS="--no-browser --port=8890"
@@ -19,11 +20,22 @@ TORCH_VERSION ?= 2.13.0
 CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 NVIDIA_SMI ?= nvidia-smi
 ifeq ($(origin TORCH), undefined)
-TORCH := $(shell if command -v $(NVIDIA_SMI) >/dev/null 2>&1; then echo "torch==$(TORCH_VERSION)"; \
+TORCH_BUILD := $(shell if command -v $(NVIDIA_SMI) >/dev/null 2>&1; then echo cuda; \
 	elif $(PYTHON) -c "import urllib.request as u; u.urlopen('$(CPU_INDEX)/torch/', timeout=3)" 2>/dev/null; \
-	then echo "torch==$(TORCH_VERSION) --index-url $(CPU_INDEX) --extra-index-url https://pypi.org/simple"; \
-	else echo "torch==$(TORCH_VERSION)"; fi)
+	then echo cpu; else echo no-cpu-index; fi)
+TORCH := torch==$(TORCH_VERSION)$(if $(filter cpu,$(TORCH_BUILD)), --index-url $(CPU_INDEX) --extra-index-url \
+	https://pypi.org/simple)
+else
+TORCH_BUILD := given
 endif
+# what the install says before it starts, and why (a CUDA build is several GB and minutes of download)
+TORCH_WHY_cuda = PyPI's default wheel, the CUDA build (nvidia-smi found: NVIDIA GPUs; several GB)
+TORCH_WHY_cpu = the CPU build from $(CPU_INDEX) (no nvidia-smi: no NVIDIA GPU; a few hundred MB)
+TORCH_WHY_no-cpu-index = PyPI's default wheel (no nvidia-smi, but $(CPU_INDEX) did not answer within 3 s). \
+	On Linux that is the CUDA build, several GB, unless your pip configuration points at a CPU index; \
+	for the CPU build press Ctrl-C, then: make $(or $(MAKECMDGOALS),lab) \
+	TORCH=\"torch==$(TORCH_VERSION) --index-url $(CPU_INDEX)\"
+TORCH_WHY_given = TORCH=\"$(TORCH)\", as given
 BIN     = $(VENV)/bin
 # Lessons store their outputs and nbval compares them digit for digit, so the arithmetic must not depend on the
 # CPU: MKL picks its kernels by processor (an AMD EPYC and an Intel Xeon round a matmul differently, and a loss
@@ -38,11 +50,23 @@ STAMP   = $(VENV)/.installed
 
 .PHONY: lab lab-solved test test-slow test-fast lint notebooks sources student bench browser clean gpu-check
 
+# The lessons' kernels: JupyterLab provisions CurveZMQ keys for each kernel it starts (jupyter_client's
+# transport_encryption=auto, for kernels that declare support, as ipykernel's does), so the kernel's messages
+# are encrypted and it no longer warns at every start that it runs "over TCP without encryption". Written only
+# where this pyzmq has CurveZMQ and this jupyter_client the option (else JupyterLab would refuse the setting),
+# into the venv's own Jupyter config (etc/jupyter, read by the venv's JupyterLab), not over one already there.
+KERNEL_CONFIG = jupyter-config/jupyter_server_config.json
+
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet $(TORCH)
-	$(BIN)/python -m pip install --quiet -e ".[lab,test]"
+	@echo "distlab: installing PyTorch: $(TORCH_WHY_$(TORCH_BUILD))"
+	$(BIN)/python -m pip install --progress-bar on $(TORCH)
+	@echo "distlab: installing distlab with the lesson and test extras (.[lab,test]) into $(VENV)"
+	$(BIN)/python -m pip install --progress-bar on -e ".[lab,test]"
+	if $(BIN)/python -c "import sys, zmq, jupyter_client as j; \
+	    sys.exit(not (zmq.has('curve') and 'transport_encryption' in j.KernelManager.class_traits()))"; \
+	then mkdir -p $(VENV)/etc/jupyter && cp -n $(KERNEL_CONFIG) $(VENV)/etc/jupyter/; fi
 	touch $(STAMP)
 
 # The learner's working copy, ignored by git (.gitignore), so that JupyterLab's autosave, outputs and edited

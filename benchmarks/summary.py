@@ -258,12 +258,56 @@ def checkpoint_stall() -> list[str]:
             f"{'yes' if t['met'] else 'no'} |", ""]
 
 
+def dry_run() -> list[str]:
+    d = _load("dry_run")
+    if not d:
+        return []
+    rows = []
+    for r in d["results"]:
+        states = [sum(x["peak"][k] for k in ("params", "grads", "optimizer")) / 2**30 for x in r["ranks"]]
+        theory = sum(r["theory"][k] for k in ("params", "grads", "optimizer")) / 2**30
+        rows.append(f"| {r['model']} | {r['strategy']} | {r['world_size']} | {r['seconds']:.1f} s | "
+                    + " / ".join(f"{v:.2f}" for v in states) + f" | {theory:.2f} |")
+    target = d.get("target")
+    met = "" if not target else f" Target: {target['what']}: {target['seconds']:.1f} s, " + (
+        "met." if target["met"] else "**not met**.")
+    return [f"**Dry runs** (the fake backend: one step of the real code on meta tensors, the first and the "
+            f"last rank; `benchmarks/dry_run.py`).{met}{_load_note(d['meta'])}", "",
+            "| model | layout | ranks | seconds | model states GiB (first / last rank) | theory GiB |",
+            "|---|---|---|---|---|---|", *rows, ""]
+
+
+def _offload_row(r: dict) -> str:
+    mem = r["memory_rank0"]
+    extra = (f"{_ms(r['measured_extra_s'])} | {_ms(r['predicted_extra_s'])}" if "measured_extra_s" in r
+             else "- | -")
+    where = " / ".join(f"{mem.get(c, 0) / 1e6:.2f}" for c in ("optimizer", "host", "disk"))
+    return (f"| {r['world']} | zero{r['stage']} | {r['tier']} | {_ms(r['step_s'])} | {extra} | {where} | "
+            f"{'yes' if r['equal_to_no_offload'] else '**no**'} |")
+
+
+def offload() -> list[str]:
+    d = _load("offload")
+    if not d:
+        return []
+    m, bw = d["meta"], d["meta"]["bandwidth_bytes_per_s"]
+    return [f"**Offload** (ZeRO with `offload=\"cpu\"` / `\"disk\"` beside none, {m['model']}, the slowest "
+            f"rank's median step, tiers taking turns in one launch; predicted extra: `dl.theory.offload."
+            f"step_time` at the measured host copy {bw['host'] / 1e9:.1f} GB/s, file round trip "
+            f"{bw['disk'] / 1e9:.2f} GB/s and {bw['file_latency_s'] * 1e3:.2f} ms per file; "
+            f"`benchmarks/offload.py`).{_load_note(m)}", "",
+            "| ranks | stage | offload | step | extra | predicted extra | optimizer / host / disk MB "
+            "(rank 0) | equal to no offload |",
+            "|---|---|---|---|---|---|---|---|", *[_offload_row(r) for r in d["results"]], ""]
+
+
 def tables() -> str:
     parts = launch_latency() + allreduce() + data_parallel() + tensor_parallel() + pipeline() + checkpoint()
     parts += expert_parallel()
     parts += fsdp()
     parts += all_to_all() + context_parallel()
-    parts += checkpoint_stall()
+    parts += checkpoint_stall() + dry_run()
+    parts += offload()
     return "\n".join(parts).rstrip() + "\n"
 
 

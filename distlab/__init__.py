@@ -15,16 +15,18 @@ from .launch import LaunchError, Run, launch   # the package distlab.launch is i
 from .progress import progress
 from .runtime import backend, barrier, device, local_rank, rank, tracer, world_size
 from .trace import Event, Trace, Tracer
-from .train import Report, train   # eager: a lazy `train` would be shadowed by the module once anything
-                                   # imports distlab.train (the import system sets the attribute)
+from .train import train   # eager: a lazy `train` would be shadowed by the module once anything
+                           # imports distlab.train (the import system sets the attribute)
 
 __version__ = "0.1.0"
 
 # name -> (module, attribute or None for the module itself)
 _LAZY = {
+    "Report": (".strategies.runner", "Report"),       # with the strategies and torch, on first use
     "comm": (".comm", None),
     "theory": (".theory", None),
     "models": (".models", None),
+    "data": (".data", None),
     "memory": (".memory", None),
     "viz": (".viz", None),
     "widgets": (".widgets", None),
@@ -39,6 +41,7 @@ _LAZY = {
     "PowerSGDDDP": (".parallel.data", "PowerSGDDDP"),
     "ZeRO": (".parallel.zero", "ZeRO"),
     "ShardedOptimizer": (".parallel.zero", "ShardedOptimizer"),
+    "OffloadedOptimizer": (".parallel.zero", "OffloadedOptimizer"),
     "fully_shard": (".parallel.zero", "fully_shard"),
     "full_state_dict": (".parallel.zero", "full_state_dict"),
     "clip_grad_norm_": (".parallel.clip", "clip_grad_norm_"),
@@ -47,7 +50,7 @@ _LAZY = {
 }
 
 __all__ = ["launch", "Run", "LaunchError", "rank", "world_size", "local_rank", "device", "backend",
-           "barrier", "tracer", "progress", "Trace", "Tracer", "Event", "train", "Report", *_LAZY]
+           "barrier", "tracer", "progress", "Trace", "Tracer", "Event", "train", *_LAZY]
 
 
 def __getattr__(name: str):

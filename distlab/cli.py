@@ -30,11 +30,37 @@ Other subcommands may be added by other modules.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
+import re
 import sys
 
 from . import __version__
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a did-you-mean for a misspelled subcommand, choice or flag (argparse's own
+    ``suggest_on_error`` arrives in Python 3.14)."""
+
+    def error(self, message: str):
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:
+            message += _did_you_mean(choice.group(1), re.findall(r"'([^']*)'", choice.group(2)), quote=True)
+        return super().error(message)
+
+    def refuse_unknown(self, extra: list[str]):
+        """``unrecognized arguments: --stratgy ddp (did you mean --strategy?)``, from this (sub)parser."""
+        flags = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
+        hints = "".join(_did_you_mean(a.split("=", 1)[0], flags) for a in extra if a.startswith("-"))
+        self.error(f"unrecognized arguments: {' '.join(extra)}{hints}")
+
+
+def _did_you_mean(word: str, options: list[str], quote: bool = False) -> str:
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    if not close:
+        return ""
+    return f" (did you mean {close[0]!r}?)" if quote else f" (did you mean {close[0]}?)"
 
 
 class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
@@ -56,10 +82,14 @@ def _train_parser(sub) -> None:
                    help="ranks to launch (default 1; under torchrun, torchrun's WORLD_SIZE, "
                         "which it must equal)")
     p.add_argument("--model", default="gpt-tiny",
-                   help="gpt-tiny, gpt-small, gpt-wide, gpt-moe-tiny (for ep) or mlp")
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
+                   help="gpt-tiny, gpt-small, gpt-wide, gpt-moe-tiny (for ep) or mlp; with --backend fake "
+                        "also gpt3-175b, llama3-8b, llama3-70b, llama3-405b")
+    _dry_run_flags(p)
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps; a dry run (--backend fake) takes 1 unless given (default: 20)")
     p.add_argument("--seed", type=int, default=0, help="weights and data")
-    p.add_argument("--global-batch", type=int, default=16, help="rows per step, over all ranks")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="rows per step, over all ranks (default 16; a dry run one row per microbatch)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adam", "sgd"], help="optimizer")
     p.add_argument("--weight-decay", type=float, default=0.0, help="weight decay")
@@ -81,6 +111,30 @@ def _train_parser(sub) -> None:
                    help="fsdp: gather and compute dtype")
     p.add_argument("--no-reshard-after-forward", action="store_true",
                    help="fsdp: keep the gathered parameters from forward to backward")
+    _checkpoint_flags(p)
+    p.add_argument("--data", default=None, choices=["synthetic", "text"],
+                   help="the model's synthetic data (default), or the shipped text corpus through dl.data's "
+                        "loader (loader options: --option workers=2, data_latency=0.05, ...)")
+    p.add_argument("--profile", metavar="DIR", help="torch.profiler traces to DIR; comm and MFU printed")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra strategy option (value parsed as JSON when it can be)")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="also write settings, losses, step times, bytes and memory here ('-': stdout, "
+                        "the table then goes to stderr)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="a bar with step, loss and it/s on stderr (default: when stderr is a terminal)")
+    p.add_argument("--traceback", action="store_true", help="on an error, show the full traceback")
+
+
+def _dry_run_flags(p) -> None:
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl", "fake"],
+                   help="fake: a dry run of the --ranks listed, here, at any world size (NaN losses)")
+    p.add_argument("--ranks", default=None, metavar="R,R,...",
+                   help="with --backend fake: the ranks to run, e.g. 0,1023")
+
+
+def _checkpoint_flags(p) -> None:
+    """``distlab train``'s checkpoint and restart flags."""
     p.add_argument("--checkpoint-dir", default=None, help="save sharded checkpoints here")
     p.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
                    help="save every K steps and at the end")
@@ -94,33 +148,31 @@ def _train_parser(sub) -> None:
                    help="relaunch a failed run from its newest checkpoint up to K times")
     p.add_argument("--shrink", nargs="?", const="auto", default=None, metavar="SIZES",
                    help="restart on one rank fewer each time, or on the given world sizes (e.g. 3,2)")
-    p.add_argument("--profile", default=None, metavar="DIR",
-                   help="run under torch.profiler: DIR/rank{r}.json, the merged DIR/trace.json (Perfetto), "
-                        "and the measured comm fraction, its hidden part and MFU printed")
-    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra strategy option (value parsed as JSON when it can be)")
-    p.add_argument("--json", default=None, metavar="PATH",
-                   help="also write settings, losses, step times, bytes and memory here ('-': stdout, "
-                        "the table then goes to stderr)")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="a bar with step, loss and it/s on stderr (default: when stderr is a terminal)")
-    p.add_argument("--traceback", action="store_true", help="on an error, show the full traceback")
 
 
 def train_keywords(args) -> dict:
     """``distlab train``'s flags as `dl.train`'s keywords (the strategy aside): the same keywords a
     notebook would pass, parsed into the same typed spec (`distlab.strategies.parse`)."""
-    kw = dict(model=args.model, steps=args.steps, seed=args.seed, global_batch=args.global_batch, lr=args.lr,
+    kw = dict(model=args.model, seed=args.seed, lr=args.lr,
               optimizer=args.optimizer, weight_decay=args.weight_decay, grad_accum=args.grad_accum,
               precision=args.precision, clip=args.clip)
-    flags = {"comm": args.comm, "bucket_mb": args.bucket_mb, "recompute": args.recompute, "hsdp": args.hsdp,
+    flags = {"steps": args.steps, "global_batch": args.global_batch,       # None: train's default
+             "comm": args.comm, "bucket_mb": args.bucket_mb, "recompute": args.recompute, "hsdp": args.hsdp,
              "param_dtype": args.param_dtype, "checkpoint_dir": args.checkpoint_dir,
              "checkpoint_every": args.checkpoint_every, "keep_last": args.keep_last,
              "overlap": False if args.no_overlap else None, "prefetch": True if args.prefetch else None,
              "reshard_after_forward": False if args.no_reshard_after_forward else None,
              "resume": True if args.resume else None, "async_save": True if args.async_save else None,
-             "profile": args.profile}
+             "data": args.data, "profile": args.profile}
     kw.update({k: v for k, v in flags.items() if v is not None})      # a flag not given: not a keyword
+    if args.backend != "auto":
+        kw["backend"] = args.backend
+    if args.ranks is not None:
+        try:
+            kw["ranks"] = [int(r) for r in args.ranks.split(",")]
+        except ValueError:
+            raise ValueError(f"--ranks expects rank numbers separated by commas (e.g. 0,1023), got "
+                             f"{args.ranks!r}") from None
     for item in args.option:
         if "=" not in item:
             raise ValueError(f"--option expects KEY=VALUE (e.g. --option microbatches=4), got {item!r}")
@@ -172,24 +224,27 @@ def _run_train(args) -> int:
     kwargs = dict(world_size=world, progress=args.progress, **train_keywords(args))
     train(args.strategy, check_only=True, **kwargs)       # bad input: one line, exit 2, no rank started
     _check_writable(args.json)
+    printing = os.environ.get("RANK", "0") == "0"   # under torchrun every rank has the report: one prints it
+    out = sys.stderr if args.json == "-" else sys.stdout     # stdout is the JSON's, then
+    if printing:                                             # what runs, before the ranks start
+        dry = " (a dry run: fake backend)" if args.backend == "fake" else ""
+        batch = args.global_batch or ("the dry run's" if dry else 16)
+        print(f"{args.strategy} on {world} rank(s){dry}, {args.model}, global batch {batch}", file=out,
+              flush=True)
     try:
         report = train(args.strategy, **kwargs)
     except (ValueError, TypeError) as err:                # every check passed: the run itself failed
         raise RunFailed(f"{type(err).__name__}: {err}") from err
-    if os.environ.get("RANK", "0") != "0":       # under torchrun every rank has the report: one prints it
+    if not printing:
         return 0
-    out = sys.stderr if args.json == "-" else sys.stdout     # stdout is the JSON's, then
-    times = step_seconds(report)
-    print(f"{args.strategy} on {report.world_size} rank(s), {args.model}, global batch {args.global_batch}",
-          file=out)
+    times = step_seconds(report) if args.backend != "fake" else {}   # a dry run's time is no step time
     for step, loss in enumerate(report.losses):
         took = f"  {times[step] * 1e3:8.1f} ms" if step in times else ""     # a resumed run's own steps
         print(f"step {step:4d}  loss {loss:.6f}{took}", file=out)
     if times:
-        mean = sum(times.values()) / len(times)
-        print(f"mean step time {mean * 1e3:.1f} ms ({1 / mean:.2f} steps/s over {len(times)} steps)",
-              file=out)
-    for r, (comm, mem) in enumerate(zip(report.comm, report.memory)):
+        print(mean_step_time(times), file=out)
+    listed = train_keywords(args).get("ranks") or range(len(report.memory))
+    for r, comm, mem in zip(listed, report.comm, report.memory):
         peak = mem.get("peak", {})
         parts = "  ".join(f"{k} {v / 2**20:.3f}" for k, v in peak.items())
         sent = comm.get("sent_per_step", 0) / 2**20
@@ -197,8 +252,9 @@ def _run_train(args) -> int:
     for r in getattr(report, "restarts", []):
         print(f"restart {r.attempt}: {r.world_size} -> {r.next_world_size} ranks, resumed from step "
               f"{r.resumed_from}, lost {r.lost_steps} step(s) and {r.lost_seconds:.2f} s", file=out)
-    if args.profile:
-        _print_profile(args.profile, report, out)
+    if args.profile:                                      # what torch.profiler measured, beside distlab
+        from .viz.profile import summary
+        print(summary(args.profile, report.trace), file=out)
     if args.json == "-":
         json.dump(_as_json(args, report, times), sys.stdout, indent=1)
         print()
@@ -208,16 +264,15 @@ def _run_train(args) -> int:
     return 0
 
 
-def _print_profile(directory: str, report, out) -> None:
-    """What the torch.profiler trace measured, beside distlab's own trace (`distlab.viz.profile`)."""
-    from .viz.profile import measured
-    merged = os.path.join(directory, "trace.json")
-    print(f"profile: {merged} (ui.perfetto.dev); measured after the first step:", file=out)
-    for r, f in sorted(measured(directory, report.trace).items()):
-        own = f.get("distlab", {})
-        print(f"rank {r}: comm {f['comm']:.1%} of step time, {f['hidden']:.1%} of it under compute, MFU "
-              f"{f['mfu']:.1%} of a measured {f['peak_flops'] / 1e9:.1f} GFLOP/s   (distlab's trace: comm "
-              f"{own.get('comm', 0):.1%}, {own.get('hidden', 0):.1%} under compute)", file=out)
+def mean_step_time(times: dict[int, float]) -> str:
+    """The steady step time: the mean over this run's steps but its first, the warm-up (allocations,
+    the first collectives' connections; often ten times a steady step), which the line says it left out."""
+    first, *steady = sorted(times)
+    if not steady:
+        return f"mean step time {times[first] * 1e3:.1f} ms (1 step, the warm-up: no steady step to time)"
+    mean = sum(times[s] for s in steady) / len(steady)
+    return (f"mean step time {mean * 1e3:.1f} ms ({1 / mean:.2f} steps/s over {len(steady)} "
+            f"step{'s' * (len(steady) != 1)}; step {first}, the warm-up, left out)")
 
 
 def _as_json(args, report, times: dict[int, float]) -> dict:
@@ -252,13 +307,21 @@ def step_seconds(report) -> dict[int, float]:
 
 
 def _strategies() -> int:
-    from .strategies.parse import NAMED, SHARED, key, names
+    """Every strategy name and the options it reads, then what each option does: the docstring of its
+    field in the typed spec (`distlab.strategies.spec`)."""
+    import textwrap
+
+    from .strategies.parse import NAMED, SHARED, describe, key, names, options
     for name in names():
         own = NAMED[key(name)].reads
         note = "  (ddp's, read and ignored: one process)" if name == "single" else ""
         print(f"{name:<20} {', '.join(own) or '-'}{note}")
     print(f"\nevery strategy also takes {', '.join(SHARED)} (and the numerics' options where fp16 runs); "
           "pass options as --option KEY=VALUE (or the flags of `distlab train --help`)")
+    print("\nwhat each option does:")
+    for option in dict.fromkeys(o for name in names() for o in options(name)):
+        lines = textwrap.wrap(describe(option), 84, break_on_hyphens=False) or ["-"]
+        print(f"  {option:<24}{lines[0]}", *(f"  {'':<24}{line}" for line in lines[1:]), sep="\n")
     return 0
 
 
@@ -287,22 +350,28 @@ def _error(err: Exception) -> int:
     return 2
 
 
-def main(argv: list[str] | None = None) -> int:
-    from .checkpoint.store import CheckpointError
-    from .launch import LaunchError
-    from .memory_budget import MemoryLimitExceeded
-    parser = argparse.ArgumentParser(prog="distlab", description="distributed training, from send/recv up")
+def _parser() -> tuple[_Parser, dict[str, _Parser]]:
+    """The ``distlab`` parser and its subcommands' parsers, by name."""
+    parser = _Parser(prog="distlab", description="distributed training, from send/recv up")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _train_parser(sub)
-    sub.add_parser("strategies", help="list the strategy names train accepts, and their options")
+    sub.add_parser("strategies", help="list the strategy names train accepts, and what each option does")
     lessons = sub.add_parser("lessons", help="the lessons (Jupyter notebooks): DIR/student to work in "
                              "(exercises to write), DIR/solved to compare with")
     lessons.add_argument("dir", metavar="DIR", help="where to put them (created if need be)")
     lessons.add_argument("--force", action="store_true", help="overwrite copies you changed too")
-    from .exercises.grade import add_parser as add_grade_parser
+    from .exercises.grade import add_parser as add_grade_parser      # (no torch: the harness loads on use)
     add_grade_parser(sub)                              # `distlab grade`: distlab/exercises/grade.py
-    args = parser.parse_args(argv)
+    return parser, sub.choices
+
+
+def main(argv: list[str] | None = None) -> int:
+    # torch and the strategies load only once a command runs: --help and a typo answer at once
+    parser, commands = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        commands[args.command].refuse_unknown(extra)
     try:
         if args.command == "train":
             return _run_train(args)
@@ -312,12 +381,19 @@ def main(argv: list[str] | None = None) -> int:
             return _lessons(args)
         if args.command == "grade":
             return args.run(args)
-    except (ValueError, TypeError, OSError, CheckpointError, LaunchError, MemoryLimitExceeded,
-            RunFailed) as err:
-        if getattr(args, "traceback", False):
+    except Exception as err:
+        if getattr(args, "traceback", False) or not isinstance(err, _reported()):
             raise
         return _error(err)
     return 2
+
+
+def _reported() -> tuple[type, ...]:
+    """The errors said in one line (`_error`) rather than as a traceback."""
+    from .checkpoint.store import CheckpointError
+    from .launch import LaunchError
+    from .memory_budget import MemoryLimitExceeded
+    return (ValueError, TypeError, OSError, CheckpointError, LaunchError, MemoryLimitExceeded, RunFailed)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Categories (the ZeRO paper's "model states" plus the "residual states", Rajbhand
     optimizer    optimizer state (Adam: exp_avg, exp_avg_sq, step) and fp32 master weights
     activations  tensors autograd saved for backward, counted by `saved_tensors_hooks`
     buffers      communication buffers (flat gradient buckets in flight, gathered copies)
+    host, disk   off the device (`parallel.zero.offload`): in rows if sampled; not in peak_total nor a limit
 
 Bytes are counted by distinct storage (`storage_bytes`): views into one flat buffer count once,
 padding included, so a ZeRO ledger is comparable with `dl.theory.memory` exactly. On CUDA each
@@ -41,25 +42,31 @@ import weakref
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from .memory_budget import Budget, MemoryLimitExceeded, parse_bytes  # noqa: F401  (re-exported)
+from .memory_budget import OFF_DEVICE, Budget, MemoryLimitExceeded, parse_bytes  # noqa: F401  (re-exported)
 from .runtime import current_run, tracer
 
-CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
+CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")     # on the device
+
+
+def storage_key(storage) -> int:
+    """What tells storages apart: the address of their data; for a storage without data (a ``meta`` or a
+    FakeTensor's, the tensors of a dry run, `distlab.launch.fake`) its address is 0 for all of them, so
+    the storage object's own (``_cdata``, the C++ StorageImpl that every view shares)."""
+    return storage._cdata if storage.device.type == "meta" else storage.data_ptr()
 
 
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once, padding
-    included)."""
+    included); tensors without storage (meta, fake) by the ``nbytes`` their storage would hold."""
     seen, total = set(), 0
     for t in tensors:
         if t is None:
             continue
         s = t.untyped_storage()
-        if s.nbytes() == 0 or s.data_ptr() in seen:
+        if s.nbytes() == 0 or storage_key(s) in seen:
             continue
-        seen.add(s.data_ptr())
+        seen.add(storage_key(s))
         total += s.nbytes()
     return total
 
@@ -67,10 +74,16 @@ def storage_bytes(tensors) -> int:
 def optimizer_bytes(optimizer, masters=()) -> int:
     """Bytes of a torch optimizer's state tensors, plus ``masters``: fp32 master copies of low-precision
     parameters, which are optimizer state too (the ZeRO paper's K = 12 for mixed-precision Adam)."""
-    if optimizer is None:
-        return 0
-    state = [t for st in optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    state = [t for st in (optimizer.state.values() if optimizer is not None else ()) for t in st.values()
+             if isinstance(t, torch.Tensor)]
     return storage_bytes(state) + storage_bytes(masters)
+
+
+def offload_bytes(optimizer) -> dict[str, int]:
+    """An offloaded optimizer's (or ZeRO's, around one) ``host`` tensors (``held()``) and ``disk`` bytes."""
+    inner = optimizer if hasattr(optimizer, "held") else getattr(optimizer, "optimizer", None)
+    held = hasattr(inner, "held")
+    return {"optimizer": 0, "host": storage_bytes(inner.held()), "disk": inner.disk_bytes()} if held else {}
 
 
 # -- model states of a data-parallel rank, measured from outside the algorithm ---------------------
@@ -120,7 +133,8 @@ def zero_memory(zero):
         masters = [m for m, s in zip(opt.masters, opt.shards) if m is not s]
         return {"params": storage_bytes(params),
                 "grads": storage_bytes([*(p.grad for p in opt.params), *opt.grad_shards]),
-                "optimizer": optimizer_bytes(opt.optimizer, masters), "buffers": peak.take()}
+                "optimizer": optimizer_bytes(opt.optimizer, masters), "buffers": peak.take(),
+                **offload_bytes(opt)}
     return measure
 
 
@@ -143,7 +157,8 @@ def fsdp_memory(model: nn.Module, optimizer):
         params = list(model.parameters())
         sums = [p.accum for u in units for p in u.params]
         return {"params": storage_bytes(params), "grads": storage_bytes([*(p.grad for p in params), *sums]),
-                "optimizer": optimizer_bytes(optimizer), "buffers": peak.take()}
+                "optimizer": optimizer_bytes(optimizer), "buffers": peak.take(),
+                **offload_bytes(optimizer)}
     return measure
 
 
@@ -189,7 +204,7 @@ class SavedTensors:
     def count(self, t: torch.Tensor, owner) -> bool:
         """Count ``t``'s storage while ``owner`` lives (once per storage however many hold it)."""
         storage = t.untyped_storage()
-        key = storage.data_ptr()
+        key = storage_key(storage) if storage.nbytes() else 0
         if key == 0:
             return False
         if self._refs.get(key, 0) == 0:
@@ -222,34 +237,6 @@ class SavedTensors:
         peak, self.rebuilt_peak = self.rebuilt_peak, 0
         return peak
 
-    def recompute_context(self):
-        """``torch.utils.checkpoint``'s ``context_fn``: in the recomputation, count what it saves again for
-        backward (saved-tensor hooks cannot: the checkpoint's own take those tensors); forward: `hooks`."""
-        return contextlib.nullcontext(), _Rebuilt(self)
-
-
-def recompute_context():
-    """``context_fn`` for a recomputing block (`models.Block`, attached by the strategies): what it rebuilds
-    in backward is counted by the ledger of the run in progress (none: counted nowhere)."""
-    saved = current_run().saved_tensors
-    return saved.recompute_context() if saved is not None else (contextlib.nullcontext(),) * 2
-
-
-class _Rebuilt(TorchDispatchMode):
-    """Counts into a `SavedTensors`, while they live, the tensors a recomputation saves for backward: the
-    checkpoint keeps ``x.detach()`` of each (a parameter's is no activation; temporaries are not saved)."""
-
-    def __init__(self, saved: SavedTensors):
-        super().__init__()
-        self.saved = saved
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten.detach.default and not (args[0].is_leaf and args[0].requires_grad):
-            self.saved.count(out, out)             # what the checkpoint keeps: x.detach() of each saved x
-        self.saved.rebuilt_peak = max(self.saved.rebuilt_peak, self.saved.current)
-        return out
-
 
 class SavedActivations:
     """``with SavedActivations(model) as m: loss = model(x)...`` then ``m.bytes``: bytes saved for backward.
@@ -259,14 +246,14 @@ class SavedActivations:
     """
 
     def __init__(self, *modules: nn.Module):
-        self._param_storages = {p.untyped_storage().data_ptr() for m in modules for p in m.parameters()}
+        self._param_storages = {storage_key(p.untyped_storage()) for m in modules for p in m.parameters()}
         self._seen: dict[int, int] = {}
         self.tensors: list[tuple[tuple, torch.dtype, int]] = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        ptr = storage.data_ptr()
+        ptr = storage_key(storage)
         if ptr not in self._param_storages and ptr not in self._seen:
             self._seen[ptr] = storage.nbytes()
             self.tensors.append((tuple(t.shape), t.dtype, storage.nbytes()))
@@ -339,7 +326,7 @@ class Ledger:
     def __init__(self, limit: int | None = None, measure=None):
         self.timeline: list[tuple[str, dict[str, int]]] = []
         self.saved = SavedTensors()
-        current_run().saved_tensors = self.saved    # recomputations count here (`recompute_context`)
+        current_run().saved_tensors = self.saved    # recomputations count here (`recomputation`)
         self.budget = None
         if limit is not None:                       # checked at every saved tensor (see `Budget`)
             self.budget = Budget(limit, measure, lambda: self.saved.current)
@@ -357,16 +344,17 @@ class Ledger:
         return self.saved.hooks()
 
     def sample(self, label: str, trace: bool = True, **bytes_by_category: int) -> dict[str, int]:
-        """Record bytes by category (missing categories are 0; ``activations`` defaults to the live count)."""
-        unknown = set(bytes_by_category) - set(CATEGORIES)
+        """Record bytes by category (missing ones 0, host/disk absent; activations: the live count)."""
+        unknown = set(bytes_by_category) - set(CATEGORIES) - set(OFF_DEVICE)
         if unknown:
-            raise ValueError(f"unknown memory categories {sorted(unknown)}: use {CATEGORIES}")
+            raise ValueError(f"unknown memory categories {sorted(unknown)}: use {CATEGORIES + OFF_DEVICE}")
         row = {c: int(bytes_by_category.get(c, 0)) for c in CATEGORIES}
         if "activations" not in bytes_by_category:
             row["activations"] = self.saved.current
         if self.budget is not None:
             row["buffers"] = max(row["buffers"], self.budget.take_buffers())
             self.budget.check_row(row, label)
+        row.update({c: int(bytes_by_category[c]) for c in OFF_DEVICE if c in bytes_by_category})
         extra = {}
         if torch.cuda.is_initialized():            # (is_available() first would cuInit: no fork after)
             extra = {"cuda_allocated": torch.cuda.memory_allocated(),
@@ -378,12 +366,13 @@ class Ledger:
 
     @property
     def peak(self) -> dict[str, int]:
-        """Largest value of each category over all samples."""
-        return {c: max((row[c] for _, row in self.timeline), default=0) for c in CATEGORIES}
+        """Largest value of each category over all samples (``host``/``disk`` where sampled)."""
+        present = CATEGORIES + tuple(c for c in OFF_DEVICE if any(c in row for _, row in self.timeline))
+        return {c: max((row.get(c, 0) for _, row in self.timeline), default=0) for c in present}
 
     @property
     def peak_total(self) -> int:
-        """Largest sum over categories at any one sample."""
+        """Largest sum over the device's categories at any one sample."""
         return max((sum(row[c] for c in CATEGORIES) for _, row in self.timeline), default=0)
 
     def as_dict(self) -> dict:

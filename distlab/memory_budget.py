@@ -24,6 +24,9 @@ import torch
 
 _UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "kib": 2 ** 10, "mib": 2 ** 20,
           "gib": 2 ** 30}
+#: where offloaded bytes live (ZeRO-Offload, ZeRO-Infinity): off the device, so never counted against a
+#: limit (a GPU's memory); on a CPU the "device" and the host are one memory, and these say what moved
+OFF_DEVICE = ("host", "disk")
 CURES = ("shard the model states (strategy='zero3' or 'fsdp': params, grads and optimizer state / N), "
          "recompute activations instead of keeping them (recompute=True), or lower global_batch / raise "
          "grad_accum")
@@ -107,7 +110,7 @@ class Budget:
         self.check_row(self._row(), self.where[0])
 
     def _row(self) -> dict[str, int]:
-        row = dict(self.measure())
+        row = {c: v for c, v in self.measure().items() if c not in OFF_DEVICE}
         self.buffers = max(self.buffers, row.get("buffers", 0))
         row["activations"] = self.activations()
         return row

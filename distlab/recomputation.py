@@ -14,17 +14,20 @@ is enabled; the module's own hooks stay outside the checkpoint (torchtitan's ord
 ``fully_shard(checkpoint_wrapper(block))``), so a wrapper that gathers parameters in its hooks (`fully_shard`,
 ``ZeRO(stage=3)``) does it once before forward and once before backward, whichever of ``dl.recompute``
 and the wrapper came first. The memory ledger counts what the recomputation saves again
-(`memory.recompute_context`, the checkpoint's ``context_fn``).
+(`recompute_context`, the checkpoint's ``context_fn``, into the run's `memory.SavedTensors`).
 """
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from .memory import recompute_context
+from .memory import SavedTensors
+from .runtime import current_run
 
 
 def recompute(module: nn.Module) -> nn.Module:
@@ -55,3 +58,30 @@ class Recomputed:
             return self.run(*args, **kwargs)
         return checkpoint(partial(self.run, **kwargs), *args, use_reentrant=False,
                           context_fn=recompute_context)
+
+
+def recompute_context():
+    """``torch.utils.checkpoint``'s ``context_fn`` for a recomputing module (`recompute`; `models.Block`,
+    attached by the strategies): forward as usual; in the recomputation, what it saves again for backward
+    is counted by the memory ledger of the run in progress (saved-tensor hooks cannot see it: the
+    checkpoint's own take those tensors); with no ledger, counted nowhere."""
+    saved = current_run().saved_tensors
+    if saved is None:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    return contextlib.nullcontext(), _Rebuilt(saved)
+
+
+class _Rebuilt(TorchDispatchMode):
+    """Counts into a `SavedTensors`, while they live, the tensors a recomputation saves for backward: the
+    checkpoint keeps ``x.detach()`` of each (a parameter's is no activation; temporaries are not saved)."""
+
+    def __init__(self, saved: SavedTensors):
+        super().__init__()
+        self.saved = saved
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.detach.default and not (args[0].is_leaf and args[0].requires_grad):
+            self.saved.count(out, out)             # what the checkpoint keeps: x.detach() of each saved x
+        self.saved.rebuilt_peak = max(self.saved.rebuilt_peak, self.saved.current)
+        return out

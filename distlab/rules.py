@@ -193,6 +193,10 @@ class Either(Described):
         return any(rule.accepts(value) for rule in self.rules)
 
 
+#: what a world size takes (`dl.train`'s ``world_size``, each restart's; what a machine holds: `train`)
+WORLD_SIZE = Whole(1, example=4)
+
+
 def check(table: dict[str, Rule], values: dict) -> None:
     """Every value in ``values`` that ``table`` has a rule for, checked by it (names are checked elsewhere:
     `distlab.strategies.parse`)."""

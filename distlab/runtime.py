@@ -4,15 +4,20 @@ the groups I am in are called.
 `distlab.launch` (or torchrun) initialises the process group and calls `_enter`; everything
 else asks these functions. Outside any launch they describe a world of one process on the CPU
 (or the first GPU), which is what the single-process reference runs use.
+
+Asking does not import torch (``import distlab`` stays light, and the ``distlab`` command answers
+``--help`` at once): a process that has not loaded torch has no process group.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from .trace import Tracer
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -29,6 +34,7 @@ class _RankState:
     comm_buffers: dict = field(default_factory=dict)      # dl.comm's receive buffers, kept between calls
     saved_tensors: object = None                          # what the memory ledger counts recomputations into
     placed: torch.device | None = None                    # where `place_on` put the rank, if anywhere
+    feed: object = None                                   # dl.train's data loader (`strategies.feed`), if any
 
 
 _state = _RankState()
@@ -52,18 +58,22 @@ def current_run() -> _RankState:
     return _state
 
 
+def _started():
+    """torch.distributed once a process group is up, else None (torch is not imported to find out)."""
+    dist = sys.modules.get("torch.distributed")
+    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+
+
 def rank() -> int:
     """This process's global rank (0 outside a launch)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return _state.rank
+    dist = _started()
+    return dist.get_rank() if dist else _state.rank
 
 
 def world_size() -> int:
     """Number of ranks in the default group (1 outside a launch)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return _state.world_size
+    dist = _started()
+    return dist.get_world_size() if dist else _state.world_size
 
 
 def local_rank() -> int:
@@ -73,14 +83,17 @@ def local_rank() -> int:
 
 def backend() -> str | None:
     """"gloo", "nccl", or None outside a process group."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_backend()
-    return _state.backend
+    dist = _started()
+    return dist.get_backend() if dist else _state.backend
 
 
 def device() -> torch.device:
-    """Where this rank computes: its own GPU under NCCL, else the CPU (or where `place_on` put it).
+    """Where this rank computes: its own GPU under NCCL, ``meta`` under the fake backend of a dry run
+    (shapes without storage: nothing is computed), else the CPU (or where `place_on` put it).
     Strategies never assume CUDA."""
+    import torch
+    if backend() == "fake":
+        return torch.device("meta")
     if _state.placed is not None:
         return _state.placed
     if backend() == "nccl":
@@ -92,6 +105,7 @@ def place_on(dev) -> None:
     """Compute on ``dev`` (e.g. ``"cuda:0"``) for the rest of this rank, whatever the backend: gloo ranks
     sharing one GPU (NCCL refuses two ranks on one GPU) use CUDA tensors through gloo where gloo takes
     them. Called inside a rank, after the launch made it (each launch starts from the backend's rule)."""
+    import torch
     _state.placed = torch.device(dev)
 
 
@@ -101,18 +115,16 @@ def tracer() -> Tracer:
 
 
 # -- groups: the one place that asks torch.distributed who is in a group -------------------------
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def group_size(group=None) -> int:
     """Ranks in ``group`` (default: the world; 1 outside a process group)."""
-    return dist.get_world_size(group) if _distributed() else 1
+    dist = _started()
+    return dist.get_world_size(group) if dist else 1
 
 
 def group_rank(group=None) -> int:
     """This rank's index inside ``group`` (0 outside a process group); a clear error for a non-member."""
-    if not _distributed():
+    dist = _started()
+    if not dist:
         return 0
     r = dist.get_rank(group)
     if r < 0:
@@ -123,15 +135,16 @@ def group_rank(group=None) -> int:
 
 def group_members(group=None) -> tuple[int, ...]:
     """The global rank of every member of ``group``, in group-rank order (send/recv address global ranks)."""
-    n = group_size(group)
-    if not _distributed() or group is None or group is dist.group.WORLD:
+    n, dist = group_size(group), _started()
+    if not dist or group is None or group is dist.group.WORLD:
         return tuple(range(n))
     return tuple(dist.get_global_rank(group, r) for r in range(n))
 
 
 def barrier(group=None) -> None:
     """A barrier that is a no-op in a world of one process."""
-    if dist.is_available() and dist.is_initialized():
+    dist = _started()
+    if dist:
         dist.barrier(group=group)
 
 

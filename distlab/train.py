@@ -4,7 +4,8 @@
     report.losses          # per step, from the rank that holds the loss
     report.params          # final full parameters by name (gathered)
     report.memory[r]       # rank r's ledger: {"peak": {...}, "peak_total": ..., "timeline": [...]}
-    report.comm[r]         # rank r's bytes: {"sent", "received", "sent_per_step", "sent_by_op"}
+    report.comm[r]         # rank r's bytes: {"sent", "received", "sent_per_step", "sent_by_op",
+                           #                  "sent_by_group"}
     report.run.trace       # everything recorded (None for "single", which runs in this process)
     report.stragglers()    # per step: each rank's compute time, the skew, the slowest rank
 
@@ -20,14 +21,17 @@ with distlab's spans and collectives as ranges (`distlab.launch.profiler`; measu
 ``max_restarts=k`` relaunches a failed run from its
 newest checkpoint up to k times, on fewer ranks with ``shrink`` (`strategies.restart`; ``report.restarts``).
 
-The walk of a call, straight through::
+The walk of a call, straight down (train.py is left once, for `distlab.strategies`, and the run comes
+back as the report)::
 
     spec = parse(strategy, **keywords)      the typed spec (`distlab.strategies.spec`); names checked,
                                             each value by its field's rule
     sizes = validate(spec, world_size)      the whole spec against the world, once, in the parent
     check_machine(world_size)               the ranks this machine can hold
-    run: _single | _launched | restart.run  ``load(strategy)``'s ``train_rank`` on every rank
-    -> Report                               losses, params, trace, memory, comm
+    return run(spec, sizes, ...)            `distlab.strategies.runner`: ``load(strategy)``'s ``train_rank``
+                                            here (single) or on every rank (`dl.launch`, relaunched by
+                                            `strategies.restart`) -> the `Report`: losses, params, trace,
+                                            memory, comm
 
 A strategy is a ``train_rank(spec)`` function (`distlab.strategies`), run on every rank by
 `dl.launch`; ``single`` runs right here on one process and is the reference every strategy must match
@@ -36,21 +40,34 @@ loop, `distlab.strategies.loop`.
 """
 from __future__ import annotations
 
-import contextlib
-import sys
-import time
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+from .launch import fake
+from .rules import WORLD_SIZE, Custom, Flag, Number, OneOf, check
 
-from .strategies import restart
-from .progress import bar_here, shown_by_default
-from .rules import Custom, Flag, Number, OneOf, check
-from .strategies import WORLD_SIZE, RankResult, TrainSpec, load, parse, validate
+if TYPE_CHECKING:                 # the strategies (and torch) load when `train` first runs, not on import
+    from .strategies.runner import Report
+
+__all__ = ["train", "Report", "check_machine", "available_memory"]
+
+
+def __getattr__(name: str):
+    """``Report`` (`distlab.strategies.runner`), loaded on first use with the strategies and torch."""
+    if name == "Report":
+        from .strategies.runner import Report
+        return Report
+    raise AttributeError(f"module 'distlab.train' has no attribute {name!r}")
 
 
 def _is_dict(value) -> None:
     if not isinstance(value, dict):
+        raise TypeError
+
+
+def _are_ranks(value) -> None:
+    """Whole numbers (not bools) in a list or tuple; each against the world size: `launch.fake.check`."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(r, int) and not isinstance(r, bool)
+                                                       for r in value):
         raise TypeError
 
 
@@ -63,62 +80,20 @@ ARGUMENTS = {
     "timeout": Number(0, strict=True, example=300.0),
     "progress": Flag(none="a bar when a person watches"),
     "check_only": Flag(),
+    "backend": OneOf("auto", "gloo", "nccl", "fake"),
+    "ranks": Custom(_are_ranks, "a list of rank numbers", example=[0, 1023], none="not a dry run"),
 }
 #: what one rank holds of its own, at the least: a process with torch, gloo and a tiny model loaded
 #: (measured: a gpt-tiny DDP rank forked on Linux has about 130 MiB of private memory)
 RANK_BYTES = 128 * 2**20
 
 
-@dataclass
-class Report:
-    """What `train` returns (see the module docstring)."""
-
-    spec: TrainSpec
-    world_size: int
-    losses: list[float]
-    params: dict[str, torch.Tensor] | None
-    run: object | None
-    memory: list[dict]
-    comm: list[dict]
-    results: list[RankResult] = field(repr=False, default_factory=list)
-    seconds: float = 0.0
-
-    @property
-    def strategy(self) -> str:
-        return self.spec.strategy
-
-    @property
-    def trace(self):
-        """The merged trace (a `dl.Trace`); for ``single``, the events this process recorded."""
-        return self.run.trace if self.run is not None else self._single_trace
-
-    _single_trace: object = field(default=None, repr=False)
-    restarts: list = field(default_factory=list)      # `distlab.strategies.restart.Restart`, one per relaunch
-
-    def stragglers(self):
-        """Per step, each rank's forward-and-backward time, the skew between ranks and the slowest rank
-        (`distlab.stragglers`): ``report.stragglers().straggler``, ``.skew``, ``print(...)``."""
-        from .stragglers import stragglers
-        return stragglers(self.trace)
-
-    @property
-    def numerics(self) -> dict:
-        """Rank 0's step numerics (`distlab.strategies.numerics`): ``skipped`` (steps skipped on every
-        rank for an inf/NaN gradient), ``grad_norms`` {step: norm}, ``spikes``, ``loss_scales`` (fp16)."""
-        return self.results[0].info.get("numerics", {}) if self.results else {}
-
-    def __repr__(self) -> str:
-        last = f"{self.losses[-1]:.4f}" if self.losses else "-"
-        return (f"Report({self.spec.strategy!r}, world_size={self.world_size}, model={self.spec.model!r}, "
-                f"steps={len(self.losses)}, final loss={last})")
-
-
-def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny", steps: int = 20,
-          seed: int = 0, *, global_batch: int = 16, lr: float = 1e-3, optimizer: str = "adamw",
+def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny", steps: int | None = None,
+          seed: int = 0, *, global_batch: int | None = None, lr: float = 1e-3, optimizer: str = "adamw",
           weight_decay: float = 0.0, grad_accum: int = 1, precision: str = "fp32",
           clip: float | None = None, options: dict | None = None, output: str = "quiet",
           timeout: float = 300.0, progress: bool | None = None, max_restarts: int = 0, shrink=False,
-          check_only: bool = False, **more_options) -> Report | None:
+          check_only: bool = False, backend: str = "auto", ranks=None, **more_options) -> Report | None:
     """Train ``model`` with ``strategy`` on ``world_size`` ranks. Every other keyword (and every entry of
     ``options``) is a field of the typed spec (`distlab.strategies.spec`), e.g. ``bucket_mb=1,
     overlap=False, comm="ring"`` for DDP, ``prefetch=True`` for ZeRO-3; one the strategy does not read
@@ -128,27 +103,32 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
     the checkpoint options, the restart plan, the ranks this machine can hold; a ValueError, or a
     TypeError for an option that does not exist, that says what to pass instead), then return None
     without training (a ``checkpoint_dir`` is created, as proof that it is writable). Only torchrun's
-    world is checked later, when the launch meets it."""
+    world is checked later, when the launch meets it. ``backend="fake", ranks=[...]``: a dry run of the
+    listed ranks at any world size and real model sizes (`distlab.strategies.dry`; ``steps`` 1 and a
+    global batch of one row per microbatch unless given); ``model`` may be a `dl.theory.ModelPreset`."""
+    from .strategies import dry, parse, validate
+    from .strategies.runner import run
     check(ARGUMENTS, dict(world_size=world_size, options=options, output=output, timeout=timeout,
-                          progress=progress, check_only=check_only))
-    named = dict(model=model, steps=steps, seed=seed, global_batch=global_batch, lr=lr, optimizer=optimizer,
-                 weight_decay=weight_decay, grad_accum=grad_accum, precision=precision, clip=clip,
-                 max_restarts=max_restarts, shrink=shrink, **more_options)
+                          progress=progress, check_only=check_only, backend=backend, ranks=ranks))
+    listed = fake.check(world_size, ranks, backend)
+    steps = dry.default_steps(backend) if steps is None else steps
+    named = dict(model=model, steps=steps, seed=seed, global_batch=global_batch or 16, lr=lr,
+                 optimizer=optimizer, weight_decay=weight_decay, grad_accum=grad_accum, precision=precision,
+                 clip=clip, max_restarts=max_restarts, shrink=shrink, **more_options)
     twice = sorted(set(options or {}) & set(named))
     if twice:
         raise TypeError(f"{twice[0]!r} is given twice, as a keyword and in options=: pass it once")
     spec = parse(strategy, **named, **(options or {}))
+    dry.check(spec, world_size, backend)
+    if backend == "fake" and global_batch is None:
+        spec = spec.replace(global_batch=dry.default_rows(spec, world_size))
     sizes = validate(spec, world_size)        # every check, once, before any rank starts
-    if spec.strategy != "single":
+    if spec.strategy != "single" and backend != "fake":
         check_machine(world_size)
     if check_only:
         return None
-    train_rank = load(spec.strategy)
-    if spec.strategy == "single":
-        return _single(train_rank, spec, progress)
-    if len(sizes) > 1:
-        return restart.run(spec, sizes, lambda s, n: _launched(train_rank, s, n, output, timeout, progress))
-    return _launched(train_rank, spec, world_size, output, timeout, progress)
+    return run(spec, sizes, output=output, timeout=timeout, progress=progress,      # -> strategies.runner
+               dry_ranks=listed)
 
 
 def check_machine(world_size: int) -> None:
@@ -183,57 +163,3 @@ def available_memory() -> int | None:
     except (OSError, ValueError):
         pass
     return min(found) if found else None
-
-
-def _single(train_rank, spec: TrainSpec, progress: bool | None) -> Report:
-    """``single``: the reference, right here in this process, with the events it records as its trace."""
-    from .runtime import tracer
-    from .trace import Trace
-    start, tr = time.perf_counter(), tracer()
-    mark, t0 = len(tr.export()), tr.now()
-    with bar_here(shown_by_default() if progress is None else progress), _profiled(spec, tr, t0):
-        result = train_rank(spec)
-    _print_notes([result])
-    trace = Trace.merge({0: tr.export()[mark:]}).shifted(-t0)       # 0: the run starts, as in a launch
-    return Report(spec, 1, result.losses, result.params, None, [result.info.get("memory", {})],
-                  [result.info.get("comm", {})], [result], time.perf_counter() - start, trace)
-
-
-@contextlib.contextmanager
-def _profiled(spec: TrainSpec, tr, origin: float):
-    """``single`` with ``profile=DIR``: this process as rank 0 of a launch's profile (`launch.profiler`)."""
-    from .launch import profiler
-    directory = profiler.prepare(spec.profiling.profile)
-    if directory is None:
-        yield
-        return
-    with profiler.RankProfiler(directory, 0, tr, origin):           # on the axis of the report's trace
-        yield
-    profiler.merge(directory, 1)
-
-
-def _launched(train_rank, spec: TrainSpec, world_size: int, output: str, timeout: float,
-              progress: bool | None) -> Report:
-    """One launch of ``train_rank`` on ``world_size`` ranks, and its `Report`."""
-    from .launch import launch
-    start, strategy = time.perf_counter(), spec.strategy
-    run = launch(train_rank, world_size=world_size, args=(spec,), output=output, timeout=timeout,
-                 progress=progress, profile=spec.profiling.profile)
-    results: list[RankResult] = run.results
-    _print_notes(results)
-    holder = next((r for r in results if r.losses is not None), None)
-    if holder is None:
-        raise RuntimeError(f"strategy {strategy!r} returned no losses on any rank")
-    params = next((r.params for r in results if r.params is not None), None)
-    return Report(spec, world_size, holder.losses, params, run, [r.info.get("memory", {}) for r in results],
-                  [r.info.get("comm", {}) for r in results], results, time.perf_counter() - start)
-
-
-def _print_notes(results: list[RankResult]) -> None:
-    """What the ranks' checkpoint side has to say (a damaged checkpoint skipped on resume), once."""
-    for note in dict.fromkeys(r.info.get("checkpoint", {}).get("note") for r in results):
-        if note:
-            print(f"distlab: {note}", file=sys.stderr, flush=True)
-    from .strategies.numerics import notes
-    for note in notes(results[0].info.get("numerics", {})) if results else ():
-        print(f"distlab: {note}", file=sys.stderr, flush=True)

@@ -29,6 +29,8 @@ TINY = {  # script -> arguments that make it take seconds
     "all_to_all": ["--ranks", "2", "--sizes", "4K,1M", "--budget", "0.05", "--min-reps", "2",
                    "--max-reps", "3", "--calls", "2", "--launches", "1"],
     "context_parallel": ["--ranks", "2", "--seq", "64", "--repeats", "2"],
+    "dry_run": ["--cases", "quick"],
+    "offload": ["--ranks", "2", "--steps", "2", "--warmup", "1", "--model", "gpt-tiny", "--stages", "2"],
 }
 
 
@@ -76,6 +78,8 @@ def test_benchmarks_check_their_own_correctness(results):
     cp = json.loads((results / "context_parallel.json").read_text())
     assert all(row["max_abs_error_vs_full"] < 1e-4 for row in cp["results"] if row["impl"].startswith("dl"))
     assert cp["torch_context_parallel"]["runs"] or all(cp["torch_context_parallel"]["why_not"].values())
+    off = json.loads((results / "offload.json").read_text())["results"]
+    assert off and all(row["equal_to_no_offload"] for row in off)
     stall = json.loads((results / "checkpoint.json").read_text())["stall"]    # sync and async runs agree
     assert stall["params_equal"] and len(stall["async_stall_s"]) == len(stall["sync_write_s"]) > 0
 
@@ -84,6 +88,6 @@ def test_summary_renders_a_table_for_every_result(results):
     text = _summary(results).tables()
     for title in ("Ring all-reduce", "Data parallelism", "Tensor parallelism", "Pipeline parallelism",
                   "Checkpoints", "Expert parallelism", "FSDP2", "All-to-all", "Context parallelism",
-                  "Checkpoint stall"):
+                  "Checkpoint stall", "Dry runs", "Offload"):
         assert f"**{title}**" in text, title
     assert text.count("\n|---") >= 6

@@ -142,7 +142,8 @@ def _pipeline(norm_type, max_norm, as_params=False):
     pipe = dl.pp.Pipeline(stage, r, 2, schedule="1f1b", microbatches=4)
     x, y = _data("lm", 0)
     pipe.step(x if pipe.first else None, y if pipe.last else None)
-    norm = dl.clip_grad_norm_(pipe.parameters() if as_params else pipe, max_norm, norm_type)
+    norm = dl.clip_grad_norm_(stage if as_params == "stage" else pipe.parameters() if as_params else pipe,
+                              max_norm, norm_type)
     return norm, None, {n: p.grad for n, p in stage.named_parameters()}
 
 
@@ -211,6 +212,7 @@ LAYOUTS = {2: {"ddp": _ddp, "zero1": _zero(1), "zero2": _zero(2), "zero3": _zero
                # bare parameters: the tp, ep and pipeline markers (`clip.mark_cut`, `_pipeline_of`)
                "tp-params": partial(_tp, as_params=True),
                "pipeline-params": partial(_pipeline, as_params=True),
+               "pipeline-stage": partial(_pipeline, as_params="stage"),       # the stage module itself
                "ep-params": partial(_expert_parallel, as_params=True)},
            4: {"hsdp": _fully_shard(mesh=(2, 2)), "ddp-over-tp": _ddp_over_tp,
                "ddp-over-pipeline": _ddp_over_pipeline, "fsdp-over-tp": _fully_shard_over_tp,

@@ -182,7 +182,7 @@ def test_ddp_grad_accum_equals_big_batch():
 
 def _fp16_averages(comm: str) -> list[float]:
     """Every rank holds 30000 in fp16 (max 65504): the sum of four overflows, the mean does not."""
-    from distlab.parallel.collectives import Collectives
+    from distlab.parallel.flat_collectives import Collectives
     c = Collectives(comm)
     t = torch.full((8,), 30000.0, dtype=torch.float16)
     c.all_reduce(t, op="avg").wait()

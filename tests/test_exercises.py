@@ -249,7 +249,7 @@ PLANTED = {
                             (reduce_scatter_average, "expected")],
     "ring_all_gather": [(all_gather_equal_chunks, ""), (all_gather_rotated, "expected"),
                         (all_gather_by_torch, "")],
-    "ring_all_reduce": [(all_reduce_without_gather, "the ring needs exactly 2 x (N-1)"),
+    "ring_all_reduce": [(all_reduce_without_gather, "every rank's sum needs every element"),
                         (all_reduce_average, "expected"),
                         (all_reduce_by_torch, "made 0 sends")],
     "all_to_all": [(all_to_all_even, ""), (all_to_all_reversed, "expected"), (all_to_all_drops_own, "shape")],

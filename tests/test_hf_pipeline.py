@@ -5,8 +5,11 @@ family of Qwen2 and Mistral) and a GPT-2 (learned positions), untied and without
 process is an exact reference. ``dl.pp.chain`` lists their blocks, ``dl.pp.named_stage`` runs a cut of
 them, each stage recomputing what its blocks take from their parent (rotary cos/sin, positions, mask).
 GPipe, 1F1B and ZB-H1 at 2 stages, and 1F1B / ZB-H1 at 3 uneven stages, each equal one process on the
-same global batch: losses within 1e-5 relative, the first step's gradients and the parameters after
-3 AdamW steps within 1e-5 of their norm; under ZB-H1 every I leaves all of its stage's weight gradients
+same global batch: losses within 1e-5 relative, the first step's gradients within 1e-5 of their norm,
+the parameters after 3 AdamW steps within 1e-4 (AdamW's step g / (|g| + eps), eps = 1e-8, turns a ~1e-9
+rounding difference of a gradient entry near 1e-8 into a visible one: under ``make test``'s pinned AVX2
+kernels the layer-0 MLP weights of the Llama end 1.2e-5 of their norm apart); under ZB-H1 every I leaves
+all of its stage's weight gradients
 (embeddings, projections, norms) to W. torch's own ``torch.distributed.pipelining`` (ScheduleGPipe)
 runs the same stages to the same numbers: with *manual* ``PipelineStage``s around our ``named_stage``
 modules, because its ``pipeline()`` tracer cannot take this Llama (torch 2.13, transformers 5.x:
@@ -175,7 +178,7 @@ def _close(got: dict, want: dict, what: str, rel: float = 1e-5) -> list[str]:
     return [f"{what} {n}: {e:.2e} vs norm {w:.2e}" for n, (e, w) in errs.items() if e > rel * w + 1e-7]
 
 
-def _check(results: list[dict], ref: dict, case, params_rel: float = 1e-5) -> list[str]:
+def _check(results: list[dict], ref: dict, case, params_rel: float = 1e-4) -> list[str]:
     """Every parameter on exactly one stage, all of them covered; losses, first grads, final params."""
     wrong = []
     if results[-1]["losses"] != pytest.approx(ref["losses"], rel=1e-5):

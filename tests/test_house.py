@@ -25,10 +25,10 @@ INSTRUMENTATION = {
     "memory_budget.py": "the ledger's limit: raises, naming the phase, when the bytes it counts cross it",
     "comm/p2p.py": "dl.comm's one attachment point: its primitives record each step of the call they run in",
     "parallel/collectives.py": "the one traced wrapper over torch.distributed: records every collective",
+    "parallel/flat_collectives.py": "the flat-buffer half of the wrapper (DDP, ZeRO, FSDP)",
     "parallel/labels.py": "names modules from outside (forward hooks) for the wrapper's events",
     "parallel/pipeline/measure.py": "the pipeline's observers: a span per action, the step's mark",
     "strategies/": "where a run is assembled and measured: the step loop's marks and spans, the ledger",
-    "train.py": "runs a strategy and reports what its trace measured",
     "viz/": "draws traces and memory records; runs no algorithm",
     "recomputation.py": "hands the ledger's counting context to torch's checkpoint (its context_fn): the "
                         "ledger measures what backward rebuilds from outside the recomputed module",

@@ -130,7 +130,7 @@ def test_every_module_imports(module):
 
 def test_the_graph_is_read_from_the_source():
     """Relative imports resolve to modules (a check of the reader itself, on edges known to exist)."""
-    assert "distlab.parallel.mesh" in GRAPH["distlab.parallel.collectives"][0]
+    assert "distlab.parallel.mesh" in GRAPH["distlab.parallel.flat_collectives"][0]
     assert "distlab.strategies.loop" in GRAPH["distlab.strategies.data_parallel"][0]
     assert "torch" in GRAPH["distlab.parallel.collectives"][1]
 

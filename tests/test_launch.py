@@ -335,7 +335,7 @@ def test_rank_zero_progress_reaches_the_parent_and_ends_at_the_total(monkeypatch
         def __exit__(self, *exc):
             seen.append("closed")
 
-        def update(self, rank, step, total, label, postfix):
+        def update(self, rank, step, total, label, postfix, shares=()):      # shares: the loss group's
             seen.append((rank, step, total, label, postfix))
 
     monkeypatch.setattr(launch_module, "ProgressBar", Recorder)

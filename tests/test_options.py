@@ -10,6 +10,7 @@ launch refuses an empty host.
 """
 from __future__ import annotations
 
+import importlib
 import inspect
 import math
 import os
@@ -30,10 +31,10 @@ def no_training(monkeypatch):
     """Fail the test if anything starts a rank or trains (``single`` trains in this process)."""
     def tripwire(*args, **kwargs):
         raise AssertionError("training started: the error should have come before it")
-    train_module = sys.modules["distlab.train"]
+    runner = importlib.import_module("distlab.strategies.runner")   # where dl.train's run goes down
     monkeypatch.setattr(sys.modules["distlab.launch"], "launch", tripwire)
-    monkeypatch.setattr(train_module, "_launched", tripwire)
-    monkeypatch.setattr(train_module, "_single", tripwire)
+    monkeypatch.setattr(runner, "_launched", tripwire)
+    monkeypatch.setattr(runner, "_single", tripwire)
 
 
 def _with_dir(kwargs: dict, directory) -> dict:
@@ -76,7 +77,7 @@ BAD = [
     (dict(seed=-1), "seed must be an integer from 0"),
     (dict(seed=True), "seed must be an integer from 0"),
     (dict(weight_decay=NAN), "weight_decay must be a finite number >= 0"),
-    (dict(model=None), "model must be a non-empty string"),
+    (dict(model=None), "model must be a preset name or a dl.theory.ModelPreset"),
     (dict(optimizer=None), "optimizer must be one of 'adamw', 'adam' or 'sgd'"),
     (dict(world_size=True), "world_size must be a positive integer"),
     (dict(world_size=2.0), "world_size must be a positive integer"),

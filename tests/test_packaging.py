@@ -60,6 +60,7 @@ def test_wheel_carries_license_py_typed_and_metadata(built):
     assert "distlab/py.typed" in names and "distlab/progress.py" in names
     assert "distlab/launch/parent.py" in names and "distlab/launch/rank.py" in names     # the launcher room
     assert "distlab/theory/data/published_runs.json" in names          # dl.theory.published reads it
+    assert "distlab/data/corpus.txt" in names                          # dl.data's text (data="text")
     assert "License-Expression: Apache-2.0" in meta and "License-File: LICENSE" in meta
     assert "Classifier: Typing :: Typed" in meta and re.search(r"Requires-Dist: tqdm", meta)
 

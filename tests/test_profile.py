@@ -132,17 +132,15 @@ def test_interval_arithmetic():
 
 def test_the_command_takes_profile_and_prints_the_figures(profiled):
     import argparse
-    import io
 
     from distlab import cli
+    from distlab.viz.profile import summary
 
     parser = argparse.ArgumentParser()
     cli._train_parser(parser.add_subparsers(dest="command"))
     assert cli.train_keywords(parser.parse_args(["train", "--profile", "prof"]))["profile"] == "prof"
     directory, report = profiled
-    out = io.StringIO()
-    cli._print_profile(str(directory), report, out)
-    lines = out.getvalue().splitlines()
+    lines = summary(str(directory), report.trace).splitlines()
     assert lines[0].startswith("profile: ") and lines[1].startswith("rank 0: comm ") and "MFU" in lines[2]
 
 
@@ -154,3 +152,11 @@ def test_single_profiles_in_this_process_on_the_reports_axis(tmp_path):
     ranges = sorted(e["ts"] * 1e-6 for e in events if e.get("name") == "distlab:forward")
     assert len(ranges) == 3
     assert _median_gap(ranges, report.trace.spans(name="forward")) < 2e-3
+
+
+def test_a_dry_run_refuses_a_profile(tmp_path):
+    with pytest.raises(ValueError, match="dry run"):
+        dl.train("ddp", world_size=4, steps=1, backend="fake", ranks=[0], profile=tmp_path / "p")
+    with pytest.raises(ValueError, match="dry run"):
+        dl.launch(len, 4, args=((),), backend="fake", ranks=(0,), profile=tmp_path / "q")
+    assert not (tmp_path / "p").exists() and not (tmp_path / "q").exists()

@@ -32,21 +32,33 @@ def test_pipeline_bar_counts_rank_zero_steps_and_shows_the_last_stage_loss(capsy
     assert [f[0] for f in seen] == sorted(f[0] for f in seen)
 
 
-def test_data_parallel_bar_shows_rank_zero_loss_on_its_part_of_the_batch(capsys, monkeypatch):
+def test_data_parallel_bar_shows_the_global_loss_the_table_shows(capsys, monkeypatch):
     sent = {}
     update = progress_module.ProgressBar.update
 
-    def recording(self, rank, step, total, label, postfix):
+    def recording(self, rank, step, total, label, postfix, shares=()):
         sent[rank] = postfix
-        update(self, rank, step, total, label, postfix)
+        update(self, rank, step, total, label, postfix, shares)
 
     monkeypatch.setattr(progress_module.ProgressBar, "update", recording)
     report = dl.train("ddp", world_size=2, model="gpt-tiny", steps=3, global_batch=8, progress=True)
     seen = frames(capsys.readouterr().err)
     assert seen[-1][:2] == (3, 3)
-    assert seen[-1][2] == pytest.approx(sent[0]["loss"], abs=1e-4)       # rank 0's loss is shown
-    halves = (sent[0]["loss"] + sent[1]["loss"]) / 2                     # equal halves of the batch
-    assert halves == pytest.approx(report.losses[-1], rel=1e-6)
+    assert seen[-1][2] == pytest.approx(report.losses[-1], abs=1e-4)     # the sum of the shares, as the table
+    assert sent[0]["loss"] != pytest.approx(report.losses[-1], abs=1e-4)  # not rank 0's part of the batch
+
+
+def test_the_bar_sums_a_step_once_every_member_has_sent_its_share():
+    bar = progress_module.ProgressBar(enabled=True)
+    bar.bar = type("Bar", (), {"n": 0, "set_postfix": lambda *a, **k: None,
+                               "update": lambda self, k: setattr(self, "n", self.n + k)})()
+    bar.update(0, 1, 4, "step", {"loss": 3.0}, [(1, "loss", 1.5, (0, 1))])
+    assert bar.postfix == {"loss": 3.0}                           # rank 1's share not in: rank 0's own loss
+    bar.update(1, 1, 4, "step", {"loss": 5.0}, [(1, "loss", 2.5, (0, 1))])
+    assert bar.postfix["loss"] == 4.0                             # 1.5 + 2.5, the table's value
+    bar.update(2, 1, 4, "step", {"loss": 9.0}, [(1, "loss", 9.0, (2, 3))])   # another group, not whole
+    bar.update(0, 2, 4, "step", {"loss": 1.0}, [(2, "loss", 0.5, (0, 1))])
+    assert bar.postfix["loss"] == 4.0                             # step 2 not whole yet: step 1's sum kept
 
 
 def test_single_feeds_a_bar_in_this_process(capsys):

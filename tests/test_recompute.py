@@ -219,7 +219,7 @@ def test_dl_recompute_on_a_user_model_trains_the_same_under_every_wrapper():
 
 def test_dl_recompute_keeps_only_the_inputs_and_the_ledger_counts_what_backward_rebuilds():
     """One process: forward keeps about the blocks' inputs only; backward's rebuilt activations are
-    counted by the memory ledger of the run in progress (`memory.recompute_context`)."""
+    counted by the memory ledger of the run in progress (`recomputation.recompute_context`)."""
     import copy
 
     import torch.nn.functional as F

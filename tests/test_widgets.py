@@ -17,7 +17,7 @@ def test_memory_calculator_follows_its_controls():
     assert w.result.cheapest is not None and theory.fits(w.result.cheapest.memory, w.result.cheapest.gpu)
     bars = w.figure.axes[0].patches
     assert len(bars) == 4                               # one stage, four categories stacked
-    assert bars[3].get_height() == pytest.approx(expected.activations / theory.GiB)
+    assert bars[3].get_height() == pytest.approx(expected.activations / theory.GB)
 
 
 def test_memory_calculator_pipeline_stages_and_custom_model():
@@ -138,7 +138,11 @@ def test_quiz_question_sits_above_its_choices_and_buttons():
 def test_memory_plot_speaks_one_unit_and_labels_each_memory_size_once():
     w = widgets.memory_calculator()
     ax = w.figure.axes[0]
-    assert "GiB" in ax.get_title() and "GB " not in ax.get_title() and ax.get_ylabel() == "GiB per GPU"
+    title = ax.get_title()
+    assert "GiB" not in title and ax.get_ylabel() == "GB per GPU"
+    said = w.output.outputs[0]["data"]["text/html"]
+    assert f"{w.result.total_gb:.1f} GB on the fullest GPU" in title
+    assert f"{w.result.total_gb:.1f} GB</b>" in said    # the text: the same figure and unit
     labels = [t.get_text() for t in ax.texts]
     assert len(labels) == len({card.memory for card in theory.GPUS.values()})   # 80 GB cards share one
     assert any("a100-80gb" in t and "h100-80gb" in t for t in labels)

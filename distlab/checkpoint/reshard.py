@@ -11,6 +11,7 @@ every rank's file and rebuilds the *logical* state, one tensor per parameter nam
      "optimizer": {name: {"exp_avg": ..., "exp_avg_sq": ..., "step": ...}},   per-parameter state
      "masters":   {name: fp32 tensor},      bf16-mixed only
      "losses":    tensor,                   the global loss of every step so far
+     "data_position": tensor,               where a data loader was (epoch, offset), if it saved one
      "strategy", "world_size", "step"}
 
 Bucket b of a run on N ranks is the parameters p_1..p_k laid end to end and padded to a multiple of
@@ -89,7 +90,8 @@ def logical_state(ranks: list[dict], fmt: str) -> dict:
     else:
         out = _from_shards(ranks)
     losses = sum(r["losses"] * r.get("loss_weight", 1) for r in ranks)   # the ranks whose history counts
-    return {"world_size": len(ranks), **out, "losses": losses}
+    data = {"data_position": ranks[0]["data_position"]} if "data_position" in ranks[0] else {}
+    return {"world_size": len(ranks), **out, "losses": losses, **data}   # data: the same on every rank
 
 
 def _from_model_parallel(ranks: list[dict]) -> dict:

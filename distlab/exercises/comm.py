@@ -1,8 +1,10 @@
 """Exercises of lessons 00, 01 and 10: collectives built from send and receive.
 
 Each checks the numbers on 1 to 5 ranks (sizes that do not divide by the world size included) and,
-where the algorithm is the point, the messages too: a ring sends only to its right neighbour, N-1
-times per phase; a binomial-tree broadcast sends at most ceil(log2 N) messages from any rank.
+where the algorithm is the point, the messages too: a ring sends only to its right neighbour and
+receives only from its left one, one chunk per message, at most (N-1) chunks per phase per rank (a
+correct ring may skip an empty chunk, so bytes are judged, not a count of sends); a binomial-tree
+broadcast sends at most ceil(log2 N) messages from any rank.
 Inputs are small integers stored as floats, so every sum is exact and any difference is a mistake.
 """
 from __future__ import annotations
@@ -12,7 +14,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from distlab.exercises.harness import Exercise, compare_tensors, register, sends_during
+from distlab.exercises.harness import Exercise, compare_tensors, p2p_during, register, sends_during
 
 SIZES = (1, 4, 7, 12, 100)            # numbers of elements: 7 and 100 do not divide by 3 or 4 ranks
 
@@ -31,18 +33,37 @@ def total(case: dict, world_size: int) -> torch.Tensor:
     return sum(rank_input(case, r) for r in range(world_size))
 
 
-def ring_messages(got: dict, expected: dict, sends_per_rank: int) -> str | None:
-    """The numbers first, then the ring's rule: every send goes to the right neighbour."""
+def ring_traffic(got: dict, expected: dict) -> str | None:
+    """The numbers first, then what a ring must do, judged by the bytes rather than a count of messages
+    (a correct ring may skip an empty chunk): every send goes right and every receive comes from the left;
+    no message is larger than one chunk (no rank is handed the whole tensor at once); each rank sends and
+    receives at most the ring's (N-1) chunks per phase, and sends at least what must leave it."""
     problem = compare_tensors(got["out"], expected["out"])
     if problem:
         return problem
-    wrong = [p for p in got["sends"] if p != expected["right"]]
-    if wrong:
-        return (f"sent to rank {wrong[0]}, but in a ring a rank sends only to its right neighbour, "
-                f"rank {expected['right']}")
-    if len(got["sends"]) != sends_per_rank * (expected["n"] - 1):
-        return (f"made {len(got['sends'])} sends; the ring needs exactly {sends_per_rank} x (N-1) = "
-                f"{sends_per_rank * (expected['n'] - 1)}")
+    n, numel, size = expected["n"], expected["numel"], expected["out"].element_size()
+    for kind, did, rule, side in (("send", "sent to", "sends only to", "right"),
+                                  ("recv", "received from", "receives only from", "left")):
+        wrong = [p for k, p, _ in got["messages"] if k == kind and p != expected[side]]
+        if wrong:
+            return (f"{did} rank {wrong[0]}, but in a ring a rank {rule} its {side} neighbour, "
+                    f"rank {expected[side]}")
+    chunk = -(-numel // n)                                   # ceil: the largest chunk of tensor_split
+    sent = sum(b for k, _, b in got["messages"] if k == "send") // size
+    received = sum(b for k, _, b in got["messages"] if k == "recv") // size
+    largest = max((b // size for _, _, b in got["messages"]), default=0)
+    most = expected["phases"] * (n - 1) * chunk
+    if largest > chunk:
+        return (f"one message carried {largest} elements; a ring moves one chunk at a time, at most "
+                f"ceil({numel}/{n}) = {chunk} (no rank is sent the whole tensor)")
+    if sent > most or received > most:
+        return (f"sent {sent} and received {received} elements; a ring moves at most {expected['phases']} x "
+                f"(N-1) chunks of {chunk} = {most} per rank")
+    if sent < expected["must"]:
+        sends = sum(k == "send" for k, _, _ in got["messages"])
+        own = "" if sends else " (torch's collectives do not count: build it from dist.isend / dist.irecv)"
+        return (f"made {sends} sends carrying {sent} elements, but at least {expected['must']} must leave "
+                f"this rank: {expected['why']}{own}")
     return None
 
 
@@ -166,13 +187,19 @@ def ring_all_reduce(t: torch.Tensor, op: str = "sum", group=None) -> torch.Tenso
 
 def _ring_run(call):
     def run(fn, case):
-        out, sends = sends_during(lambda: call(fn, case, dist.get_rank(), dist.get_world_size()))
-        return {"out": out, "sends": sends}
+        out, messages = p2p_during(lambda: call(fn, case, dist.get_rank(), dist.get_world_size()))
+        return {"out": out, "messages": messages}
     return run
 
 
-def _ring_expect(answer):
-    return lambda case, r, n: {"out": answer(case, r, n), "right": (r + 1) % n, "n": n}
+def _ring_expect(answer, phases: int, must, why: str):
+    """What rank r must end with, and the ring's bounds: ``must(numel, own)`` the elements that have to
+    leave rank r (``own`` the size of its chunk) for any algorithm to be right, ``why`` in words."""
+    def expect(case, r, n):
+        own = _split_sizes(case["numel"], n)[r]
+        return {"out": answer(case, r, n), "right": (r + 1) % n, "left": (r - 1) % n, "n": n, "why": why,
+                "numel": case["numel"], "phases": phases, "must": must(case["numel"], own) if n > 1 else 0}
+    return expect
 
 
 def _split_sizes(numel: int, n: int) -> list[int]:
@@ -186,8 +213,10 @@ register(Exercise(
          "N-1 steps, sending only to the right neighbour",
     reference=ring_reduce_scatter, cases=size_cases,
     run=_ring_run(lambda fn, case, r, n: fn(rank_input(case, r))),
-    expect=_ring_expect(lambda case, r, n: torch.tensor_split(total(case, n), n)[r]),
-    compare=lambda got, expected: ring_messages(got, expected, sends_per_rank=1),
+    expect=_ring_expect(lambda case, r, n: torch.tensor_split(total(case, n), n)[r], phases=1,
+                        must=lambda numel, own: numel - own,
+                        why="every other rank's chunk of the sum needs this rank's part of it"),
+    compare=ring_traffic,
     hint="in step s rank r sends chunk (r - s - 1) % N to rank r + 1 and adds the chunk (r - s - 2) % N it "
          "receives from rank r - 1 into its own copy; after N - 1 steps chunk r is complete",
     world_sizes=(1, 2, 3, 4)))
@@ -200,8 +229,9 @@ register(Exercise(
     reference=ring_all_gather, cases=size_cases,
     run=_ring_run(lambda fn, case, r, n: fn(torch.tensor_split(rank_input(case, 0), n)[r].clone(),
                                             _split_sizes(case["numel"], n))),
-    expect=_ring_expect(lambda case, r, n: rank_input(case, 0)),
-    compare=lambda got, expected: ring_messages(got, expected, sends_per_rank=1),
+    expect=_ring_expect(lambda case, r, n: rank_input(case, 0), phases=1,
+                        must=lambda numel, own: own, why="every other rank needs this rank's chunk"),
+    compare=ring_traffic,
     hint="in step s rank r forwards chunk (r - s) % N to rank r + 1 and stores chunk (r - s - 1) % N from "
          "rank r - 1; allocate every chunk with its own size (sizes[j]) so uneven splits work",
     world_sizes=(1, 2, 3, 4)))
@@ -212,8 +242,10 @@ register(Exercise(
          "2(N-1) steps, each rank sending 2(N-1)/N of the data",
     reference=ring_all_reduce, cases=size_cases,
     run=_ring_run(lambda fn, case, r, n: fn(rank_input(case, r))),
-    expect=_ring_expect(lambda case, r, n: total(case, n)),
-    compare=lambda got, expected: ring_messages(got, expected, sends_per_rank=2),
+    expect=_ring_expect(lambda case, r, n: total(case, n), phases=2,
+                        must=lambda numel, own: numel,
+                        why="every rank's sum needs every element of this rank's tensor"),
+    compare=ring_traffic,
     hint="reduce-scatter (N-1 steps) leaves rank r with chunk r of the sum; an all-gather (N-1 more) hands "
          "every chunk to everyone; write the result back into t", world_sizes=(1, 2, 3, 4)))
 

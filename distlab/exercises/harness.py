@@ -57,6 +57,7 @@ def register(exercise: Exercise) -> Exercise:
     return exercise
 
 
+
 @dataclass
 class Result:
     """What ``check`` found: ``passed``, what was checked, the first problem and a hint."""
@@ -66,6 +67,7 @@ class Result:
     checked: list[str] = field(default_factory=list)
     problem: str | None = None
     hint: str = ""
+    shown: bool = False            # printed by `check` (then `require` does not repeat it in Jupyter)
 
     def __str__(self) -> str:
         if self.passed:
@@ -79,13 +81,23 @@ class Result:
         """Raise unless passed: `NotImplementedError` for a stub not written yet ("not implemented yet"),
         `ExerciseNotPassed` with the first difference otherwise. For graded cells: it returns None, so a
         cell ending in it shows only what `check` printed (nbval runs cells without history, where a
-        trailing ``;`` does not silence a value)."""
+        trailing ``;`` does not silence a value). In Jupyter either shows as one line, not a traceback
+        through this file, and does not repeat a difference `check` has printed already."""
         if self.passed:
             return None
         if "NotImplementedError" in (self.problem or ""):
-            raise NotImplementedError(f"{self.name}: not implemented yet; write it in the cell above, then "
-                                      "run this cell again")
-        raise ExerciseNotPassed(str(self))
+            raise one_line(NotImplementedError(f"{self.name}: not implemented yet; write it in the cell "
+                                               "above, then run this cell again"))
+        brief = f"{self.name}: not passed yet (what differs is printed above)" if self.shown else None
+        raise one_line(ExerciseNotPassed(str(self)), brief)
+
+
+def one_line(err: BaseException, brief: str | None = None) -> BaseException:
+    """``err``, shown by IPython as one line (its `_render_traceback_` hook, read from the instance) rather
+    than a traceback through the checker: ``brief`` if given, else the message."""
+    text = f"\x1b[0;31m{type(err).__name__}\x1b[0m: {brief or err}"
+    err._render_traceback_ = lambda: [text]
+    return err
 
 
 class ExerciseNotPassed(AssertionError):
@@ -105,8 +117,28 @@ def compare_tensors(got, expected, atol: float = 1e-5, rtol: float = 1e-6) -> st
     if not wrong.any():
         return None
     i = int(wrong.nonzero()[0])
-    return (f"element {i} of {expected.numel()}: expected {expected.flatten()[i].item():.6g}, "
+    index = [int(j) for j in torch.unravel_index(torch.tensor(i), expected.shape)]
+    at = f" (index {index})" if expected.dim() > 1 else ""
+    return (f"element {i} of {expected.numel()}{at}: expected {expected.flatten()[i].item():.6g}, "
             f"got {got.detach().flatten()[i].item():.6g} ({int(wrong.sum())} elements differ)")
+
+
+def compare_outputs(got, expected, names: tuple[str, ...], atol: float = 1e-5) -> str | None:
+    """For a function returning several tensors: each compared on its own and named, "weight: element 3
+    of 20 (index [1, 1]) ..." (never an index into the outputs joined together)."""
+    if not isinstance(got, (tuple, list)) or len(got) != len(names):
+        return f"expected {len(names)} outputs ({', '.join(names)}), got {_describe(got)}"
+    for name, mine, right in zip(names, got, expected):
+        problem = compare_tensors(mine, right, atol)
+        if problem:
+            return f"{name}: {problem}"
+    return None
+
+
+def _describe(value) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return type(value).__name__
 
 
 def differs(exercise: Exercise, got, expected) -> str | None:
@@ -138,15 +170,25 @@ def run_cases(exercise: Exercise, fn: Callable, world_size: int) -> list:
 
 def sends_during(call: Callable[[], Any]) -> tuple[Any, list[int]]:
     """``call()`` and the peers of the sends it made on this rank (none outside a check's ranks)."""
+    out, messages = p2p_during(call)
+    return out, [peer for kind, peer, _ in messages if kind == "send"]
+
+
+def p2p_during(call: Callable[[], Any]) -> tuple[Any, list[tuple[str, int, int]]]:
+    """``call()`` and every send and receive it posted on this rank, as ("send" or "recv", peer, bytes)."""
     log = P2PLog.current
-    before = len(log.sends) if log else 0
+    before = len(log.messages) if log else 0
     out = call()
-    return out, (log.sends[before:] if log else [])
+    return out, (log.messages[before:] if log else [])
 
 
-def _on_rank(name: str, fn: Callable, log_dir: str) -> list:
-    """What each rank runs: the exercise's cases, with every send and receive logged for hangs."""
+def _on_rank(module: str, name: str, fn: Callable, log_dir: str) -> list:
+    """What each rank runs: the exercise's cases, with every send and receive logged for hangs. The
+    module that registers the exercise is imported first (a rank started by spawn has not yet)."""
+    import importlib
+
     import distlab as dl
+    importlib.import_module(module)
     with P2PLog(Path(log_dir) / f"rank{dl.rank()}.jsonl"):
         return run_cases(REGISTRY[name], fn, dl.world_size())
 
@@ -168,6 +210,7 @@ def check(name: str, fn: Callable, world_sizes: tuple[int, ...] | None = None, t
         result.checked.append(f"{len(cases)} cases {where}")
     if not quiet:
         print(result)
+        result.shown = True
     return result
 
 
@@ -191,7 +234,8 @@ def _launch(exercise: Exercise, fn: Callable, n: int, timeout: float) -> list | 
     import distlab as dl
     with tempfile.TemporaryDirectory(prefix="distlab-exercise-") as logs:
         try:
-            return dl.launch(_on_rank, world_size=n, args=(exercise.name, fn, logs), timeout=timeout,
+            where = exercise.reference.__module__           # the module that registers it
+            return dl.launch(_on_rank, world_size=n, args=(where, exercise.name, fn, logs), timeout=timeout,
                              output="quiet").results
         except dl.LaunchError as err:
             last_line = err.failures[err.rank].strip().splitlines()[-1] if err.rank is not None else ""
@@ -209,11 +253,11 @@ class P2PLog(contextlib.ContextDecorator):
     flight recorder's tap on torch.distributed (`distlab.launch.flight.listening`), which every launch
     installs; this log adds the per-check file and the peers of the sends."""
 
-    current: "P2PLog | None" = None        # the log of this rank, for exercises that count messages
+    current: "P2PLog | None" = None        # the log of this rank, for exercises that judge the messages
 
     def __init__(self, path: Path):
         self.path, self._listening = path, None
-        self.sends: list[int] = []             # the peer of every send and isend, in order
+        self.messages: list[tuple[str, int, int]] = []    # ("send" or "recv", peer, bytes), in order
 
     def __enter__(self):
         from ..launch import flight
@@ -234,8 +278,7 @@ class P2PLog(contextlib.ContextDecorator):
         from ..launch.flight import P2P
         if op not in P2P:
             return None
-        if op in ("send", "isend"):
-            self.sends.append(peer)
+        self.messages.append(("send" if op in ("send", "isend") else "recv", peer, nbytes))
         self._write("posted", op, peer)
         return op, peer
 

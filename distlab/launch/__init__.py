@@ -15,7 +15,10 @@ Read it in this order:
     lifeline.py    the pipe and the subreaper that end a rank's whole process tree when the parent goes
     torchrun.py    torchrun's path: under RANK/WORLD_SIZE, ``fn`` runs in this process; a store prefix
                    per restart attempt
-    flight.py      the flight recorder: each rank's last collectives, and the diagnosis of a hang
+    flight.py      the flight recorder: each rank's last collectives in a ring buffer that outlives it
+    diagnosis.py   the rings read after a hang, in words: who waits where, who never came
+    fake.py        dry runs: ``backend="fake", ranks=(0, ...)`` runs ``fn`` here as each listed rank of a
+                   job of any size, on torch's fake process group and the meta device
     profiler.py    ``profile=DIR``: every rank under torch.profiler, distlab's spans and collectives as its
                    ranges, one merged trace on the launch's time base
 

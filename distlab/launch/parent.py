@@ -48,12 +48,12 @@ import multiprocessing as mp
 
 from ..progress import ProgressBar, shown_by_default
 from ..trace import Trace
-from . import flight, profiler, torchrun
+from . import fake, flight, profiler, torchrun
 from . import rank as rank_side
 from .supervisor import (EXIT_SECONDS, LaunchError, RankStatus, Supervisor, interrupts_deferred,
                          raise_if_failed, shutdown)
 
-BACKENDS = ("auto", "gloo", "nccl")
+BACKENDS = ("auto", "gloo", "nccl")         # and "fake", with ranks=... (`fake`): a dry run in this process
 START_METHODS = ("auto", "fork", "spawn", "forkserver")
 OUTPUT_MODES = ("live", "ordered", "quiet")
 
@@ -128,7 +128,7 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _check_inputs(fn, world_size, output, timeout, host) -> None:
+def _check_inputs(fn, world_size, output, timeout, host, backend="auto") -> None:
     if not callable(fn):
         raise TypeError(f"fn must be callable (a function to run on every rank), got {type(fn).__name__}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -142,7 +142,8 @@ def _check_inputs(fn, world_size, output, timeout, host) -> None:
     if not isinstance(host, str) or not host.strip():       # "" would listen on every interface
         raise ValueError(f"host={host!r}: pass the address the rendezvous listens on, e.g. '127.0.0.1' "
                          f"(this machine only)")
-    _check_limits(world_size)
+    if backend != "fake":                                   # a dry run starts no process
+        _check_limits(world_size)
 
 
 def _check_limits(world_size: int) -> None:
@@ -184,24 +185,29 @@ def _import_before_forking() -> None:
 def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | None = None,
            backend: str = "auto", start_method: str = "auto", timeout: float = 300.0,
            output: str = "ordered", host: str = "127.0.0.1", progress: bool | None = None,
-           profile=None) -> Run:
+           ranks=None, profile=None) -> Run:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return a `Run`.
 
     ``timeout`` bounds the whole launch and every collective inside it (the process group's own
     timeout), so a hang ends in a `LaunchError` naming the ranks that never finished. ``host`` is
     where the rendezvous listens: loopback unless you give an address other machines can reach.
     ``progress``: a bar for what ranks report with ``dl.progress`` (None: if a person watches).
+    ``backend="fake", ranks=(0, ...)``: a dry run, ``fn`` run here as each listed rank of a
+    ``world_size``-rank job on a fake process group; ``run.results`` in the order of ``ranks`` (`fake`).
     ``profile``: a directory; every rank runs ``fn`` under torch.profiler with distlab's spans and comm
     events as its ranges, writes ``rank{r}.json`` there, and the launch merges them into ``trace.json``
-    (`distlab.launch.profiler`).
+    (`distlab.launch.profiler`; not in a dry run).
     """
-    _check_inputs(fn, world_size, output, timeout, host)
-    profile_dir = profiler.prepare(profile)
+    _check_inputs(fn, world_size, output, timeout, host, backend)
+    listed = fake.check(world_size, ranks, backend)
+    profile_dir = profiler.prepare(profile, dry_run=listed is not None)
     kwargs = dict(kwargs or {})
     if rank_side.INSIDE_A_LAUNCH in os.environ:
         raise RuntimeError(f"dl.launch was called inside rank {os.environ[rank_side.INSIDE_A_LAUNCH]} of "
                            "another launch (already inside a launch): launches do not nest. Call the "
                            "function here (this rank is one of the world), or launch it from the notebook.")
+    if listed is not None:
+        return Run(**fake.launch_fake(fn, world_size, listed, tuple(args), kwargs, output))
     if _under_torchrun():
         launched = int(os.environ["WORLD_SIZE"])
         if world_size != launched:
@@ -209,9 +215,17 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
                              f"{world_size}: pass world_size={launched} (torchrun decides how many processes "
                              f"run), or change torchrun's --nproc-per-node / --nnodes")
         return Run(**torchrun.launch_here(fn, args, kwargs, backend, timeout, progress, profile_dir))
+    run = _launch_ranks(fn, world_size, (tuple(args), kwargs), resolve_backend(backend, world_size),
+                        resolve_start_method(start_method), timeout, output, host, progress, profile_dir)
+    if profile_dir is not None:
+        profiler.merge(profile_dir, world_size)
+    return run
 
-    backend = resolve_backend(backend, world_size)
-    method = resolve_start_method(start_method)
+
+def _launch_ranks(fn: Callable, world_size: int, call: tuple, backend: str, method: str, timeout: float,
+                  output: str, host: str, progress: bool | None, profile_dir: str | None) -> Run:
+    """`launch`'s own ranks, once its inputs are checked: started, supervised, collected."""
+    args, kwargs = call
     if method == "fork":
         _import_before_forking()
     started = time.perf_counter()
@@ -227,8 +241,7 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
                 rank0_listen_fd=rendezvous.fd_for_rank0, threads=threads_per_rank(world_size),
                 pg_timeout=float(timeout), local_world_size=world_size, flight_dir=box.path,
                 profile_dir=profile_dir,
-                payload=(fn, tuple(args), kwargs) if method == "fork" else
-                _spawn_payload(fn, tuple(args), kwargs))
+                payload=(fn, args, kwargs) if method == "fork" else _spawn_payload(fn, args, kwargs))
             _in_a_fresh_thread(_start_ranks, mp.get_context(method), spec, rendezvous, ranks, deadline)
         with ProgressBar(shown_by_default() if progress is None else progress) as bar:
             supervisor = Supervisor(ranks, deadline, live=(output == "live"), on_progress=bar.update)
@@ -240,12 +253,9 @@ def launch(fn: Callable, world_size: int = 2, args: tuple = (), kwargs: dict | N
             if rendezvous is not None:
                 rendezvous.close()
             records = box.collect(world_size) if box is not None else {}    # once every rank is gone
-    run = _collect(ranks, supervisor, output, timeout, records,
-                   dict(world_size=world_size, backend=backend, start_method=method,
-                        seconds=time.perf_counter() - started))
-    if profile_dir is not None:
-        profiler.merge(profile_dir, world_size)
-    return run
+    return _collect(ranks, supervisor, output, timeout, records,
+                    dict(world_size=world_size, backend=backend, start_method=method,
+                         seconds=time.perf_counter() - started))
 
 
 class _Rendezvous:

@@ -33,11 +33,15 @@ COMM_TID = 1_000_000_000          # the "distlab comm" threads: this tid, then o
 _RANK_FILE = re.compile(r"rank\d+\.json")
 
 
-def prepare(profile) -> str | None:
+def prepare(profile, dry_run: bool = False) -> str | None:
     """The parent, before any rank starts: the directory ``profile`` made (old rank files removed), as an
     absolute path; None for no profile. Bad input is a ValueError that says what to pass."""
     if profile is None:
         return None
+    if dry_run:
+        raise ValueError(f"profile={profile!r} records what a real run spends its time on; a dry run "
+                         "(backend='fake', ranks=...) computes on the meta device and sends nothing: "
+                         "drop profile=, or run without ranks=")
     if isinstance(profile, os.PathLike):
         profile = os.fspath(profile)
     if not isinstance(profile, str) or not profile.strip():

@@ -6,7 +6,8 @@ Reading order:
     moe.py      `moe.MoE`: a mixture of experts, every expert here (router, capacity, balance loss)
     gpt.py      `GPT`, `GPTConfig`: a GPT-2 style decoder, dense or with a `moe.MoE` in every block
     data.py     `MarkovTokens`, `TeacherRegression`: synthetic data indexed by step; `shard`: a rank's rows
-    presets.py  `PRESETS`, `build`, `dataset_for`: the named models of `dl.train`, the CLI and the lessons
+    presets.py  `PRESETS`, `build`, `dataset_for`: the named models of `dl.train`, the CLI and the lessons,
+                the real sizes (GPT-3 175B, Llama 3) for dry runs; `config`: a name or a ModelPreset's shape
 
     model = dl.models.build("gpt-moe-tiny", seed=0)
     ids, targets = dl.models.dataset_for("gpt-moe-tiny").batch(step=0, size=8)
@@ -19,7 +20,8 @@ the reverse.
 from .data import MarkovTokens, TeacherRegression, shard
 from .gpt import GPT, Block, CausalSelfAttention, FeedForward, GPTConfig, attention_core, causal_attention
 from .mlp import MLP
-from .presets import PRESETS, build, dataset_for
+from .presets import PRESETS, REAL_SIZE, build, config, dataset_for
 
-__all__ = ["GPT", "GPTConfig", "PRESETS", "Block", "CausalSelfAttention", "FeedForward", "attention_core",
+__all__ = ["GPT", "GPTConfig", "PRESETS", "REAL_SIZE", "config", "Block", "CausalSelfAttention",
+           "FeedForward", "attention_core",
            "causal_attention", "MLP", "MarkovTokens", "TeacherRegression", "build", "dataset_for", "shard"]

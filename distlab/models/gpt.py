@@ -14,6 +14,14 @@ With ``experts > 0`` (preset ``gpt-moe-tiny``) each block's MLP is a mixture of 
 expert in this process): top-k softmax routing, a capacity factor with token dropping, and the Switch
 load-balancing loss added to ``loss`` times ``aux_coef`` (Fedus et al. 2021, Eq. 4); ``GPT.aux_loss()`` is
 that term of the last forward. `dl.ep.parallelize` splits those experts over ranks from the outside.
+
+The Llama shape (Touvron et al. 2023; Dubey et al. 2024), for dry runs at real size (`presets`):
+``kv_heads`` < ``heads`` is grouped-query attention (K and V project to kv_heads x d_head, each shared
+by heads / kv_heads query heads), ``ffn`` the MLP's inner width, ``swiglu`` its gated form
+``proj(silu(gate(x)) * fc(x))``, ``norm="rmsnorm"`` RMSNorm (a weight, no bias), ``positions=0`` no
+learned position table. Parameters then equal `dl.theory.transformer_params` of the same shape exactly.
+Llama's rotary position embedding (RoPE) has no parameters and is *not* applied here: the shapes, the
+bytes and the collectives are Llama's, the positions are not.
 """
 from __future__ import annotations
 
@@ -42,10 +50,19 @@ class GPTConfig:
     top_k: int = 2                   # experts per token (1: Switch, 2: GShard)
     capacity_factor: float = 1.25    # slots per expert = ceil(capacity_factor * top_k * tokens / experts)
     aux_coef: float = 0.01           # weight of the load-balancing loss in ``GPT.loss`` (Switch: 1e-2)
+    ffn: int | None = None           # the MLP's inner width (None: mlp_ratio * d_model)
+    kv_heads: int | None = None      # < heads: grouped-query attention (None: heads)
+    swiglu: bool = False             # the gated MLP of Llama (a third matrix, ``gate``)
+    norm: str = "layernorm"          # or "rmsnorm" (Llama)
+    positions: int | None = None     # rows of the learned position table (None: seq_len; 0: none)
 
     def __post_init__(self):
         if self.d_model % self.heads:
             raise ValueError(f"d_model={self.d_model} must be divisible by heads={self.heads}")
+        if self.heads % (self.kv_heads or self.heads):
+            raise ValueError(f"heads={self.heads} must be divisible by kv_heads={self.kv_heads}")
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
         if self.experts:
             check(self.experts, self.top_k)
 
@@ -57,12 +74,13 @@ class CausalSelfAttention(nn.Module):
     Korthikanti et al. 2022 and so tensor parallelism can split the heads.
     """
 
-    def __init__(self, d_model: int, heads: int, bias: bool = True):
+    def __init__(self, d_model: int, heads: int, bias: bool = True, kv_heads: int | None = None):
         super().__init__()
         self.head_dim = d_model // heads
+        kv = (kv_heads or heads) * self.head_dim                 # grouped-query: fewer K and V heads
         self.q = nn.Linear(d_model, d_model, bias=bias)
-        self.k = nn.Linear(d_model, d_model, bias=bias)
-        self.v = nn.Linear(d_model, d_model, bias=bias)
+        self.k = nn.Linear(d_model, kv, bias=bias)
+        self.v = nn.Linear(d_model, kv, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
         self.selective, self.recompute_context = False, None     # see `attention_core`
 
@@ -91,6 +109,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim
     """
     b, s, _ = q.shape
     q, k, v = (t.view(b, s, -1, head_dim).transpose(1, 2) for t in (q, k, v))   # (b, heads, s, d_head)
+    if k.shape[1] != q.shape[1]:                         # grouped-query: each K/V head serves a group of Q's
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(head_dim)
     mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
     attn = scores.masked_fill(mask, float("-inf")).softmax(dim=-1)
@@ -98,15 +118,32 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim
 
 
 class FeedForward(nn.Module):
-    """GELU(x W_fc + b) W_proj + b: h -> ratio*h -> h."""
+    """GELU(x W_fc + b) W_proj + b: h -> ratio*h -> h; ``swiglu``: (SiLU(x W_gate) * x W_fc) W_proj
+    (Shazeer 2020, Llama's MLP), ``inner`` its width (default ratio*h)."""
 
-    def __init__(self, d_model: int, ratio: int = 4, bias: bool = True):
+    def __init__(self, d_model: int, ratio: int = 4, bias: bool = True, inner: int | None = None,
+                 swiglu: bool = False):
         super().__init__()
-        self.fc = nn.Linear(d_model, ratio * d_model, bias=bias)
-        self.proj = nn.Linear(ratio * d_model, d_model, bias=bias)
+        inner = inner or ratio * d_model
+        self.fc = nn.Linear(d_model, inner, bias=bias)
+        self.gate = nn.Linear(d_model, inner, bias=bias) if swiglu else None
+        self.proj = nn.Linear(inner, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate is not None:
+            return self.proj(F.silu(self.gate(x)) * self.fc(x))
         return self.proj(F.gelu(self.fc(x)))
+
+
+class NoPositions(nn.Module):
+    """Where a GPT's learned position table would be, for a shape without one (Llama): adds nothing."""
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((), device=positions.device)
+
+
+def _norm(cfg: GPTConfig) -> nn.Module:
+    return nn.RMSNorm(cfg.d_model) if cfg.norm == "rmsnorm" else nn.LayerNorm(cfg.d_model)
 
 
 class Block(nn.Module):
@@ -124,14 +161,14 @@ class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.recompute, self.recompute_context = False, None   # context: checkpoint's, attached from outside
-        self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg.d_model, cfg.heads, cfg.bias)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.ln1 = _norm(cfg)
+        self.attn = CausalSelfAttention(cfg.d_model, cfg.heads, cfg.bias, cfg.kv_heads)
+        self.ln2 = _norm(cfg)
         if cfg.experts:
             self.mlp = MoE(cfg.d_model, cfg.mlp_ratio * cfg.d_model, cfg.experts, cfg.top_k,
                            cfg.capacity_factor)       # every expert here: `dl.ep.parallelize` splits them
         else:
-            self.mlp = FeedForward(cfg.d_model, cfg.mlp_ratio, cfg.bias)
+            self.mlp = FeedForward(cfg.d_model, cfg.mlp_ratio, cfg.bias, cfg.ffn, cfg.swiglu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute and torch.is_grad_enabled():     # full (selective: the attention's, see there)
@@ -152,9 +189,10 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg = cfg or GPTConfig()
         self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
-        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+        rows = cfg.seq_len if cfg.positions is None else cfg.positions
+        self.pos = nn.Embedding(rows, cfg.d_model) if rows else NoPositions()
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.ln_f = _norm(cfg)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         if cfg.tied:
             self.head.weight = self.tok.weight

@@ -2,7 +2,8 @@
 
 Reading order (each folder's ``__init__`` states the order of its own files):
 
-    collectives.py   the one traced wrapper every parallelism talks through
+    collectives.py   the one traced wrapper every parallelism talks through (flat_collectives.py:
+                     its asynchronous flat-buffer half, for DDP, ZeRO and FSDP)
     data/            DDP: NaiveDDP first, then the bucketed, overlapped DDP
     zero/            ZeRO stages 1, 2, 3: the optimizer state, then gradients, then parameters sharded
     tensor/          Megatron tensor parallelism and sequence parallelism

@@ -25,7 +25,7 @@ wrappers in ``model`` (`layout`):
                                 kept whole (replicate=)          a replica over the data-parallel group
     dl.tp layers (shard_dims)   the parameters they cut          distinct; the others: a replica over it
     ZeRO, ShardedOptimizer      its gradient shards (a marker)   distinct over its group (reduced first)
-    dl.pp.Pipeline              its stages' parameters           distinct
+    dl.pp.Pipeline              its stages' parameters           distinct (a stage module alone: the same)
 
 Bare parameters (``model.parameters()``) carry markers instead: fully_shard's and ZeRO's (above), and
 ``_cut_over`` (`mark_cut`: a tensor- or expert-parallel layer cut it over that group) and
@@ -112,7 +112,8 @@ def layout(model_or_params) -> tuple[list, list, object]:
     else:
         params = list({id(p): p for r in roots for p in r.parameters()}.values())
         copies, wrapped = _replicas(roots, params)
-        spread |= wrapped
+        staged = any(getattr(p, "_pipeline_of", ()) for p in params)    # a Pipeline's stage: the others
+        spread |= wrapped or staged                                      # complete the model
     zeros = list({id(o): o for p in params if (o := _zero_optimizer(p)) is not None}.values())
     managed = {id(p) for opt in zeros for p in opt.params}
     pieces, grads = [], []

@@ -11,12 +11,26 @@ saying what to change, for a layout that cannot run on ``world`` ranks (heads ov
 stages per model); `validate` calls it.
 
 Reading order: `spec` (the typed spec), `parse` (names and keywords into it), `validate` (the whole spec
-against the world), `base` (the data, the model, the result), `compose` (THE composition of TP, CP, PP
-and DP on a mesh), `loop` (THE step loop every strategy runs) and `numerics` (its fp16 loss scaling,
-non-finite steps skipped on every rank, gradient-norm spikes), then one file per family, each only
-building the model, the criterion and the loop's `loop.Plan`: `data_parallel` (single, DDP, ZeRO), `fsdp`
-(`dl.fully_shard`), `tensor`, `pipeline`, `context` (cp-ring, cp-ulysses), `expert` (ep), `mesh` (3D),
-`mesh_axes` (its cp= and ep= axes).
+against the world), `runner` (the run and its `Report`), `base` (the data, the model, the result),
+`compose` (THE composition of TP, EP, CP, PP and DP on a mesh, or over the world for the one-parallelism
+families: every family builds its model there), `loop` (THE step loop every strategy runs) and
+`numerics` (its fp16 loss scaling, non-finite steps skipped on every rank, gradient-norm spikes), then
+one file per family, each only building the model (through `compose`), the criterion and the loop's
+`loop.Plan`: `data_parallel` (single, DDP, ZeRO), `fsdp` (`dl.fully_shard`), `tensor`, `pipeline`,
+`context` (cp-ring, cp-ulysses), `expert` (ep), `mesh` (3D), `mesh_axes` (its cp= and ep= axes). `dry`:
+the same strategies at real size in a dry run (``backend="fake"``), one step on the meta device.
+
+The walk of ``dl.train(strategy=...)``, room by room: it leaves ``train.py`` once and does not come back
+until the report is made::
+
+    distlab/train.py        train: the arguments' rules, then hands the strategy down
+    strategies/parse.py     the name and keywords -> `TrainSpec` (spec.py: each field's rule)
+    strategies/validate.py  the spec against the world: registry.py's family ``check``, moe_support.py,
+                            numerics.py, the recompute and checkpoint rules, restart.py's ``plan``
+    (launch/parent.py)      train.py's ``check_machine``: the ranks this machine holds (the world size)
+    strategies/runner.py    run: registry.py ``load`` -> ``train_rank``; here for single, else through
+                            restart.py (attempts) to `distlab.launch` -> on every rank: the family file
+                            -> compose.py -> loop.py; back in runner.py: notes (numerics.py), the `Report`
 """
 from __future__ import annotations
 

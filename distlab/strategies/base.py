@@ -17,8 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import models
-from ..memory import recompute_context
-from ..runtime import device, rank
+from ..recomputation import recompute_context
+from ..runtime import current_run, device, rank
 from .spec import TrainSpec
 
 
@@ -32,10 +32,13 @@ class RankResult:
 
 
 def build_model(spec: TrainSpec) -> nn.Module:
-    """``dl.models.build(spec.model, spec.seed)`` on ``dl.device()``: identical weights on every rank;
-    ``spec.memory.recompute``: True or "full" (every transformer block recomputes in backward),
-    "selective" (only attention's scores and softmax, `models.attention_core`)."""
-    model = models.build(spec.model, spec.seed).to(device())
+    """``dl.models.build(spec.model, spec.seed)`` on ``dl.device()``: identical weights on every rank
+    (``data="text"``: a vocabulary of 256, bytes); ``spec.memory.recompute``: True or "full" (every
+    transformer block recomputes in backward), "selective" (only attention's scores and softmax,
+    `models.attention_core`)."""
+    vocab = 256 if spec.data_loading.data == "text" else None           # bytes (`dl.data`)
+    with torch.device(device()):                  # a dry run's meta device: built without a byte
+        model = models.build(spec.model, spec.seed, vocab=vocab)
     how = spec.memory.recompute
     for block in getattr(model, "blocks", ()):
         block.recompute = how in (True, "full")
@@ -73,12 +76,35 @@ def global_batch(spec: TrainSpec, step: int, micro: int = 0) -> tuple[torch.Tens
 
     The same on every rank and every world size: the full step's batch is drawn from the data set by
     (seed, step) and cut into ``grad_accum`` equal slices, so accumulation and a big batch agree.
+    With ``data="text"`` it is the next micro-batch of the run's loader (`feed`), whose position the
+    checkpoints hold: the same on every rank and world size too.
     """
     if not 0 <= micro < spec.grad_accum:
         raise ValueError(f"micro={micro} out of range for grad_accum={spec.grad_accum}")
+    if dry_run():
+        return dry_batch(spec)
+    if spec.data_loading.data != "synthetic":
+        x, y = current_run().feed.batch(step, micro)
+        return x.to(device()), y.to(device())
     x, y = _dataset(spec).batch(step, spec.global_batch)
     rows = slice(micro * spec.micro_batch, (micro + 1) * spec.micro_batch)
     return x[rows].to(device()), y[rows].to(device())
+
+
+def dry_run() -> bool:
+    """On the meta device of a dry run (`distlab.launch.fake`): tensors have shapes, not values."""
+    return device().type == "meta"
+
+
+def dry_batch(spec: TrainSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch of the right shape and dtype, without values: (micro_batch, seq_len) token ids and
+    targets (no data set is built: a Markov chain over Llama 3's 128,256 tokens would not fit)."""
+    cfg = models.config(spec.model)
+    if cfg is None:
+        return (torch.empty(spec.micro_batch, 16, device=device()),
+                torch.empty(spec.micro_batch, 1, device=device()))
+    ids = torch.empty(spec.micro_batch, cfg.seq_len, dtype=torch.long, device=device())
+    return ids, torch.empty_like(ids)
 
 
 def loss_fn(spec: TrainSpec):
@@ -93,8 +119,8 @@ def loss_fn(spec: TrainSpec):
 
 def autocast(spec: TrainSpec):
     """bf16 autocast on this rank's device for ``precision="bf16-mixed"`` (weights stay fp32), else none."""
-    if spec.precision == "bf16-mixed":
-        return torch.autocast(device().type, dtype=torch.bfloat16)
+    if spec.precision == "bf16-mixed" and not dry_run():     # autocast has no meta device: a dry run
+        return torch.autocast(device().type, dtype=torch.bfloat16)   # computes (and saves) in fp32
     return contextlib.nullcontext()
 
 
@@ -113,7 +139,8 @@ def microbatch_count(requested: int | None, rows: int, p: int, schedule: str, wh
 
 def check_pieces(spec: TrainSpec, stages: int, virtual: int = 1) -> None:
     """A pipeline of ``stages`` stages (``virtual`` per rank) needs as many pieces of the model to cut."""
-    layers = models.PRESETS[spec.model].layers if spec.model in models.PRESETS else None
+    cfg = models.config(spec.model)
+    layers = cfg.layers if cfg is not None else None
     pieces = layers + 2 if layers is not None else 3          # GPT: embeddings, blocks, head; mlp: 3 linears
     if stages > pieces:
         what = (f"the embeddings, {layers} blocks and the head" if layers is not None else "its 3 layers")
@@ -127,7 +154,7 @@ def check_pieces(spec: TrainSpec, stages: int, virtual: int = 1) -> None:
 
 def check_gpt(spec: TrainSpec, who: str) -> None:
     """Strategies that cut a GPT's heads, vocabulary or sequence refuse the MLP."""
-    if spec.model not in models.PRESETS:
+    if models.config(spec.model) is None:
         raise ValueError(f"{who} shards a GPT (heads, MLP, vocabulary): choose a GPT preset such as "
                          f"model='gpt-tiny', not {spec.model!r}")
 
@@ -141,7 +168,7 @@ def require_rows(spec: TrainSpec, parts: int, who: str = "ranks") -> None:
 
 def rank0_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
     """The final parameters a `RankResult` reports: fp32 CPU copies on rank 0, None elsewhere."""
-    if rank() != 0:
+    if rank() != 0 or dry_run():                  # a dry run's parameters have no values to copy
         return None
     return {k: v.detach().float().cpu().clone() for k, v in state.items()}
 
@@ -149,6 +176,8 @@ def rank0_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None
 def gather_params(mine: dict[str, torch.Tensor], order: list[str]) -> dict[str, torch.Tensor] | None:
     """The full model's parameters on rank 0 (None elsewhere), in ``order``: every rank sends ``mine``
     (the full-size tensors it holds, name -> tensor; ``{}`` from ranks whose copies another rank sends)."""
+    if dry_run():
+        return None
     mine = {n: t.detach().cpu().clone() for n, t in mine.items()}
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None

@@ -25,7 +25,9 @@ sit in the full model (name, tensor-parallel cut), and which rank's loss history
 
 A checkpoint after step s holds the state *after* s optimizer steps and the loss history of steps
 0..s-1; data is a pure function of (seed, step) (`dl.models` data sets), so a resumed run takes
-exactly the steps the uninterrupted run would have taken, bit for bit in fp32.
+exactly the steps the uninterrupted run would have taken, bit for bit in fp32. With ``data="text"``
+each rank's file also holds the loader's position in global samples consumed (`feed`), put back on
+a resume by the same layout or another one.
 
 What to save and how to restore it is the strategy's business: it hands the `Checkpointer` a
 `RankState` (`distlab.checkpoint.state`), and nothing here asks which strategy that was.
@@ -141,8 +143,8 @@ class Checkpointer:
 
     def _check_compatible(self, info: dict, saved: dict, ours: dict, reshardable: bool) -> None:
         free = ("strategy", "layout") if reshardable else ()       # what resharding may change
-        diff = [f"{k}: saved {saved.get(k)!r}, now {ours[k]!r}" for k in _MUST_MATCH
-                if saved.get(k) != ours[k] and k not in free]
+        diff = [f"{k}: saved {saved.get(k)!r}, now {ours.get(k)!r}" for k in (*_MUST_MATCH, "data")
+                if saved.get(k) != ours.get(k) and k not in free]
         if diff:
             raise store.CheckpointError(f"checkpoint step {info['step']} in {self.directory} was saved by a "
                                         f"different run ({'; '.join(diff)}): use the same settings, or a "
@@ -154,6 +156,9 @@ class Checkpointer:
     def _facts(self) -> dict:
         facts = {k: getattr(self.spec, k) for k in _MUST_MATCH if k != "layout"}
         facts["layout"] = dict(self.state.layout)
+        o = self.spec.data_loading
+        if o.data != "synthetic":                       # the order of the text: what the position counts in
+            facts["data"] = {"data": o.data, "shuffle": o.shuffle, "drop_last": o.drop_last}
         return facts
 
     # -- during training -----------------------------------------------------------------------

@@ -35,7 +35,7 @@ import torch
 
 from ..checkpoint.state import model_parallel_state, replicated_state
 from ..memory import replica_memory
-from ..models import PRESETS, shard
+from ..models import config, shard
 from ..parallel import collectives as C
 from ..parallel import context as cp_lib
 from ..parallel import tensor as tp_lib
@@ -65,14 +65,14 @@ def check(spec: TrainSpec, world: int) -> tuple[int, int, bool]:
                          f"(the context-parallel degree is world / (dp tp))")
     require_rows(spec, dp, "data-parallel replicas")
     n = world // dp // tp
-    if spec.model not in PRESETS:
+    if config(spec.model) is None:
         raise ValueError(f"{spec.strategy} splits the sequence of a GPT: choose a GPT preset such as "
                          f"model='gpt-tiny', not {spec.model!r}")
     if spec.precision != "fp32":
         raise ValueError(f"{spec.strategy} runs in fp32 here: pass precision='fp32'")
     zigzag = spec.layout.zigzag if spec.layout.zigzag is not None else spec.layout.attention == "ring"
-    check_length(PRESETS[spec.model].seq_len, n, zigzag, what=f"{spec.model}'s sequence length")
-    cfg = PRESETS[spec.model]
+    check_length(config(spec.model).seq_len, n, zigzag, what=f"{spec.model}'s sequence length")
+    cfg = config(spec.model)
     for what, size in (("heads", cfg.heads), ("d_model", cfg.d_model), ("vocab", cfg.vocab)):
         tp_lib.check_divisible(what, size, tp, "choose another model or tp")
     heads = cfg.heads // tp
@@ -87,8 +87,8 @@ def train_rank(spec: TrainSpec) -> RankResult:
     dp, n, zigzag = check(spec, world)
     tp = spec.layout.tp
     mesh = Mesh(dp=dp, cp=n, tp=tp)                          # arange(world).view(dp, cp, tp), tp fastest
-    layout = replace(spec.layout, zigzag=zigzag)
-    par = parallelize(build_model(spec), layout, mesh, bucket_mb=spec.data_parallel.bucket_mb)  # TP->CP->DP
+    layout = replace(spec.layout, zigzag=zigzag, cp=n)
+    par = parallelize(build_model(spec), layout, mesh, data_parallel=spec.data_parallel)     # TP->CP->DP
     model, d = par.model, mesh.coords().dp
     groups = {"tp": mesh.group("tp") if tp > 1 else None, "cp": mesh.group("cp"), "dp": par.replicas}
     opt = LocalOptimizer(model.parameters(), spec)
@@ -104,7 +104,7 @@ def train_rank(spec: TrainSpec) -> RankResult:
 
     plan = Plan(forward, opt, _state(model, opt, groups, tp), loss_share=1 / (dp * n),
                 no_sync=par.ddp.no_sync if par.ddp is not None else None, clip=_clip(model, opt, groups, tp),
-                memory=replica_memory(model, opt.optimizer, ()))
+                memory=replica_memory(model, opt.optimizer, ()), loss_group=groups["dp"])
     trained = run(spec, plan)
     losses = sum_losses(trained.losses, groups["dp"])
     params = rank0_copy(tp_lib.full_state_dict(model) if tp > 1 else model.state_dict())

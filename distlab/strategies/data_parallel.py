@@ -19,8 +19,9 @@ The ZeRO stage is ``spec.layout.zero`` (``zero1``: 1, ...); the wrapper's knobs 
 or "ring"), ``naive`` (DDP, False), ``compression`` (DDP: None or "powersgd", with ``powersgd_rank``, 4,
 and ``error_feedback``, True; `distlab.parallel.data.powersgd`), ``prefetch`` (ZeRO-3, False),
 ``max_inflight`` (ZeRO, 1: flat gradient buckets alive at once), ``no_sync`` (accumulate locally;
-True except for ZeRO-3). Checkpoints: ``checkpoint_dir``, ``checkpoint_every``, ``keep_last``,
-``resume`` (True: the latest; or a step), and fault injection ``fail_at_step``/``fail_rank``/``fail_in``
+True except for ZeRO-3); ``offload`` ("cpu" or "disk", + ``offload_dir``: `distlab.parallel.zero.offload`).
+Checkpoints: ``checkpoint_dir``, ``checkpoint_every``, ``keep_last``, ``resume`` (True: the latest; or a
+step), and fault injection ``fail_at_step``/``fail_rank``/``fail_in``
 (see `distlab.strategies.checkpointing`). The steps themselves run in `distlab.strategies.loop`, whose own
 options apply here too: ``memory_limit``, and the numerics of `distlab.strategies.numerics` (fp16 loss
 scaling: ``loss_scale``, ``growth_interval``; ``skip_nonfinite``; ``spike_factor``; ``nan_at_step``).
@@ -47,6 +48,7 @@ from .base import (
     rank0_copy,
     require_rows,
 )
+from .compose import parallelize
 from .loop import Plan, run, sum_losses
 
 STRATEGIES = ("single", "ddp", "zero1", "zero2", "zero3")
@@ -97,26 +99,21 @@ class LocalOptimizer:
 
 def _wrap(spec: TrainSpec, model: torch.nn.Module):
     """(model to call, optimizer with clip_grad_norm_/step/zero_grad, a callable returning the ledger's
-    bytes by category), the last measured from outside by `distlab.memory`."""
-    o = spec.data_parallel
+    bytes by category), the last measured from outside by `distlab.memory`. The wrapper is THE composition
+    function's DP step (`distlab.strategies.compose`): DDP (NaiveDDP, PowerSGDDDP) for ddp, none for
+    single, ZeRO's engine, built with its optimizer, for zero1-3."""
+    par = parallelize(model, spec.layout, data_parallel=spec.data_parallel)
     if spec.layout.zero == 0:
-        wrapped = model
-        if spec.strategy == "ddp" and o.compression == "powersgd":
-            from ..parallel.data import PowerSGDDDP
-            wrapped = PowerSGDDDP(model, rank=o.powersgd_rank, error_feedback=o.error_feedback, comm=o.comm)
-        elif spec.strategy == "ddp" and o.naive:
-            from ..parallel.data import NaiveDDP
-            wrapped = NaiveDDP(model, comm=o.comm)
-        elif spec.strategy == "ddp":
-            from ..parallel.data import DDP
-            wrapped = DDP(model, bucket_mb=o.bucket_mb, overlap=o.overlap, comm=o.comm)
         opt = LocalOptimizer(model.parameters(), spec)
-        return wrapped, opt, replica_memory(model, opt.optimizer, opt.masters if opt.mixed else ())
-    from ..parallel.zero import ZeRO
-    zero = ZeRO(model, stage=spec.layout.zero, optim=optimizer_class(spec), bucket_mb=o.bucket_mb,
-                overlap=o.overlap, prefetch=o.prefetch, comm=o.comm, max_inflight=o.max_inflight,
-                **optimizer_kwargs(spec))
-    return zero, zero.optimizer, zero_memory(zero)
+        return par.wrapped, opt, replica_memory(model, opt.optimizer, opt.masters if opt.mixed else ())
+    par.optimizer(optimizer_class(spec), **offload_options(spec), **optimizer_kwargs(spec))
+    return par.ddp, par.ddp.optimizer, zero_memory(par.ddp)
+
+
+def offload_options(spec: TrainSpec) -> dict:
+    """``offload``/``offload_dir`` for the ZeRO optimizer or `OffloadedOptimizer`, where asked for."""
+    m = spec.memory
+    return {} if m.offload is None else {"offload": m.offload, "offload_dir": m.offload_dir}
 
 
 def train_rank(spec: TrainSpec) -> RankResult:
@@ -142,6 +139,8 @@ def train_rank(spec: TrainSpec) -> RankResult:
     params = rank0_copy(state)
     if hasattr(wrapped, "comm"):
         wrapped.comm.close()
+    if spec.memory.offload is not None:
+        opt.optimizer.close()                             # offload="disk": its files
     return RankResult(losses=losses if r == 0 else None, params=params, info=trained.info)
 
 

@@ -35,18 +35,17 @@ their D replicas only (each replica's experts saw the tokens of its own E ranks)
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .. import models
 from ..checkpoint.state import model_parallel_state
 from ..memory import replica_memory
 from ..parallel import expert as ep
 from ..parallel.clip import clip_grad_norm_
-from ..parallel.data.buckets import grad_summer
 from ..parallel.mesh import Mesh
 from ..runtime import rank, world_size
 from .base import (RankResult, TrainSpec, autocast, build_model, global_batch, loss_fn, make_optimizer,
                    require_rows)
+from .compose import parallelize
 from .context import digests
 from .loop import Plan, run, sum_losses
 
@@ -59,7 +58,7 @@ def check(spec: TrainSpec, n: int) -> None:
                          "(the expert-parallel degree is world / dp)")
     require_rows(spec, n)
     n //= dp
-    cfg = models.PRESETS.get(spec.model)
+    cfg = models.config(spec.model)
     if cfg is None or not cfg.experts:
         moe = sorted(k for k, c in models.PRESETS.items() if c.experts)
         raise ValueError(f"strategy 'ep' splits the experts of a mixture-of-experts GPT, and {spec.model!r} "
@@ -70,13 +69,17 @@ def check(spec: TrainSpec, n: int) -> None:
                          f"{where}: choose {fix} that divides {cfg.experts}")
 
 
+def mesh_of(dp: int, n: int) -> Mesh | None:
+    """``arange(n).view(dp, n / dp)``: rows the ep groups, columns the dp groups (dp == 1: None, the world
+    is the one ep group)."""
+    return Mesh(dp=dp, ep=n // dp, world_size=n) if dp > 1 else None
+
+
 def groups(dp: int, n: int):
     """(ep group, dp group) of this rank on ``arange(n).view(dp, n / dp)``: its row and its column
     (dp == 1: the world, None)."""
-    if dp == 1:
-        return None, None
-    mesh = Mesh(dp=dp, ep=n // dp, world_size=n)
-    return mesh.group("ep"), mesh.group("dp")
+    mesh = mesh_of(dp, n)
+    return (None, None) if mesh is None else (mesh.group("ep"), mesh.group("dp"))
 
 
 def replicated(spec: TrainSpec) -> bool:
@@ -90,16 +93,14 @@ def train_rank(spec: TrainSpec) -> RankResult:
     check(spec, n)
     copies = replicated(spec)
     dp = spec.layout.dp
-    ep_group, dp_group = groups(dp, n)
-    batch = dist.group.WORLD if dp > 1 else None              # counts over the whole batch
-    model = ep.parallelize(build_model(spec), ep_group, replicate=copies, batch_group=batch)
+    mesh = mesh_of(dp, n)
+    ep_group, dp_group = (None, None) if mesh is None else (mesh.group("ep"), mesh.group("dp"))
+    # EP, then ep's DP (dense gradients summed over the world, experts' over their dp replicas): `compose`
+    par = parallelize(build_model(spec), spec.layout, mesh, data_parallel=spec.data_parallel)
+    model = par.model
     optimizer = make_optimizer(model.parameters(), spec)
     params = optimizer.param_groups[0]["params"]
     experts = [] if copies else ep.expert_params(model)
-    dense = [p for p in params if all(p is not e for e in experts)]
-    bucket_mb = float(spec.data_parallel.bucket_mb)
-    sync_dense = grad_summer(dense, bucket_mb)                 # dense: summed over the world
-    sync_experts = grad_summer(experts if dp > 1 else [], bucket_mb, dp_group)   # over their replicas
     criterion = loss_fn(spec)
 
     def forward(step: int, micro: int) -> torch.Tensor:
@@ -109,14 +110,10 @@ def train_rank(spec: TrainSpec) -> RankResult:
             ce = criterion(model(xs), ys)
         return (ce * xs.shape[0] / x.shape[0] + model.aux_loss()) / spec.grad_accum
 
-    def sync_grads() -> None:
-        sync_dense()
-        sync_experts()
-
     layout = {"ep": 1 if copies else n // dp} | ({"dp": dp} if dp > 1 else {})
     state = model_parallel_state(model, params, model, optimizer, loss_weight=True, keeps_history=r == 0,
                                  replica_group=dp_group, layout=layout)
-    plan = Plan(forward, optimizer, state, sync_grads=sync_grads,
+    plan = Plan(forward, optimizer, state, sync_grads=par.sync_grads,
                 clip=lambda max_norm: clip_grad_norm_(params, max_norm, sharded=experts, groups=[ep_group]),
                 memory=replica_memory(model, optimizer))
     trained = run(spec, plan)

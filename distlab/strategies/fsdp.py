@@ -1,14 +1,16 @@
 """Strategy ``fsdp``: `dl.fully_shard` on every block, then the root; any torch optimizer on the shards.
 
 Data as in `data_parallel` (every rank its rows of the same global batch, the loss weighted by its
-share, so the averaged gradient is the global batch's). The model is sharded FSDP2-style: each
-child of an ``nn.ModuleList`` (the GPT's blocks, the MLP's layers) a unit, then the root for the
-rest; the optimizer is built afterwards on ``model.parameters()``, the local shards.
+share, so the averaged gradient is the global batch's). The model is sharded FSDP2-style by THE
+composition function's DP step (`distlab.strategies.compose.fully_shard_units`): each child of an
+``nn.ModuleList`` (the GPT's blocks, the MLP's layers) a unit, then the root for the rest; the
+optimizer is built afterwards on ``model.parameters()``, the local shards.
 
 ``spec.data_parallel``: ``hsdp`` (replicate degree R, default 1: mesh (R, N / R)), ``param_dtype``
 ("bf16", "fp16" or None; ``precision="bf16-mixed"`` means "bf16", "fp16-mixed" "fp16"),
 ``reshard_after_forward`` (True),
-``no_sync`` (True: accumulate micro-steps locally). Checkpoints: the "model-parallel" format, each
+``no_sync`` (True: accumulate micro-steps locally), ``offload`` ("cpu"/"disk": the optimizer an
+`OffloadedOptimizer` over the shards). Checkpoints: the "model-parallel" format, each
 shard a dim-0 block of its parameter (rows saved), so a checkpoint consolidates and reshards to and
 from the other strategies (`distlab.checkpoint.reshard`).
 """
@@ -20,10 +22,12 @@ from ..checkpoint.state import model_parallel_state
 from ..memory import fsdp_memory
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.zero import fsdp
-from ..parallel.zero.zero3 import default_units
 from ..runtime import rank, world_size
-from .base import RankResult, TrainSpec, build_model, make_optimizer, rank0_copy, require_rows
-from .data_parallel import _forward
+from ..parallel.zero.offload import OffloadedOptimizer
+from .base import (RankResult, TrainSpec, build_model, make_optimizer, optimizer_class, optimizer_kwargs,
+                   rank0_copy, require_rows)
+from .compose import parallelize
+from .data_parallel import _forward, offload_options
 from .loop import Plan, run, sum_losses
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}
@@ -47,13 +51,6 @@ def options(spec: TrainSpec, world: int) -> dict:
             "reshard_after_forward": o.reshard_after_forward}
 
 
-def shard(model: torch.nn.Module, **kwargs) -> torch.nn.Module:
-    """Bottom-up: every default unit (`zero3.default_units`) but the root, then the root."""
-    for unit in default_units(model)[:-1]:
-        fsdp.fully_shard(unit, **kwargs)
-    return fsdp.fully_shard(model, **kwargs)
-
-
 def describe(model: torch.nn.Module, params: list) -> list[dict]:
     """Per optimizer parameter: its name, and the dim-0 rows this rank holds (None: held whole)."""
     blocks = {id(p.shard): p for u in fsdp.units(model) for p in u.params}
@@ -73,9 +70,11 @@ def train_rank(spec: TrainSpec) -> RankResult:
     n, r = world_size(), rank()
     require_rows(spec, n)
     kwargs = options(spec, n)
-    model = shard(build_model(spec), **kwargs)
-    optimizer = make_optimizer(model.parameters(), spec)
-    params = optimizer.param_groups[0]["params"]
+    model = parallelize(build_model(spec), spec.layout, fsdp=kwargs).model    # the DP step: fully_shard
+    params = list(model.parameters())                # the shards, in the optimizer's order
+    offload = offload_options(spec)
+    optimizer = (OffloadedOptimizer(params, optimizer_class(spec), **offload, **optimizer_kwargs(spec))
+                 if offload else make_optimizer(params, spec))
     unit = fsdp.units(model)[-1]
     sharded = [p.shard for u in fsdp.units(model) for p in u.params]
     replicas = unit.replica_comm.group if unit.replica_comm is not None else None
@@ -90,6 +89,8 @@ def train_rank(spec: TrainSpec) -> RankResult:
                 grads=lambda: [p.grad for p in params if p.grad is not None])
     trained = run(spec, plan)
     losses = sum_losses(trained.losses)
+    if offload:
+        optimizer.close()                                # offload="disk": its files
     full = fsdp.full_state_dict(model)
     params_out = rank0_copy(full)
     shard_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

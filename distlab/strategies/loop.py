@@ -3,7 +3,7 @@
 A strategy builds the model, the criterion and a `Plan` (what one micro-step computes, which
 optimizer steps, how gradients are clipped, what a checkpoint holds); `run` drives it::
 
-    resume from a checkpoint (or start at step 0)
+    resume from a checkpoint (or start at step 0)     data="text": the loader's position with it (`feed`)
     for step in range(start, steps):
         for micro in range(grad_accum):                  all but the last under plan.no_sync()
             loss = plan.forward(step, micro)             "forward" span
@@ -35,8 +35,10 @@ import torch.distributed as dist
 from ..checkpoint.state import RankState
 from ..parallel import collectives as C
 from ..progress import progress
-from ..runtime import device, group_size, rank
+from ..progress import share as progress_share
+from ..runtime import device, group_members, group_size, rank
 from . import checkpointing, numerics
+from . import feed as feeds
 from .base import TrainSpec
 from .observer import StepObserver
 
@@ -49,9 +51,10 @@ class Plan:
     itself (a pipeline schedule) and returns the loss only to report it.
     ``optimizer``: ``.step()`` and ``.zero_grad()``. ``state``: what a checkpoint saves and restores.
     ``loss_share``: this rank's reported loss per unit of backpropagated loss (1/N for N replicas
-    whose shares are summed at the end). ``no_sync()``: a context in which a backward accumulates
-    locally (all micro-steps but the last run in it). ``sync_grads()``: finishes gradient communication
-    after the micro-steps. ``clip(max_norm)``: scales gradients to the whole model's norm.
+    whose shares are summed at the end, over ``loss_group``: the progress bar sums them the same way).
+    ``no_sync()``: a context in which a backward accumulates locally (all micro-steps but the last run
+    in it). ``sync_grads()``: finishes gradient communication after the micro-steps.
+    ``clip(max_norm)``: scales gradients to the whole model's norm.
     ``memory()``: bytes held by category, sampled into the memory ledger. ``grads()``: after
     ``sync_grads``, the gradient tensors this rank's optimizer will read (fp32), for loss scaling and
     the non-finite check (`numerics`).
@@ -67,6 +70,7 @@ class Plan:
     clip: Callable[[float], object] | None = None
     memory: Callable[[], dict] | None = None
     grads: Callable[[], list] | None = None
+    loss_group: object = None          # the ranks whose shares sum to the reported loss (None: the world)
 
 
 @dataclass
@@ -83,9 +87,13 @@ class Trained:
 def run(spec: TrainSpec, plan: Plan) -> Trained:
     """Resume (or start), then train steps ``start .. spec.steps - 1`` as ``plan`` says."""
     guard = numerics.StepGuard(spec, rank())              # fp16 loss scale, agreed skips, norms
+    feed = feeds.for_spec(spec)                           # data="text": the loader, its position checkpointed
+    state = feed.carry(plan.state) if feed is not None else plan.state
     # the checkpoint side holds checkpoint_dir for the run; leaving `with`, however the run ends, frees it
-    with checkpointing.for_spec(spec, guard.checkpointed(plan.state)) as ckpt:
+    with feeds.feeding(feed), checkpointing.for_spec(spec, guard.checkpointed(state)) as ckpt:
         start, losses = ckpt.resume()
+        if feed is not None:
+            feed.start(start)                             # the checkpoint's data position (or step 0's)
         observe = StepObserver(spec, plan)                # spans, marks, memory samples
         for step in range(start, spec.steps):
             ckpt.before_step(step)                        # fault injection (fail_at_step)
@@ -93,12 +101,16 @@ def run(spec: TrainSpec, plan: Plan) -> Trained:
             share = _micro_steps(spec, plan, step, observe, guard)
             losses.append(0.0 if share is None else share)
             _optimizer_step(spec, plan, step, observe, guard)
+            if feed is not None:
+                feed.step_done(step)                      # every rank's position past the step
             ckpt.after_step(step + 1, losses)
+            if share is not None:                         # the bar sums the shares, as the report does
+                progress_share(step + 1, "loss", share, group_members(plan.loss_group))
             shown = {} if share is None or not plan.loss_share else {"loss": share / plan.loss_share}
-            progress(step + 1, spec.steps, **shown)       # this rank's loss on its part of the batch
+            progress(step + 1, spec.steps, **shown)       # (and this rank's own loss, until the sum is in)
         events = observe.comm_events()
         info = {"comm": comm_totals(events, max(1, spec.steps - start)), **ckpt.summary(start),
-                "numerics": guard.summary()}
+                "numerics": guard.summary(), **(feed.summary() if feed is not None else {})}
     return Trained(losses, start, events, {**info, **observe.memory()})
 
 
@@ -116,9 +128,14 @@ def _micro_steps(spec: TrainSpec, plan: Plan, step: int, observe: StepObserver,
                 with observe.backward(step, micro, scaled):
                     scaled.backward()
         if loss is not None:
-            total, held = total + loss.item() * plan.loss_share, True
+            total, held = total + _value(loss) * plan.loss_share, True
     observe.gradients_ready()
     return total if held else None
+
+
+def _value(loss: torch.Tensor) -> float:
+    """The loss as a number; NaN in a dry run (`distlab.launch.fake`), whose tensors hold no values."""
+    return math.nan if loss.is_meta else loss.item()
 
 
 def _optimizer_step(spec: TrainSpec, plan: Plan, step: int, observe: StepObserver,
@@ -148,23 +165,27 @@ def _checked_and_clipped(spec: TrainSpec, plan: Plan, step: int, guard: numerics
     if not skip and (spec.clip is not None or guard.checks):
         with C.scope(phase="step", operator="grad_norm"):     # checked runs: the norm, unclipped
             norm = plan.clip(spec.clip if spec.clip is not None else math.inf)
-    guard.record(step, norm)
+    guard.record(step, None if norm is None or norm.is_meta else norm)   # a dry run's norm has no value
     return not skip
 
 
 def comm_totals(events, steps: int) -> dict:
     """Bytes this rank sent and received in ``events`` (its comm events of the training steps), in
-    all, per step and by op."""
+    all, per step, by op and by group (the name a mesh gave it, `runtime.name_group`; else "unnamed")."""
     by_op: dict[str, int] = {}
+    by_group: dict[str, int] = {}
     for e in events:
         by_op[e.name] = by_op.get(e.name, 0) + e.sent
+        group = e.args.get("group") or "unnamed"
+        by_group[group] = by_group.get(group, 0) + e.sent
     sent, received = sum(e.sent for e in events), sum(e.received for e in events)
-    return {"sent": sent, "received": received, "sent_per_step": sent / steps, "sent_by_op": by_op}
+    return {"sent": sent, "received": received, "sent_per_step": sent / steps, "sent_by_op": by_op,
+            "sent_by_group": by_group}
 
 
 def sum_losses(losses: list[float], group=None) -> list[float]:
     """Every rank's share of each step's loss summed over ``group`` (metrics only: not traced)."""
-    if group_size(group) == 1:
+    if group_size(group) == 1 or device().type == "meta":      # a dry run: NaNs, nobody else to ask
         return losses
     t = torch.tensor(losses, dtype=torch.float64, device=device())
     dist.all_reduce(t, group=group)

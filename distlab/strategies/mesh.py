@@ -61,6 +61,7 @@ from .base import (
     TrainSpec,
     autocast,
     build_model,
+    dry_run,
     check_gpt,
     check_pieces,
     gather_params,
@@ -70,7 +71,7 @@ from .base import (
     optimizer_class,
     optimizer_kwargs,
 )
-from . import mesh_axes
+from . import dry, mesh_axes
 from .compose import Parallel, parallelize
 from .loop import Plan, run, sum_losses
 from .tensor import check_shards, sharded_params
@@ -123,7 +124,9 @@ def bytes_by_axis(events) -> dict[str, int]:
     return out
 
 
-def _digest(t: torch.Tensor) -> str:
+def _digest(t: torch.Tensor) -> str | None:
+    if t.is_meta:                                    # a dry run's tensors have no bytes to hash
+        return None
     return hashlib.sha1(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
 
 
@@ -140,11 +143,14 @@ def train_rank(spec: TrainSpec) -> RankResult:
                          "data-parallel replica and micro-step (global_batch / grad_accum / dp)")
     model = build_model(spec)
     names = list(dict(model.named_parameters()))
-    par = parallelize(model, layout, mesh, bucket_mb=spec.data_parallel.bucket_mb)   # TP -> PP -> DP
+    par = parallelize(model, layout, mesh, data_parallel=spec.data_parallel)   # TP -> PP -> DP
     modules, stage_ids, v = par.stages, par.stage_ids, len(par.stages)
     pipe = Pipeline(modules if v > 1 else modules[0], stage_ids if v > 1 else stage_ids[0],
                     mesh.pp * v, schedule=layout.schedule, microbatches=m,
                     loss_fn=_criterion(spec, par.model, mesh, rows), group=mesh.pp_group)
+    if dry_run():                                   # no shape headers through a fake group
+        dry.seed_pipeline_shapes(pipe, len(rows[mesh.dp_rank]), model,
+                                 mesh.tp if layout.sequence_parallel else 1)
     stash = PipelineStash()
     pipe.observers += [ActionTrace(), stash]              # measured from outside: spans, stash bytes
     params = list(pipe.parameters())
@@ -225,7 +231,7 @@ def _plan(spec: TrainSpec, mesh: Mesh, rows, par: Parallel, pipe, optimizer) -> 
                                  keeps_history=pipe.last and mesh.dp_rank == 0, replica_group=mesh.dp_group,
                                  layout=layout)
     return Plan(forward, optimizer, state, backward=False, loss_share=1 / mesh.dp, clip=clip,
-                sync_grads=sync.finish if sync is not None else None)
+                sync_grads=sync.finish if sync is not None else None, loss_group=mesh.dp_group)
 
 
 def _full_tensors(modules, mesh: Mesh) -> dict[str, torch.Tensor]:

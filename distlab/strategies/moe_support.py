@@ -20,7 +20,7 @@ def refuse_moe(spec: TrainSpec) -> None:
     before any rank starts): tensor parallelism does not split experts, context parallelism routes a
     part of each sequence and its loss carries no load-balancing term, and the 3d mesh (whose pipeline
     criterion has none either) runs it only on an ep= axis."""
-    cfg = models.PRESETS.get(spec.model)
+    cfg = models.config(spec.model)
     if cfg is None or not cfg.experts:
         return
     s, why = spec.strategy, None

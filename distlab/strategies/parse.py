@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 
 from ..checkpoint.options import OPTIONS as CHECKPOINT_OPTIONS
 from ..rules import Flag, Number, Whole, rule_of
-from .spec import CONCERNS, DataParallel, Layout, Numerics, Restart, TrainSpec
+from .spec import CONCERNS, WHERE, DataLoading, DataParallel, Layout, Numerics, Restart, TrainSpec
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,8 @@ class Named:
 
 
 _DDP = ("bucket_mb", "overlap", "comm", "naive", "no_sync", "compression", "powersgd_rank", "error_feedback")
-_ZERO = ("bucket_mb", "overlap", "comm", "no_sync", "max_inflight")
+_OFFLOAD = ("offload", "offload_dir")
+_ZERO = ("bucket_mb", "overlap", "comm", "no_sync", "max_inflight") + _OFFLOAD
 _PIPE = ("microbatches", "balance")
 _MESH = tuple(f.name for f in fields(Layout) if f.name != "experts") + ("sp", "bucket_mb")
 #: every strategy name (the mesh as "3d"): what it sets, what its family reads (``single`` takes ddp's
@@ -41,7 +42,8 @@ NAMED = {
     "zero1": Named({"dp": None, "zero": 1}, _ZERO),
     "zero2": Named({"dp": None, "zero": 2}, _ZERO),
     "zero3": Named({"dp": None, "zero": 3}, _ZERO + ("prefetch",)),
-    "fsdp": Named({"dp": None, "zero": 3}, ("hsdp", "param_dtype", "reshard_after_forward", "no_sync")),
+    "fsdp": Named({"dp": None, "zero": 3},
+                  ("hsdp", "param_dtype", "reshard_after_forward", "no_sync") + _OFFLOAD),
     "tp": Named({"tp": None}, ("sequence_parallel",)),
     "tp-sp": Named({"tp": None, "sequence_parallel": True}),
     "pp-gpipe": Named({"pp": None, "schedule": "gpipe"}, _PIPE),
@@ -56,8 +58,10 @@ NAMED = {
 #: how `names` and the CLI show the mesh entry: the form `dl.train` takes
 MESH_FORM = "3d:dp=D,tp=T,pp=P"
 ALIASES = {"sp": "sequence_parallel"}
-#: the keywords every strategy takes: the loop's (memory), the numerics' and the checkpoint's
-SHARED = ("memory_limit", "recompute") + CHECKPOINT_OPTIONS + ("profile",)
+#: the keywords every strategy takes: the loop's (memory), the numerics', the checkpoint's, the data's and
+#: the profiler's
+SHARED = (("memory_limit", "recompute") + CHECKPOINT_OPTIONS + tuple(f.name for f in fields(DataLoading))
+          + ("profile",))
 TOP = tuple(f.name for f in fields(TrainSpec) if f.name not in CONCERNS and f.name != "strategy")
 _TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
 
@@ -96,6 +100,15 @@ def parse(strategy: str = "single", **keywords) -> TrainSpec:
             given[field_name] = given.pop(alias)
     preset = TrainSpec(strategy, layout=Layout(**NAMED[name].layout))     # what the name alone says
     return preset.replace(**given)                                          # each keyword into its concern
+
+
+def describe(keyword: str) -> str:
+    """What ``keyword`` sets, in words: the docstring of its field in the typed spec (an alias: its
+    field's), as ``distlab strategies`` lists it."""
+    if keyword in ALIASES:
+        return f"the same as {ALIASES[keyword]}"
+    cls = CONCERNS[WHERE[keyword]] if keyword in WHERE else TrainSpec
+    return next((f.metadata.get("doc", "") for f in fields(cls) if f.name == keyword), "")
 
 
 def keywords_of(spec: TrainSpec) -> dict:

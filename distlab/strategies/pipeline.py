@@ -1,10 +1,10 @@
 """Strategies ``pp-gpipe``, ``pp-1f1b``, ``pp-interleaved`` and ``pp-zb-h1``: one pipeline stage per rank.
 
-Every rank builds the same model from the seed and keeps only its stage(s) (`dl.pp.stage_module`,
-``balance`` "layers" or "params"); rank r holds stages r, r + p, ... (``virtual`` of them for
-``pp-interleaved``, default 2); the schedule is ``spec.layout.schedule``, which the name sets. Each
-step and each gradient-accumulation micro-step, rank 0 feeds the
-micro-step's batch and the last stage its targets to `dl.pp.Pipeline.step`, which splits it into
+Every rank builds the same model from the seed and keeps only its stage(s), cut by THE composition
+function (`distlab.strategies.compose`: `dl.pp.stage_module`, ``balance`` "layers" or "params"); rank
+r holds stages r, r + p, ... (``virtual`` of them for ``pp-interleaved``, default 2); the schedule is
+``spec.layout.schedule``, which the name sets. Each step and each gradient-accumulation micro-step, rank
+0 feeds the micro-step's batch and the last stage its targets to `dl.pp.Pipeline.step`, which splits it into
 ``microbatches`` (option; default 2p when the batch allows, else p) and runs the schedule, forward
 and backward. Then an ordinary optimizer step on this rank's parameters: each parameter lives on
 exactly one rank, so the optimizer never talks. Clipping uses the norm of the whole model's gradient
@@ -28,13 +28,13 @@ from ..parallel.clip import clip_grad_norm_
 from ..parallel.pipeline.aux_loss import ride_balance_losses
 from ..parallel.pipeline.executor import Pipeline
 from ..parallel.pipeline.measure import ActionTrace
-from ..parallel.pipeline.split import stage_module
-from ..runtime import device, rank, world_size
+from ..runtime import device, world_size
 from .base import (
     RankResult,
     TrainSpec,
     autocast,
     build_model,
+    dry_run,
     check_pieces,
     gather_params,
     global_batch,
@@ -42,6 +42,8 @@ from .base import (
     make_optimizer,
     microbatch_count,
 )
+from . import dry
+from .compose import parallelize
 from .loop import Plan, run
 
 STRATEGIES = ("pp-gpipe", "pp-1f1b", "pp-interleaved", "pp-zb-h1")
@@ -79,17 +81,18 @@ def balance_losses(spec: TrainSpec, model, modules):
 
 
 def train_rank(spec: TrainSpec) -> RankResult:
-    p, r = world_size(), rank()
+    p = world_size()
     v, m = check(spec, p)
     name = spec.layout.schedule
     model = build_model(spec)
     names = {id(q): n for n, q in model.named_parameters()}
-    ids = [r + k * p for k in range(v)]                 # this rank's stages: r, r + p, ...
-    balance = spec.layout.balance
-    modules = [stage_module(model, s, p * v, balance) for s in ids]
+    par = parallelize(model, spec.layout)               # PP over the world (`compose`): stages r, r + p, ...
+    modules, ids, balance = par.stages, par.stage_ids, spec.layout.balance
     plain = loss_fn(spec)
     pipe = Pipeline(modules if v > 1 else modules[0], ids if v > 1 else ids[0], p * v, schedule=name,
                     microbatches=m, loss_fn=lambda out, y: plain(out, y) / spec.grad_accum)
+    if dry_run():                                   # no shape headers through a fake group
+        dry.seed_pipeline_shapes(pipe, spec.micro_batch, model)
     stash = PipelineStash()
     pipe.observers += [ActionTrace(), stash]              # measured from outside: spans, stash bytes
     params = list(pipe.parameters())

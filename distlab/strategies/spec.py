@@ -7,10 +7,12 @@ dataclass per concern, each field with its default, its rule (`distlab.rules`) a
     +- data_parallel:       the data-parallel wrapper's knobs: buckets, overlap, comm, compression,
     |  DataParallel         ZeRO-3's prefetch, FSDP's hsdp / param_dtype / reshard_after_forward
     +- numerics: Numerics   fp16 loss scaling, non-finite steps, spikes, a planted NaN
-    +- memory: Memory       recompute, memory_limit
+    +- memory: Memory       recompute, memory_limit, offload, offload_dir
     +- checkpoint:          checkpoint_dir, checkpoint_every, keep_last, resume, async_save, fault
     |  Checkpointing        injection (`distlab.checkpoint.options`)
     +- restart: Restart     max_restarts, shrink
+    +- data_loading:        data ("synthetic" | "text"), workers, read_ahead, data_latency,
+       DataLoading          shuffle, drop_last (`distlab.data`)
     +- profiling: Profiling profile (a directory for torch.profiler's traces)
 
 A field's name is the keyword that sets it (``dl.train(..., bucket_mb=1)`` sets
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 
 from ..checkpoint.options import Checkpointing
 from ..memory import parse_bytes
-from ..rules import Custom, Directory, Flag, Number, OneOf, Text, Whole, check_fields, option
+from ..rules import Custom, Directory, Either, Flag, Number, OneOf, Text, Whole, check_fields, option
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")     # fp16: with dynamic loss scaling (`numerics`)
@@ -38,6 +40,12 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 MAX_SEED = 2**32 - 1
 AXES = ("dp", "pp", "cp", "ep", "tp")                  # the degrees, in the mesh's order (`parallel.mesh`)
 _FILL = "the ranks the other degrees leave"
+
+
+def _shape(value) -> None:
+    from ..theory.presets import ModelPreset
+    if not isinstance(value, ModelPreset):
+        raise TypeError
 
 
 def _degree(what: str):
@@ -145,6 +153,12 @@ class Memory:
                                                          "string like '64MB'", example="64MB",
                                                          none="no limit"),
                                             "out of memory the moment the ledger crosses this")
+    offload: str | None = option(None, OneOf("cpu", "disk", none="on the device"),
+                                 "zero1-3, fsdp: the optimizer state and fp32 masters in host memory ('cpu', "
+                                 "ZeRO-Offload) or in files under offload_dir ('disk', ZeRO-Infinity); the "
+                                 "optimizer steps there")
+    offload_dir: object = option(None, Directory(example="offload", none="a temporary directory"),
+                                 "offload='disk': the directory its files go under")
 
     def __post_init__(self):
         check_fields(self)
@@ -170,6 +184,34 @@ class Restart:
 
 
 @dataclass(frozen=True)
+class DataLoading:
+    """What the ranks train on and how it is read (`distlab.data`, `distlab.strategies.feed`)."""
+
+    data: str = option("synthetic", OneOf("synthetic", "text"),
+                       "'synthetic': the model's data set, a pure function of (seed, step); 'text': the "
+                       "shipped public-domain corpus, bytes (vocab 256), through a sampler and loader whose "
+                       "position every checkpoint holds")
+    workers: int = option(0, Whole(0, example=2), "text: loader threads reading ahead (0: each step reads "
+                                                  "its own batch)")
+    read_ahead: int = option(2, Whole(1, example=2), "text: batches in flight per worker (torch's "
+                                                     "prefetch_factor)")
+    data_latency: float = option(0.0, Number(0, example=0.05), "text: seconds of (simulated) slow storage "
+                                                               "per batch read")
+    shuffle: bool = option(True, Flag(), "text: shuffle the order each epoch (by seed + epoch)")
+    drop_last: bool = option(False, Flag(), "text: skip an epoch's tail shorter than a batch (else a "
+                                            "batch runs on into the next epoch)")
+
+    def __post_init__(self):
+        check_fields(self)
+        if self.data == "synthetic":
+            given = [f.name for f in dataclasses.fields(self) if f.name != "data"
+                     and getattr(self, f.name) != f.default]
+            if given:
+                raise ValueError(f"{', '.join(given)} set(s) the text loader: pass data='text' too "
+                                 "(synthetic data is computed in each rank, not read)")
+
+
+@dataclass(frozen=True)
 class Profiling:
     """torch.profiler around the run, distlab's spans and collectives as its ranges
     (`distlab.launch.profiler`; measured from: `distlab.viz.profile`)."""
@@ -184,7 +226,8 @@ class Profiling:
 
 #: the concerns, by the TrainSpec field that holds each
 CONCERNS = {"layout": Layout, "data_parallel": DataParallel, "numerics": Numerics, "memory": Memory,
-            "checkpoint": Checkpointing, "restart": Restart, "profiling": Profiling}
+            "checkpoint": Checkpointing, "restart": Restart, "data_loading": DataLoading,
+            "profiling": Profiling}
 
 
 @dataclass(frozen=True)
@@ -192,7 +235,10 @@ class TrainSpec:
     """Everything a rank needs to train: `dl.train`'s own parameters, then one field per concern."""
 
     strategy: str = option("single", Text(example="ddp"), "the strategy's name (`distlab.strategies`)")
-    model: str = option("gpt-tiny", Text(example="gpt-tiny"), "a preset of `dl.models` or 'mlp'")
+    model: str = option("gpt-tiny", Either(Text(), Custom(_shape, "a dl.theory.ModelPreset"),
+                                           description="a preset name or a dl.theory.ModelPreset",
+                                           example="gpt-tiny"),
+                        "a preset of `dl.models`, 'mlp', or a `dl.theory.ModelPreset` (its shape)")
     steps: int = option(20, Whole(1, example=20), "optimizer steps")
     seed: int = option(0, Whole(0, MAX_SEED, example=0), "initial weights and data")
     global_batch: int = option(16, Whole(1, example=16), "rows per step, over all ranks")
@@ -211,6 +257,8 @@ class TrainSpec:
     checkpoint: Checkpointing = field(default_factory=Checkpointing,
                                       metadata={"doc": "saving, resuming, planted failures"})
     restart: Restart = field(default_factory=Restart, metadata={"doc": "relaunching after a failure"})
+    data_loading: DataLoading = field(default_factory=DataLoading,
+                                      metadata={"doc": "synthetic data or the text corpus, and its loader"})
     profiling: Profiling = field(default_factory=Profiling, metadata={"doc": "torch.profiler traces"})
 
     def __post_init__(self):

@@ -1,8 +1,9 @@
 """Strategies ``tp`` and ``tp-sp``: every rank trains one tensor-parallel shard of the same GPT.
 
 All ranks form one TP group and see the *whole* global batch (tensor parallelism splits the model,
-not the data). Each step: forward and backward per micro-batch (`dl.tp.parallelize`'s layers do the
-f/g communication), then an ordinary optimizer step on this rank's shards -- the optimizer never
+not the data). The model is laid out by THE composition function (`distlab.strategies.compose`:
+`dl.tp.parallelize` over the world). Each step: forward and backward per micro-batch (the tensor-parallel
+layers do the f/g communication), then an ordinary optimizer step on this rank's shards -- the optimizer never
 talks, since every parameter is either a shard only this rank updates or replicated with equal
 gradients on all ranks. ``spec.layout.sequence_parallel`` (``tp-sp`` sets it; ``tp`` takes
 ``sequence_parallel=True``) adds Megatron's sequence parallelism.
@@ -21,8 +22,9 @@ from ..parallel import tensor as tp_lib
 from ..parallel.clip import clip_grad_norm_
 from ..runtime import rank
 from ..memory import replica_memory
-from ..models import PRESETS
+from ..models import config
 from .base import RankResult, TrainSpec, autocast, build_model, check_gpt, global_batch, make_optimizer
+from .compose import parallelize
 from .loop import Plan, run
 
 
@@ -30,7 +32,7 @@ def check_shards(spec: TrainSpec, t: int, sequence_parallel: bool, who: str) -> 
     """Refuse, before any rank starts, a GPT whose heads, width, vocabulary (and, with sequence
     parallelism, sequence) do not split over ``t`` tensor-parallel ranks (`dl.tp.parallelize`'s rule)."""
     check_gpt(spec, who)
-    cfg = PRESETS[spec.model]
+    cfg = config(spec.model)
     sizes = {"heads": cfg.heads, "d_model": cfg.d_model, "vocab": cfg.vocab}
     if sequence_parallel:
         sizes["seq_len"] = cfg.seq_len
@@ -52,7 +54,7 @@ def sharded_params(modules) -> list[torch.Tensor]:
 def train_rank(spec: TrainSpec) -> RankResult:
     check_gpt(spec, spec.strategy)
     sp = spec.layout.sequence_parallel
-    model = tp_lib.parallelize(build_model(spec), sequence_parallel=sp)
+    model = parallelize(build_model(spec), spec.layout).model      # TP over the world (`compose`)
     optimizer = make_optimizer(model.parameters(), spec)
     params = optimizer.param_groups[0]["params"]
     sharded = sharded_params([model])

@@ -8,6 +8,8 @@ starts (`dl.train` calls it; each field's type and range was checked when the sp
     mixture of experts     only where it trains right (`moe_support`)
     numerics               fp16 and its options where the loop is handed the gradients (`numerics.check`)
     recompute              only where the memory count and the attention core allow it
+    data                   the text corpus for a GPT (`check_data`)
+    offload                offload_dir only with offload="disk" (and writable); no checkpoints yet
     checkpoints            what the options say together, the directory writable (`distlab.checkpoint`)
     restarts               the world size of every attempt (`restart.plan`), each checked as above
 
@@ -19,10 +21,9 @@ import difflib
 
 from . import restart
 from ..checkpoint.directory import check_options as check_checkpoints
-from ..rules import Whole
+from ..models import config
+from ..rules import WORLD_SIZE       # what world_size takes (re-exported: `strategies.WORLD_SIZE`)
 from .spec import TrainSpec
-
-WORLD_SIZE = Whole(1, example=4)          # what world_size takes (and what a machine holds: `train`)
 
 
 def validate(spec: TrainSpec, world_size: int) -> list[int]:
@@ -53,10 +54,15 @@ def check_world(spec: TrainSpec, world: int) -> None:
     refuse_moe(spec)                                          # a mixture of experts: ep, single, dp only
     check_numerics(spec, world)                               # fp16 and its options where supported
     check_recompute(spec, world)
+    check_data(spec)
+    check_offload(spec)
 
 
-def check_model(model: str) -> None:
+def check_model(model) -> None:
     from ..models import PRESETS
+    if hasattr(model, "hidden") and hasattr(model, "layers"):     # a dl.theory.ModelPreset
+        config(model)
+        return
     models = sorted(PRESETS) + ["mlp"]
     if model not in models:
         close = difflib.get_close_matches(model, models, n=1)
@@ -64,13 +70,19 @@ def check_model(model: str) -> None:
         raise ValueError(f"unknown model {model!r}{hint}: choose one of {models}")
 
 
+def check_data(spec: TrainSpec) -> None:
+    """``data="text"``: bytes (vocab 256) for a GPT preset (its vocabulary is set to 256); not the MLP."""
+    if spec.data_loading.data == "text" and spec.model == "mlp":
+        raise ValueError("data='text' is byte tokens for a GPT: choose a GPT preset such as "
+                         "model='gpt-tiny' (its vocabulary becomes 256), or data='synthetic' for the MLP")
+
+
 def check_recompute(spec: TrainSpec, world: int) -> None:
     """``recompute``: False, True or "full", or "selective"; only for the GPT presets; not with pipelines
     (their memory count cannot see it yet; zero bubble's weight pass would recompute every block again);
     full not with a mixture of experts (a second forward would count the router's balance loss twice);
     selective not with context parallelism (its attention cores are ring attention and Ulysses)."""
-    from ..models import PRESETS
-    how, cfg = spec.memory.recompute, PRESETS.get(spec.model)
+    how, cfg = spec.memory.recompute, config(spec.model)
     if not how:
         return
     if cfg is None:
@@ -89,3 +101,25 @@ def check_recompute(spec: TrainSpec, world: int) -> None:
     if how == "selective" and uses["cp"]:
         raise ValueError("recompute='selective' recomputes distlab's attention core, which context "
                          "parallelism replaces with ring attention or Ulysses: use recompute=True")
+
+
+def check_offload(spec: TrainSpec) -> None:
+    """``offload``: zero1-3 and fsdp only (their keywords, `parse`); ``offload_dir`` only with "disk", a
+    directory this process can create and write; not with checkpoints (an offloaded optimizer's state
+    is not saved yet)."""
+    import os
+    m = spec.memory
+    if m.offload_dir is not None and m.offload != "disk":
+        raise ValueError("offload_dir= is where offload='disk' keeps the optimizer state: pass "
+                         "offload='disk' too (or drop offload_dir)")
+    if m.offload is not None and spec.checkpoint.checkpoint_dir is not None:
+        raise ValueError(f"offload={m.offload!r} with checkpoint_dir: saving an offloaded optimizer's state "
+                         "is not supported yet; train without offload to checkpoint")
+    if m.offload_dir is not None:
+        path = os.fspath(m.offload_dir)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"offload_dir={path!r} cannot be created: {e}") from None
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"offload_dir={path!r} is not writable: pass a directory you can write to")

@@ -6,7 +6,7 @@ can put a prediction beside a measurement. One idea per module:
   params       parameter count of a transformer (GPT closed form, GQA, SwiGLU, tied)
   memory       bytes per GPU by category under ZeRO 0-3, TP, PP; shard_numel padding
   activations  Korthikanti et al. 2022 activation memory; pipeline in-flight microbatches
-  offload      DeepSpeed's CPU-offload estimators
+  offload      DeepSpeed's CPU-offload estimators; step_time, what offload adds to a step
   comm         alpha-beta collective times, nccl-tests algbw/busbw, per-step volumes
   compression  PowerSGD's elements per step and compression ratio
   batch        the linear LR scaling rule, warmup, the gradient noise scale and the critical batch size
@@ -36,11 +36,11 @@ from distlab.theory.memory import MemoryBreakdown, bytes_per_param, fsdp_padding
 from distlab.theory.moe import (MoEParams, ep_memory, ep_params_per_rank, expert_capacity, gpt_moe_params,
                                 moe_all_to_all_bytes, moe_layer_params, moe_step_all_to_all_bytes)
 from distlab.theory.moe import expected_drop_fraction
-from distlab.theory.offload import OffloadEstimate, zero2_offload, zero3_offload
+from distlab.theory.offload import OffloadEstimate, OffloadTime, zero2_offload, zero3_offload
 from distlab.theory.params import gpt_params, transformer_params
 from distlab.theory.pipeline import bubble, bubble_time
 from distlab.theory.planner import Advice, Plan, advise, cheapest_plan, fits
-from distlab.theory.presets import GPUS, LINKS, MODELS, gpu, link, model
+from distlab.theory.presets import GPUS, LINKS, MODELS, ModelPreset, gpu, link, model
 from distlab.theory.throughput import (chinchilla_tokens, mfu, scaling_efficiency, throughput,
                                        training_flops, training_time)
 from distlab.theory.units import GB, GiB, MB, MiB
@@ -54,9 +54,10 @@ __all__ = [
     "powersgd_elements", "powersgd_ratio", "examples_factor", "linear_scaling_lr", "noise_scale",
     "steps_factor", "warmup_lr",
     "MemoryBreakdown", "bytes_per_param", "memory",
-    "shard_numel", "OffloadEstimate", "zero2_offload", "zero3_offload", "gpt_params",
+    "shard_numel", "OffloadEstimate", "OffloadTime", "zero2_offload", "zero3_offload", "gpt_params",
     "transformer_params", "bubble", "bubble_time", "Advice", "Plan", "advise", "cheapest_plan", "fits",
-    "GPUS", "LINKS", "MODELS", "gpu", "link", "model", "chinchilla_tokens", "mfu", "scaling_efficiency",
+    "GPUS", "LINKS", "MODELS", "ModelPreset", "gpu", "link", "model", "chinchilla_tokens", "mfu",
+    "scaling_efficiency",
     "throughput", "training_flops", "training_time", "GB", "GiB", "MB", "MiB",
     "MoEParams", "ep_memory", "ep_params_per_rank", "expert_capacity", "gpt_moe_params",
     "moe_all_to_all_bytes", "moe_layer_params", "moe_step_all_to_all_bytes", "expected_drop_fraction",

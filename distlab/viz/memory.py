@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from ..memory import CATEGORIES
+from ..memory import CATEGORIES, OFF_DEVICE
 
 COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52",
-          "buffers": "#8172B3"}
+          "buffers": "#8172B3", "host": "#937860", "disk": "#8C8C8C"}
 
 
 def peaks(trace) -> dict[int, dict[str, int]]:
-    """{rank: {category: peak bytes}} from a trace's memory samples."""
+    """{rank: {category: peak bytes}} from a trace's memory samples (``host``/``disk`` where an offloading
+    run sampled them: stacked above the device's categories)."""
+    samples = trace.memory_samples()
+    shown = CATEGORIES + tuple(c for c in OFF_DEVICE if any(c in e.args for e in samples))
     out: dict[int, dict[str, int]] = {}
-    for e in trace.memory_samples():
-        row = out.setdefault(e.rank, {c: 0 for c in CATEGORIES})
-        for c in CATEGORIES:
+    for e in samples:
+        row = out.setdefault(e.rank, {c: 0 for c in shown})
+        for c in shown:
             row[c] = max(row[c], int(e.args.get(c, 0)))
     return out
 
@@ -54,7 +57,7 @@ def memory(trace, predicted=None, title: str | None = None, unit: str = "auto", 
     width = 0.38 if pred else 0.6
     for i, r in enumerate(ranks):
         bottoms = {"m": 0.0, "p": 0.0}
-        for c in CATEGORIES:
+        for c in measured[r]:
             value = measured[r].get(c, 0) / scale
             ax.bar(i - (width / 2 if pred else 0), value, width, bottom=bottoms["m"], color=COLORS[c],
                    label=c if i == 0 else None)

@@ -61,6 +61,18 @@ def measured(directory: str, trace=None, skip: int = 1) -> dict[int, dict]:
     return out
 
 
+def summary(directory: str, trace=None) -> str:
+    """`measured`, in words, a line per rank (what ``distlab train --profile DIR`` prints)."""
+    lines = [f"profile: {os.path.join(directory, 'trace.json')} (ui.perfetto.dev); measured after the first "
+             "step:"]
+    for r, f in sorted(measured(directory, trace).items()):
+        own = f.get("distlab", {})
+        lines.append(f"rank {r}: comm {f['comm']:.1%} of step time, {f['hidden']:.1%} of it under compute, "
+                     f"MFU {f['mfu']:.1%} of a measured {f['peak_flops'] / 1e9:.1f} GFLOP/s   (distlab's "
+                     f"trace: comm {own.get('comm', 0):.1%}, {own.get('hidden', 0):.1%} under compute)")
+    return "\n".join(lines)
+
+
 def _of_rank(pid, rank: int) -> bool:
     return pid == rank or (isinstance(pid, int) and pid >= 1000 and pid // 1000 - 1 == rank)
 

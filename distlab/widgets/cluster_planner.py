@@ -74,7 +74,7 @@ class ClusterPlanner(Explorer):
             left = [a + b for a, b in zip(left, widths)]
         ax.invert_yaxis()
         ax.set_xlabel("predicted seconds per step")
-        ax.legend(fontsize=7, ncol=4, loc="lower right")
+        fig.legend(fontsize=7, ncol=len(KINDS), loc="outside upper center", frameon=False)   # off the bars
         best = result.best
         text = (f"<p><b>{html.escape(describe(best))}</b><br>{best.tokens_per_s:,.0f} tokens/s: "
                 f"{result.days[0]:.0f} days for {result.tokens / 1e12:g}T tokens (a model's figure; "

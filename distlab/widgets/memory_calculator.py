@@ -75,24 +75,26 @@ class MemoryCalculator(Explorer):
         return MemoryResult(fullest, stages, {g: theory.fits(fullest, g) for g in theory.GPUS}, cheapest)
 
     def render(self, result: MemoryResult):
+        """The bars, the title and the text in one unit, GB (1e9 bytes, as the papers' figures and the
+        planner's); a card's line sits at its capacity in GB and its label names it in GiB, as sold."""
         fig = new_figure(7, 3.2)
         ax = fig.add_subplot()
         labels = [f"stage {i}" for i in range(len(result.stages))]
         bottom = [0.0] * len(labels)
         for category in CATEGORIES:
-            heights = [getattr(b, category) / GiB for b in result.stages]
+            heights = [getattr(b, category) / GB for b in result.stages]
             ax.bar(labels, heights, bottom=bottom, color=COLORS[category], label=category)
             bottom = [b + h for b, h in zip(bottom, heights)]
         cards_by_size: dict[int, list[str]] = {}            # one line and one label per memory size
         for name, card in theory.GPUS.items():
             cards_by_size.setdefault(card.memory, []).append(name)
         for size, names in cards_by_size.items():
-            ax.axhline(size / GiB, ls="--", lw=0.8, color="grey")
-            ax.annotate(", ".join(names), (1.0, size / GiB), xycoords=("axes fraction", "data"),
-                        fontsize=7, ha="right", va="bottom")
-        ax.set_ylabel("GiB per GPU")
-        ax.set_title(f"{self.value('model')}: {result.memory.total / GiB:.1f} GiB on the fullest GPU")
-        ax.legend(fontsize=7, loc="upper left")
+            ax.axhline(size / GB, ls="--", lw=0.8, color="grey")
+            ax.annotate(f"{', '.join(names)} ({size / GiB:g} GiB)", (1.0, size / GB),
+                        xycoords=("axes fraction", "data"), fontsize=7, ha="right", va="bottom")
+        ax.set_ylabel("GB per GPU")
+        ax.set_title(f"{self.value('model')}: {result.total_gb:.1f} GB on the fullest GPU")
+        fig.legend(fontsize=7, loc="outside right upper")                # beside the bars, never on one
         verdicts = ", ".join(f"{g} {'fits' if ok else 'no'}" for g, ok in result.fits.items())
         cheapest = f"<br>cheapest that fits: {result.cheapest}" if result.cheapest else ""
         return fig, (f"<p><b>{result.total_gb:.1f} GB</b> per GPU on the fullest stage<br>"

@@ -63,6 +63,7 @@ class Quiz(Explorer):
         self.questions = questions(seed)
         self.index, self.score, self.attempted = 0, 0, 0
         self.verdict: bool | None = None
+        self.nudged = False                     # Submit pressed with no choice made
         submit, following = W.Button(description="Submit"), W.Button(description="Next question")
         submit.on_click(lambda _button: self.submit())
         following.on_click(lambda _button: self.next())
@@ -76,8 +77,12 @@ class Quiz(Explorer):
         self.widget.children = (self.widget.children[0], self.heading, *self.widget.children[1:])
 
     def submit(self) -> None:
-        """Mark the selected answer (once per question) and show the explanation."""
+        """Mark the selected answer (once per question) and show the explanation; with no choice made,
+        ask for one."""
         chosen = self.value("answer")
+        if self.verdict is None and chosen is None:
+            self.nudged = True
+            self.update()
         if self.verdict is not None or chosen is None:
             return
         question = self.questions[self.index]
@@ -90,7 +95,7 @@ class Quiz(Explorer):
         """Move to the next question (wrapping round at the end)."""
         with self.hold():
             self.index = (self.index + 1) % len(self.questions)
-            self.verdict = None
+            self.verdict, self.nudged = None, False
             radio = self.controls["answer"]
             radio.options, radio.value = self.questions[self.index].choices, None
 
@@ -105,7 +110,8 @@ class Quiz(Explorer):
                               f"({html.escape(q.topic)}) score {result.score}/{result.attempted}</p>"
                               f"<p>{html.escape(q.prompt)}</p>")
         if not result.answered:
-            return None, ""
+            waiting = self.nudged and self.value("answer") is None
+            return None, "<p><i>Choose an answer above, then press Submit.</i></p>" if waiting else ""
         right = html.escape(q.choices[q.answer])
         verdict = "Right." if result.correct else f"Not quite: the answer is {right}."
         return None, f"<p><b>{verdict}</b> {html.escape(q.explanation)}</p>"

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 
-from ..collectives import Collectives
+from ..flat_collectives import Collectives
 from .backward_hooks import BackwardWatcher
 from .buckets import bucketize, trainable
 

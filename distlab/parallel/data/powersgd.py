@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..collectives import Collectives
+from ..flat_collectives import Collectives
 from .ddp import NaiveDDP
 
 

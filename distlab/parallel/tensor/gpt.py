@@ -58,7 +58,8 @@ class TensorParallelGPT(GPT):
             for ln in [self.ln_f, *(m for block in self.blocks for m in (block.ln1, block.ln2))]:
                 for p in ln.parameters():
                     sync_replicated_grad(p, group)
-            sync_replicated_grad(self.pos.weight, group)
+            for p in self.pos.parameters():            # none for a shape without a table (Llama)
+                sync_replicated_grad(p, group)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token + position embeddings, (b, s, h); under SP this rank's sequence shard, (b, s/t, h)."""

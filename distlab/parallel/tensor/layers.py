@@ -67,11 +67,14 @@ def shared_input(x: torch.Tensor, linears: list, group=None, sequence_parallel: 
 
 
 class ParallelMLP(nn.Module):
-    """GeLU(X W_fc^T + b) W_proj^T + b with the 4h hidden features split over the group."""
+    """GeLU(X W_fc^T + b) W_proj^T + b with the 4h hidden features split over the group; with a
+    ``gate`` (SwiGLU, Llama), (SiLU(X W_gate^T) * X W_fc^T) W_proj^T, gate split like fc (the product
+    is elementwise, so each rank multiplies its own columns of both)."""
 
-    def __init__(self, fc: ColumnParallelLinear, proj: RowParallelLinear):
+    def __init__(self, fc: ColumnParallelLinear, proj: RowParallelLinear,
+                 gate: ColumnParallelLinear | None = None):
         super().__init__()
-        self.fc, self.proj = fc, proj
+        self.fc, self.proj, self.gate = fc, proj, gate
 
     @classmethod
     def from_module(cls, mlp: nn.Module, group=None, sequence_parallel: bool = False) -> "ParallelMLP":
@@ -80,8 +83,13 @@ class ParallelMLP(nn.Module):
         check_divisible("mlp hidden size", mlp.fc.out_features, C.group_size(group),
                         "change GPTConfig.d_model or mlp_ratio")
         kw = dict(group=group, sequence_parallel=sequence_parallel)
+        gate = getattr(mlp, "gate", None)
         return cls(ColumnParallelLinear.from_linear(mlp.fc, **kw),
-                   RowParallelLinear.from_linear(mlp.proj, **kw))
+                   RowParallelLinear.from_linear(mlp.proj, **kw),
+                   ColumnParallelLinear.from_linear(gate, **kw) if gate is not None else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate is not None:                        # one f (or SP all-gather) for gate and fc
+            g, u = shared_input(x, [self.gate, self.fc], self.fc.group, self.fc.sequence_parallel)
+            return self.proj(F.silu(g) * u)
         return self.proj(F.gelu(self.fc(x)))

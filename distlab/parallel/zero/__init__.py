@@ -11,6 +11,7 @@ Reading order:
     zero2.py     ZeRO2: gradients reduce-scattered bucket by bucket during backward
     zero3.py     ZeRO3: parameters sharded at rest, gathered and freed one unit at a time
     reducer.py   the bounded queue of gradient reduce-scatters every stage uses
+    offload.py   OffloadedOptimizer: the state in host memory or files, stepped there (any stage, FSDP)
     fsdp.py      fully_shard (FSDP2): each parameter sharded on dim 0, the user's own optimizer; HSDP
     fsdp_unit.py its machinery: a unit gathered before forward and backward, freed, reduce-scattered
 Flat buffers and bucketing: `..data.buckets`.
@@ -24,9 +25,10 @@ from .zero1 import ShardedOptimizer, ZeRO1, ZeROModule
 from .zero2 import ZeRO2
 from .zero3 import ZeRO3
 from .fsdp import full_state_dict, fully_shard, no_sync, set_requires_gradient_sync
+from .offload import OffloadedOptimizer
 
-__all__ = ["ZeRO", "ShardedOptimizer", "ZeRO1", "ZeRO2", "ZeRO3", "fully_shard", "full_state_dict",
-           "no_sync", "set_requires_gradient_sync"]
+__all__ = ["ZeRO", "ShardedOptimizer", "OffloadedOptimizer", "ZeRO1", "ZeRO2", "ZeRO3", "fully_shard",
+           "full_state_dict", "no_sync", "set_requires_gradient_sync"]
 
 
 def ZeRO(module: nn.Module, stage: int = 1, optim: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
@@ -34,8 +36,9 @@ def ZeRO(module: nn.Module, stage: int = 1, optim: type[torch.optim.Optimizer] =
          prefetch: bool = False, **kwargs) -> ZeROModule:
     """The model wrapper of ZeRO ``stage`` 1, 2 or 3 (`ZeRO1`, `ZeRO2`, `ZeRO3`); ``.optimizer`` is its
     `ShardedOptimizer`. ``bucket_mb`` (stages 1, 2), ``overlap`` (2), ``units`` and ``prefetch`` (3) go to
-    the stage that uses them, so one call can sweep the stages; ``comm``, ``group``, ``max_inflight`` to
-    every stage, and the remaining keyword arguments to ``optim``."""
+    the stage that uses them, so one call can sweep the stages; ``comm``, ``group``, ``max_inflight``,
+    ``offload`` ("cpu" or "disk", `offload.OffloadedOptimizer`) and ``offload_dir`` to every stage, and the
+    remaining keyword arguments to ``optim``."""
     if stage == 1:
         return ZeRO1(module, optim, bucket_mb=bucket_mb, **kwargs)
     if stage == 2:

@@ -43,6 +43,10 @@ Clipping: ``torch.nn.utils.clip_grad_norm_`` on the shards would compute this ra
 each whole parameter) carries ``_fsdp_copies``, the ranks holding a copy of it, which `dl.clip_grad_norm_`
 reads to sum the squares of the whole model, replicas once (`parallel/clip.py`).
 
+Offload (ZeRO-Offload / ZeRO-Infinity): the optimizer is the user's, so offloading it is too, one line:
+``opt = dl.OffloadedOptimizer(model.parameters(), torch.optim.AdamW, offload="cpu", lr=...)`` keeps the
+state and fp32 masters of the shards in host memory (``"disk"``: in files) and steps there (`offload`).
+
 Scalars (0-dim parameters) are kept whole, like ``replicate=``. Tied parameters must sit in one unit
 (a common parent): one shard then fills every slot. A unit's module is called once per forward.
 """
@@ -56,7 +60,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..collectives import Collectives
+from ..flat_collectives import Collectives
 from ..mesh import as_group, describe, grid_groups, mesh_dims, span_group
 from .fsdp_unit import FSDPUnit, ShardedParam
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 
-from ..collectives import Collectives
+from ..flat_collectives import Collectives
 from .reducer import GradReducer
 from .zero3 import _alloc, _free, _tensors, in_recomputation
 

@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from ..collectives import Collectives, Handle
+from ..flat_collectives import Collectives, Handle
 from ..data.buckets import FlatBucket
 
 

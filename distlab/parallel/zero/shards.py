@@ -19,8 +19,9 @@ import weakref
 import torch
 
 from ..clip import scale_to_norm
-from ..collectives import Collectives
+from ..flat_collectives import Collectives
 from ..data.buckets import FlatBucket, bucketize, trainable
+from .offload import OffloadedOptimizer
 from .reducer import GradReducer
 
 
@@ -45,18 +46,21 @@ class ShardedState:
 
     def __init__(self, buckets: list[FlatBucket], shards: list[torch.Tensor],
                  optim: type[torch.optim.Optimizer], comm: Collectives, max_inflight: int = 1,
-                 **optim_kwargs):
-        self.comm, self.buckets, self.shards = comm, buckets, shards
+                 offload: str | None = None, offload_dir=None, **optim_kwargs):
+        self.comm, self.buckets, self.shards, self.offload = comm, buckets, shards, offload
         self.params = [p for b in buckets for p in b.params]
-        # what the inner optimizer updates: the shard itself (fp32) or an fp32 master copy of it
-        self.masters = [s if s.dtype == torch.float32 else s.detach().float() for s in self.shards]
+        # what the inner optimizer updates: the shard itself (fp32 or offloaded: its fp32 master is on
+        # the host) or an fp32 master copy of it on the device
+        self.masters = [s if s.dtype == torch.float32 or offload else s.detach().float() for s in self.shards]
         for m in self.masters:
             m.requires_grad_(True)
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.buckets)
         self.reducer = GradReducer(self.comm, self._add_shard, max_inflight)
         for p in self.params:               # its gradient lives here, in shards (`dl.clip_grad_norm_`)
             p._zero_optimizer = weakref.ref(self)
-        self.optimizer = optim(self.masters, **optim_kwargs)
+        self.optimizer = (optim(self.masters, **optim_kwargs) if offload is None else
+                          OffloadedOptimizer(self.masters, optim, offload=offload, offload_dir=offload_dir,
+                                             **optim_kwargs))
 
     # -- the torch.optim surface -------------------------------------------------------------
     @property
@@ -89,6 +93,9 @@ class ShardedState:
     # -- the three moves of a step -------------------------------------------------------------
     def update_shards(self) -> None:
         """The inner optimizer's step on this rank's shards, from their gradient shards (in fp32)."""
+        if self.offload is not None:                       # on the host, from the shards (`offload`)
+            self.optimizer.step(grads=self.grad_shards)
+            return
         for m, g in zip(self.masters, self.grad_shards):
             m.grad = g if g.dtype == m.dtype else g.float()
         self.optimizer.step()
@@ -159,8 +166,8 @@ class ShardsFromBackward(ShardedState):
     are the parameters themselves (``sharded_params``, ZeRO-3), all-gathers the parameters."""
 
     def __init__(self, buckets, shards, optim, comm, max_inflight: int = 1, sharded_params: bool = False,
-                 **optim_kwargs):
-        super().__init__(buckets, shards, optim, comm, max_inflight, **optim_kwargs)
+                 offload: str | None = None, offload_dir=None, **optim_kwargs):
+        super().__init__(buckets, shards, optim, comm, max_inflight, offload, offload_dir, **optim_kwargs)
         self.sharded_params = sharded_params
         self._reduced = [False] * len(self.buckets)       # local p.grad already folded into grad_shards
 

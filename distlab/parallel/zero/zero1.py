@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..collectives import Collectives
+from ..flat_collectives import Collectives
 from ..data.ddp import accumulate_locally, broadcast_from_rank0
 from .shards import ShardedState, flat_layout
 
@@ -33,14 +33,17 @@ class ShardedOptimizer(ShardedState):
     and all-gathers the parameters. Pass ``average_grads=False`` when the gradients are already
     averaged (e.g. under `DDP`): then each rank just reads its slice. ``max_inflight``: how many
     buckets' flat gradient buffers may be reduce-scattering at once (`GradReducer`, ``.reducer``).
+    ``offload="cpu"``/``"disk"`` (+ ``offload_dir``): the state and fp32 masters of the shards in host
+    memory or in files, the inner step run there (`offload.OffloadedOptimizer`).
     """
 
     def __init__(self, params, optim: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
                  bucket_mb: float = 25.0, comm: str | Collectives = "torch", group=None,
-                 average_grads: bool = True, max_inflight: int = 1, **optim_kwargs):
+                 average_grads: bool = True, max_inflight: int = 1, offload: str | None = None,
+                 offload_dir=None, **optim_kwargs):
         comm = comm if isinstance(comm, Collectives) else Collectives(comm, group)
         buckets, shards = flat_layout(params, bucket_mb, comm)     # the parameters become views of buckets
-        super().__init__(buckets, shards, optim, comm, max_inflight, **optim_kwargs)
+        super().__init__(buckets, shards, optim, comm, max_inflight, offload, offload_dir, **optim_kwargs)
         self.average_grads = average_grads
 
     @torch.no_grad()

@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..collectives import Collectives
+from ..flat_collectives import Collectives
 from ..data.backward_hooks import BackwardWatcher
 from ..data.buckets import FlatBucket
 from ..data.ddp import broadcast_from_rank0

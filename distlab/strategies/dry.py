@@ -1,0 +1,83 @@
+"""Dry runs of `dl.train`: a strategy's real code at real size, one step, on tensors without storage.
+
+    r = dl.train("3d:dp=16,tp=8,pp=8", model="llama3-70b", world_size=1024, backend="fake", ranks=[0, 1023])
+    r.memory[1]["peak"]     # rank 1023's peak bytes by category, as a real run's ledger reports them
+    r.comm[0]["sent_by_op"] # rank 0's bytes per collective in the step
+
+What runs is what a real run runs: `dl.launch(..., backend="fake", ranks=...)` (`distlab.launch.fake`) calls
+the strategy's ``train_rank(spec)`` here as each listed rank, on torch's fake process group, with
+``dl.device()`` the ``meta`` device. The model is built there (`base.build_model`: parameters with shapes,
+no bytes), sharded by the strategy's own code (flat ZeRO buffers with their padding, FSDP's dim-0
+shards, Megatron's column and row blocks, pipeline stages), and one step runs forward, backward and the
+optimizer on meta tensors (`base.dry_batch`: token ids of the right shape, no data set). The memory
+ledger (`distlab.memory`) counts every storage by its ``nbytes``, so the model states come out to the byte
+(compare `dl.theory.memory`); the traced collectives record the bytes their algorithm would send.
+
+What a dry run cannot know: values (losses are NaN), anything a rank learns from its peers' values (a
+skipped fp16 step, a gradient norm), time. Like torchtitan's fake-backend dry run and Megatron's
+``--fake-process-group``; users ask for it because estimates miss (Megatron-LM#525: 23.3 GB estimated, a
+32 GB GPU out of memory).
+"""
+from __future__ import annotations
+
+from .spec import TrainSpec
+
+
+def check(spec: TrainSpec, world: int, backend: str) -> None:
+    """Refuse what a dry run cannot do, and a real-size model outside one, before anything starts."""
+    from ..models import REAL_SIZE
+    if backend != "fake":
+        if isinstance(spec.model, str) and spec.model in REAL_SIZE:
+            raise ValueError(f"model {spec.model!r} is a real-size preset: train it in a dry run, "
+                             "backend='fake' with ranks=[...] (it would need hundreds of GB here)")
+        return
+    if spec.strategy == "single":
+        raise ValueError("strategy 'single' runs for real in this process: a dry run of one rank is "
+                         "strategy='ddp', world_size=1, backend='fake', ranks=[0]")
+    if spec.restart.max_restarts or spec.restart.shrink:
+        raise ValueError("a dry run restarts nothing: drop max_restarts and shrink with backend='fake'")
+    d = spec.layout.degrees(world)
+    for axis, why in (("cp", "context parallelism's positions"), ("ep", "expert routing")):
+        if d[axis] > 1 or (axis == "ep" and spec.strategy == "ep"):
+            raise ValueError(f"a dry run cannot run {axis}={d[axis]} yet: {why} read tensor values (on the "
+                             "meta device there are none); dry-run the same layout without it")
+    checks = spec.numerics.skip_nonfinite or spec.numerics.nan_at_step is not None
+    if spec.precision == "fp16-mixed" or checks:
+        raise ValueError("a dry run has no values to check for inf/NaN: use precision='bf16-mixed' or 'fp32' "
+                         "and drop skip_nonfinite / nan_at_step with backend='fake'")
+    if spec.checkpoint.checkpoint_dir is not None:
+        raise ValueError("a dry run's tensors hold no values to save: drop checkpoint_dir with "
+                         "backend='fake'")
+    if spec.profiling.profile is not None:
+        raise ValueError("a dry run computes on the meta device and sends nothing: no time to profile, "
+                         "drop profile with backend='fake'")
+
+
+def default_rows(spec: TrainSpec, world: int) -> int:
+    """A global batch for a dry run of ``spec`` on ``world`` ranks: one row per microbatch, as the large
+    runs train (Llama 3: micro-batch 1), 2 pp microbatches per replica with a pipeline (1 without)."""
+    d = spec.layout.degrees(world)
+    per_replica = spec.layout.microbatches or (2 * d["pp"] if d["pp"] > 1 else 1)
+    return d["dp"] * d["ep"] * per_replica * spec.grad_accum
+
+
+def default_steps(backend: str) -> int:
+    """One step shows a dry run's peak (the optimizer's states exist from the first); 20 otherwise."""
+    return 1 if backend == "fake" else 20
+
+
+def seed_pipeline_shapes(pipe, rows: int, model, seq_shards: int = 1) -> None:
+    """Tell a dry run's pipeline the shape of what crosses each stage boundary (b, s, h) per microbatch.
+
+    A real receiver learns it from a small header the sender sends first (`parallel.pipeline.p2p`); a
+    fake group delivers nothing, so the header would be empty. The shapes are known from the layout: this
+    replica's ``rows`` cut into ``pipe.microbatches`` (``tensor_split``, as the pipeline cuts them), the
+    model's sequence (over ``seq_shards``: sequence or context parallel ranks) and width, its dtype."""
+    import torch
+    if not (rows and pipe.num_stages > 1):
+        return
+    cfg, dtype = model.cfg, next(model.parameters()).dtype
+    sizes = [len(c) for c in torch.arange(rows).tensor_split(pipe.microbatches)]
+    for stage in range(pipe.num_stages - 1):
+        for j, b in enumerate(sizes):
+            pipe.links.shapes[(stage, j)] = (torch.Size([b, cfg.seq_len // seq_shards, cfg.d_model]), dtype)
