@@ -48,9 +48,13 @@ class Config:
                                  # ran is still reported when it is reached
 
 
+#: the files holding ``gpu``-marked tests: collecting only these keeps the lesson extras (Jupyter, ipywidgets,
+#: jupytext), which a bare GPU image lacks, out of the GPU check
+GPU_TEST_FILES = ("tests/test_gpu.py", "tests/test_launch.py")
+
 GPU = Config(dry=False, step_models=("gpt-small", "gpt-wide"), step_batch=256, warmup=5, steps=30,
              memory_model="gpt-small", memory_batch=16, sizes=tuple(4**k * 1024 for k in range(9)),  # 1K..64M
-             budget=0.5, test_paths=("tests",), test_timeout=140.0)
+             budget=0.5, test_paths=GPU_TEST_FILES, test_timeout=140.0)
 DRY = Config(dry=True, step_models=("gpt-tiny",), step_batch=8, warmup=1, steps=2, memory_model="gpt-tiny",
              memory_batch=8, sizes=(4096, 65536), budget=0.01, test_paths=("tests/test_gpu.py",),
              test_timeout=80.0)

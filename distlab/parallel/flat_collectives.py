@@ -91,8 +91,9 @@ class Collectives:
             scatter = partial(ring.pipelined_reduce_scatter, flat, op=op, group=self.group, out=out)
             return self._ring(scatter, async_op)
         post = (lambda: out.div_(self.size)) if op == "avg" else None
-        return self._torch(lambda: dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM,
-                                                              group=self.group, async_op=True),
+        reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)   # torch < 2.13
+        return self._torch(lambda: reduce_scatter(out, flat, op=dist.ReduceOp.SUM, group=self.group,
+                                                  async_op=True),
                            "reduce_scatter", flat.numel(), flat.element_size(), async_op, post)
 
     def _divide_first(self, t: torch.Tensor, op: str) -> str:
@@ -117,7 +118,8 @@ class Collectives:
             return self._ring(gather, async_op)
         if shard.untyped_storage().data_ptr() == out.untyped_storage().data_ptr():
             shard = shard.clone()                     # not every backend gathers in place
-        return self._torch(lambda: dist.all_gather_single(out, shard, group=self.group, async_op=True),
+        all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)   # torch < 2.13
+        return self._torch(lambda: all_gather(out, shard, group=self.group, async_op=True),
                            "all_gather", out.numel(), out.element_size(), async_op)
 
     @torch.no_grad()

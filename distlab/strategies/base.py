@@ -37,8 +37,12 @@ def build_model(spec: TrainSpec) -> nn.Module:
     transformer block recomputes in backward), "selective" (only attention's scores and softmax,
     `models.attention_core`)."""
     vocab = 256 if spec.data_loading.data == "text" else None           # bytes (`dl.data`)
-    with torch.device(device()):                  # a dry run's meta device: built without a byte
-        model = models.build(spec.model, spec.seed, vocab=vocab)
+    where = device()
+    if where.type == "meta":                      # a dry run: built without a byte
+        with torch.device(where):
+            model = models.build(spec.model, spec.seed, vocab=vocab)
+    else:                                         # initialised by the CPU's generator, then moved: the same
+        model = models.build(spec.model, spec.seed, vocab=vocab).to(where)   # weights on any device
     how = spec.memory.recompute
     for block in getattr(model, "blocks", ()):
         block.recompute = how in (True, "full")
