@@ -42,3 +42,26 @@ def pytest_configure(config):
     starts (an ignored signal stays ignored across exec): the tests of Ctrl-C would see nothing arrive."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.fixture
+def cpu_index():
+    """The URL of a PyTorch CPU wheel index on loopback that answers for torch (404 for anything else), as the
+    Makefile's 3-second probe of the real one would find it (tests/test_make_lab.py, test_make_torch.py)."""
+    import http.server
+    import threading
+
+    class Index(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path.rstrip("/").endswith("/torch") else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Index)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/whl/cpu"
+    finally:
+        server.shutdown()

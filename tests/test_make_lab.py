@@ -82,30 +82,13 @@ def _torch_line(*variables: str) -> str:
     return next(ln for ln in out.splitlines() if "pip install" in ln and "torch==" in ln)
 
 
-def test_make_picks_the_cpu_wheel_index_without_nvidia_gpus_when_it_answers(tmp_path):
-    import http.server
-    import threading
-
-    class Index(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):                                  # an index that answers for torch
-            self.send_response(200 if self.path.rstrip("/").endswith("/torch") else 404)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), Index)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        index = f"http://127.0.0.1:{server.server_port}/whl/cpu"
-        no_gpu = "NVIDIA_SMI=/nonexistent/nvidia-smi"
-        assert f"torch==2.13.0 --index-url {index}" in _torch_line(no_gpu, f"CPU_INDEX={index}")
-        fake = tmp_path / "nvidia-smi"
-        fake.write_text("#!/bin/sh\nexit 0\n")
-        fake.chmod(0o755)                                  # a GPU machine: PyPI's default (CUDA) wheel
-        assert _torch_line(f"NVIDIA_SMI={fake}", f"CPU_INDEX={index}").endswith("torch==2.13.0")
-    finally:
-        server.shutdown()
+def test_make_picks_the_cpu_wheel_index_without_nvidia_gpus_when_it_answers(tmp_path, cpu_index):
+    no_gpu = "NVIDIA_SMI=/nonexistent/nvidia-smi"
+    assert f"torch==2.13.0 --index-url {cpu_index}" in _torch_line(no_gpu, f"CPU_INDEX={cpu_index}")
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)                                      # a GPU machine: PyPI's default (CUDA) wheel
+    assert _torch_line(f"NVIDIA_SMI={fake}", f"CPU_INDEX={cpu_index}").endswith("torch==2.13.0")
     closed = f"http://127.0.0.1:{_free_port()}/whl/cpu"    # unreachable: fall back to the default
     assert _torch_line("NVIDIA_SMI=/nonexistent/nvidia-smi", f"CPU_INDEX={closed}").endswith("torch==2.13.0")
     assert _torch_line("TORCH=torch==2.13.0 --index-url X").endswith("--index-url X")   # the user decides
