@@ -74,10 +74,12 @@ class RankProfiler:
         self.directory, self.rank, self.tracer, self.origin = directory, rank, tracer, origin
 
     def __enter__(self):
-        import torch
         from torch.profiler import ProfilerActivity, profile, record_function
 
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        from ..runtime import device
+
+        gpu = device().type == "cuda"                 # this rank's device; not is_available(), which
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])   # would cuInit here
         self.prof = profile(activities=activities, record_shapes=True)     # shapes: the matmuls' FLOPs
         self.prof.__enter__()
         self.anchors = []                      # (before, after) each clock range opened: the narrowest wins

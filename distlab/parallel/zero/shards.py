@@ -83,7 +83,9 @@ class ShardedState:
         self.grad_shards = [None] * len(self.buckets)
 
     def reduce_grads(self) -> None:
-        raise NotImplementedError
+        """Fill ``grad_shards``: ZeRO-1 reduce-scatters once per step (`zero1.ShardedOptimizer`), ZeRO-2/3
+        take the shards backward produced (`ShardsFromBackward`)."""
+        raise NotImplementedError(f"{type(self).__name__} must say how its gradient shards are reduced")
 
     def _add_shard(self, b: int, shard: torch.Tensor) -> None:
         """A completed reduce-scatter's shard of bucket ``b``: the gradient shard, or added to it."""
