@@ -49,6 +49,7 @@ from distlab.strategies.numerics import LossScaler
 from distlab.theory import precision as P
 
 torch.set_num_threads(1)
+torch.manual_seed(0)                       # the layers' initial weights below: the same numbers on every run
 DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
          "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
