@@ -89,3 +89,13 @@ def test_collective_bytes_and_bad_input():
                 lambda: P.scale_for(0, "e4m3"), lambda: P.sum_error_bound(257, "bf16")):
         with pytest.raises(ValueError):
             bad()
+
+
+def test_a_format_one_mantissa_bit_off_fails_the_lessons_bounds():
+    """Lesson 19 asserts the RMS error within 3% of 0.42 u: data rounded to a neighbouring format (e4m3
+    and e5m2 differ by one mantissa bit, bf16 and fp16 by three) lands a factor 2 or more away."""
+    x = torch.rand(50_000, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    x = x.mul(5).exp()                       # 1 to 148: normal in every format, below e4m3's 448
+    for rounded, claimed in (("e5m2", "e4m3"), ("e4m3", "e5m2"), ("bf16", "fp16")):
+        rel = (x.to(DTYPES[rounded]).double() - x) / x
+        assert abs(rel.square().mean().sqrt().item() / P.cast_rms_error(claimed) - 1) > 0.5

@@ -115,7 +115,7 @@ def underflow_threshold(name: str) -> float:
 
 def scale_for(amax: float, name: str, margin: int = 0) -> float:
     """The per-tensor scale of a scaled cast: max_format / amax, divided by 2^margin (Micikevicius et
-    al. 2022, Sec. 4: a power of two below it leaves headroom for the next step's amax)."""
+    al. 2022: a margin leaves headroom for a later, larger amax)."""
     if not amax > 0:
         raise ValueError(f"amax must be > 0, got {amax!r}")
     return fmt(name).max_value / amax / 2.0 ** margin
