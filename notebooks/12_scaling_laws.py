@@ -609,9 +609,9 @@ for a, who in ((0.73, "Kaplan"), (0.50, "Chinchilla")):
 # %% [markdown]
 # The two Chinchilla answers differ: the published loss fit, with its rounded constants, puts the optimum at a
 # smaller model on more tokens than the 20-tokens rule (the D/N column), and the gap widens with C (exponent 0.45
-# against 0.5). Besiroglu et al. 2024 ("Chinchilla Scaling: A replication attempt") refitted Approach 3 on the
-# paper's own data and found the published parameters inconsistent with Approaches 1 and 2; the 20-tokens rule is
-# the one practice uses. Both sit far from Kaplan's split: at 10x the compute, Kaplan grows the model 5.4x and the
+# against 0.5). Besiroglu et al. 2024 ("Chinchilla Scaling: A replication attempt") refitted Approach 3 on data
+# read off the paper's own figure and found the published parameters inconsistent with Approaches 1 and 2; the
+# 20-tokens rule is the one practice uses. Both sit far from Kaplan's split: at 10x the compute, Kaplan grows the model 5.4x and the
 # data 1.9x, Chinchilla both 3.2x.
 #
 # **What it means for the cluster** (modelled, not measured). Llama 3 70B was trained on 15T tokens: C = 6 N D =
