@@ -17,7 +17,8 @@
 #
 # *Symbols (Ψ, S, N, u, ...) as in [docs/notation.md](../docs/notation.md), the one table for every lesson.*
 #
-# Lessons 03, 09 and 14 used `precision="bf16-mixed"` and `"fp16-mixed"` as switches. This lesson opens them. Every
+# Lessons 03 and 14 used `precision="bf16-mixed"` and `"fp16-mixed"` as switches, and lesson 09 `fully_shard`'s
+# `param_dtype` / `reduce_dtype`. This lesson opens them. Every
 # section states a prediction from the format's bits, measures on this CPU, and asserts the two agree:
 #
 # | § | question | prediction |
