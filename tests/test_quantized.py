@@ -27,7 +27,7 @@ def test_roundtrip_within_bound_and_packet_size(kind):
     back = q.roundtrip(x, kind)
     err, bound = (back - x).abs(), q.error_bound(x, kind)
     assert (err <= bound * (1 + 1e-5) + 1e-12).all()
-    assert err.max() > 0.3 * bound.max()                       # the bound is not loose by orders
+    assert (err / bound).max() > 0.5                           # and tight: some value comes close to it
     payload, scales = q.quantize(x, kind)
     assert payload.shape == (4, 256) and scales.shape == (4,)
     assert q.pack(payload, scales).numel() == q.packet_bytes(1000) == 4 * 256 + 4 * 4
