@@ -17,18 +17,15 @@ scale per block of 256) instead of the tensors themselves; all-reduce and broadc
 Bytes against the unquantized collective of the same elements: about (1 + 4/B)/4 of fp32's, (1 + 4/B)/2
 of bf16's. Errors: each value loses at most s_b/2 (int8), so a gathered weight is off by <= s_b/2 and a
 reduced gradient by <= mean_r s_{r,b}/2. The packets go through torch.distributed (gloo carries uint8),
-recorded here (`collectives.record`) with their exact bytes; the calls finish before they return.
+recorded by `Collectives` with their bytes (the packets'); the calls finish before they return.
 """
 from __future__ import annotations
 
 import contextlib
 
 import torch
-import torch.distributed as dist
 
 from ..comm import quantized as q
-from ..comm import ring_bytes
-from .collectives import current_tags, now, record
 from .flat_collectives import Collectives, Handle
 
 
@@ -64,8 +61,7 @@ class QuantizedCollectives(Collectives):
                              f"got {out.numel()}")
         packet = q.pack(*q.quantize(shard, self.quantize, self.block))               # (P,) uint8
         packets = torch.empty(self.size * packet.numel(), dtype=torch.uint8, device=packet.device)
-        self._send("all_gather", lambda: dist.all_gather_into_tensor(packets, packet, group=self.group),
-                   packets.numel())
+        super().all_gather(packets, packet)                  # traced there: the packets' bytes
         parts = [q.dequantize(*q.unpack(p, self.quantize, self.block), shard.numel())
                  for p in packets.view(self.size, -1)]                                 # N x (S/N,) fp32
         out.view(-1).copy_(torch.cat(parts))
@@ -83,23 +79,10 @@ class QuantizedCollectives(Collectives):
         rows = flat.view(self.size, -1)                                                # (N, S/N)
         send = torch.stack([q.pack(*q.quantize(row, self.quantize, self.block)) for row in rows])  # (N, P)
         recv = torch.empty_like(send)
-        self._send("all_to_all", lambda: dist.all_to_all_single(recv, send, group=self.group), send.numel())
+        self.all_to_all(recv, send)                          # row k to rank k, (N-1) packets each way
         total = sum(q.dequantize(*q.unpack(p, self.quantize, self.block), out.numel()) for p in recv)
         out.view(-1).copy_(total / self.size if op == "avg" else total)
         return Handle()
-
-    def _send(self, op: str, call, numel: int) -> None:
-        """Run ``call`` (a collective over ``numel`` packet bytes in all) and record it: an all-gather as a
-        ring moves it; an all-to-all's N-1 packets out and in, exactly."""
-        start, tags = now(), current_tags()
-        call()
-        if op == "all_to_all":
-            sent = received = numel // self.size * (self.size - 1)
-        else:
-            sent, received = ring_bytes(numel, 1, self.size, self.rank, op)
-        record(op, start=start, end=now(), sent=sent, received=received, group=self.group, tags=tags,
-               impl="torch", bytes="exact" if op == "all_to_all" else "ring-model", quantize=self.quantize, size=numel, world=self.size)
-        self._launched()
 
 
 def collectives(comm: str = "torch", group=None, quantize: str | None = None) -> Collectives:

@@ -75,8 +75,9 @@ def train_rank(spec: TrainSpec) -> RankResult:
     wrapped = wrap(spec, model)
     inner = LocalOptimizer(model.parameters(), spec)
     opt = InnerThenOuter(inner, wrapped)
-    plan = Plan(_forward(spec, wrapped, model, n, r), opt, replicated_state(model, inner, keeps_history=r == 0),
-                loss_share=1 / n, clip=opt.clip_grad_norm_, grads=inner.grads)
+    saved = replicated_state(model, inner, keeps_history=r == 0)       # (checkpoints refused: `check`)
+    plan = Plan(_forward(spec, wrapped, model, n, r), opt, saved, loss_share=1 / n, clip=opt.clip_grad_norm_,
+                grads=inner.grads)
     trained = run(spec, plan)
     losses = sum_losses(trained.losses)
     params = rank0_copy(model.state_dict())

@@ -68,7 +68,8 @@ from .fsdp_unit import FSDPUnit, ShardedParam
 
 # -- the public functions ------------------------------------------------------------------------
 def fully_shard(module: nn.Module, *, group=None, mesh=None, param_dtype=None, reduce_dtype=None,
-                reshard_after_forward: bool = True, replicate=None, quantize: str | None = None) -> nn.Module:
+                reshard_after_forward: bool = True, replicate=None,
+                quantize: str | None = None) -> nn.Module:
     """Shard ``module``'s parameters (those no inner ``fully_shard`` took) on dim 0, in place; returns it.
 
     ``group``: the data-parallel ranks (default: the world; or a 1-D mesh); ``mesh=(R, S)``: HSDP over
@@ -76,7 +77,8 @@ def fully_shard(module: nn.Module, *, group=None, mesh=None, param_dtype=None, r
     shard); a 1-D one: FSDP over it); ``param_dtype``/``reduce_dtype``: gather-and-compute and
     reduce-scatter dtypes (the shards stay in their own dtype); ``replicate``: parameters kept whole,
     gradients averaged; ``quantize``: "int8" or "fp8", the shards' all-gathers and reduce-scatters sent
-    as block-scaled packets (`..quantized_collectives`; replicas' all-reduces stay exact). Build the optimizer *after* sharding, on ``module.parameters()`` (one built
+    as block-scaled packets (`..quantized_collectives`; replicas' all-reduces stay exact). Build the
+    optimizer *after* sharding, on ``module.parameters()`` (one built
     before holds the replaced originals: its first ``step`` raises, `_refuse_stale_optimizers`).
     """
     replicate, group = list(replicate or []), as_group(group)      # a 1-D mesh: its process group
