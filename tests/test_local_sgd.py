@@ -88,7 +88,10 @@ def test_local_sgd_every_step_with_sgd_is_ddp_and_bytes_are_ddps_over_h():
     local1 = dl.train("local-sgd", world_size=3, steps=4, sync_every=1, **kw)
     _close(local1, (ddp.losses, ddp.run.results[0].params), rtol=1e-5, atol=1e-6)
     local4 = dl.train("local-sgd", world_size=3, steps=8, sync_every=4, **kw)
+    psi_bytes = 4 * sum(v.numel() for v in ddp.run.results[0].params.values())
+    predicted = dl.theory.local_sgd_volume(psi_bytes, 3, 4)                     # 2 (N-1)/N Psi / H
     for r in range(3):
+        assert local4.comm[r]["sent_per_step"] == pytest.approx(predicted, rel=1e-3)
         per_step = ddp.comm[r]["sent_per_step"]
         assert local1.comm[r]["sent_per_step"] == pytest.approx(per_step, rel=1e-3)
         assert local4.comm[r]["sent_per_step"] == pytest.approx(per_step / 4, rel=1e-3)

@@ -30,7 +30,7 @@ def test_roundtrip_within_bound_and_packet_size(kind):
     assert (err / bound).max() > 0.5                           # and tight: some value comes close to it
     payload, scales = q.quantize(x, kind)
     assert payload.shape == (4, 256) and scales.shape == (4,)
-    assert q.pack(payload, scales).numel() == q.packet_bytes(1000) == 4 * 256 + 4 * 4
+    assert q.pack(payload, scales).numel() == q.packet_bytes(1000) == dl.theory.quantized_bytes(1000) == 4 * 260
     p2, s2 = q.unpack(q.pack(payload, scales), kind)
     assert torch.equal(p2.view(torch.uint8), payload.view(torch.uint8)) and torch.equal(s2, scales)
     # a block of zeros stays zero; a block scaled by 2^k quantizes to the same payload
@@ -137,3 +137,14 @@ def test_bad_combinations_refused_before_ranks_start(monkeypatch):
     monkeypatch.delattr(torch, "float8_e4m3fn")
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         dl.train("fsdp", world_size=2, quantize="fp8")
+
+
+def test_int8_rms_error_as_predicted():
+    """Round to nearest leaves an error uniform on [-s/2, s/2]: rms s / sqrt(12) (`dl.theory.int8_error`);
+    truncation would give s / sqrt(3), twice as much, and a bound of s."""
+    x = torch.rand(256 * 64, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    x[::256] = 1.0                                            # every block's absmax: exactly 1
+    err = q.roundtrip(x, "int8") - x
+    want = dl.theory.int8_error(1.0)
+    assert err.abs().max().item() <= want["bound"] * (1 + 1e-5)
+    assert err.pow(2).mean().sqrt().item() == pytest.approx(want["rms"], rel=0.05)
