@@ -110,3 +110,15 @@ def test_bad_options_refused_before_ranks_start(kw, match, tmp_path, monkeypatch
         dl.train("diloco", world_size=2, steps=4, **{**KW, **kw})
     with pytest.raises(TypeError, match="sync_every"):
         dl.train("ddp", world_size=2, steps=4, sync_every=2, **KW)
+
+
+def test_cli_options_parse_into_the_spec():
+    """``distlab train --strategy diloco --option sync_every=4`` (and quantize for zero3) reach the typed spec."""
+    from distlab.cli import _parser, train_keywords
+    parser, _ = _parser()
+    args = parser.parse_args(["train", "--strategy", "diloco", "--option", "sync_every=4",
+                              "--option", "outer_lr=0.5"])
+    spec = parse("diloco", **train_keywords(args))
+    assert (spec.data_parallel.sync_every, spec.data_parallel.outer_lr) == (4, 0.5)
+    args = parser.parse_args(["train", "--strategy", "zero3", "--option", "quantize=int8"])
+    assert parse("zero3", **train_keywords(args)).data_parallel.quantize == "int8"
