@@ -90,22 +90,24 @@ def _run_collectives():
     return out
 
 
-def test_zero3_and_fsdp_train_close_to_exact_with_a_quarter_or_half_the_bytes():
-    """8 steps of gpt-tiny: the loss within 0.02 of the exact run's at every step (a quantizer that dropped
+@pytest.mark.parametrize("strategy,extra,kind,low,high", [
+    ("zero3", {}, "int8", 0.25, 0.27),
+    ("fsdp", {"precision": "bf16-mixed"}, "int8", 0.5, 0.54),
+    pytest.param("fsdp", {}, "fp8", 0.25, 0.27, marks=pytest.mark.slow),
+])
+def test_zero3_and_fsdp_train_close_to_exact_with_a_quarter_or_half_the_bytes(strategy, extra, kind, low, high):
+    """6 steps of gpt-tiny: the loss within 0.02 of the exact run's at every step (a quantizer that dropped
     the scales, or summed instead of averaging, is off by far more); bytes per step 1/4 of fp32's (plus the
-    scales and padding: <= 0.27) and 1/2 of bf16's (fsdp bf16 gathers: <= 0.54)."""
-    kw = dict(world_size=2, steps=8, seed=0)
-    for strategy, extra, kind, low, high in [("zero3", {}, "int8", 0.25, 0.27),
-                                             ("fsdp", {}, "fp8", 0.25, 0.27),
-                                             ("fsdp", {"precision": "bf16-mixed"}, "int8", 0.5, 0.54)]:
-        exact = dl.train(strategy, **kw, **extra)
-        quant = dl.train(strategy, quantize=kind, **kw, **extra)
-        gaps = [abs(a - b) for a, b in zip(exact.losses, quant.losses)]
-        assert max(gaps) < 0.02 and max(gaps) > 0, (strategy, kind, gaps)
-        assert quant.losses[-1] < quant.losses[0] - 0.05                       # it still learns
-        ratio = quant.comm[0]["sent_per_step"] / exact.comm[0]["sent_per_step"]
-        assert low < ratio < high, (strategy, kind, ratio)
-        assert {"all_gather", "all_to_all"} <= set(quant.comm[0]["sent_by_op"])
+    scales and padding: <= 0.27) and 1/2 of bf16's (fsdp bf16 gathers and reduce-scatters: <= 0.54)."""
+    kw = dict(world_size=2, steps=6, seed=0, **extra)
+    exact = dl.train(strategy, **kw)
+    quant = dl.train(strategy, quantize=kind, **kw)
+    gaps = [abs(a - b) for a, b in zip(exact.losses, quant.losses)]
+    assert 0 < max(gaps) < 0.02, gaps
+    assert quant.losses[-1] < quant.losses[0] - 0.05                       # it still learns
+    ratio = quant.comm[0]["sent_per_step"] / exact.comm[0]["sent_per_step"]
+    assert low < ratio < high, ratio
+    assert {"all_gather", "all_to_all"} <= set(quant.comm[0]["sent_by_op"])
 
 
 def test_full_state_dict_is_exact_under_quantize():
