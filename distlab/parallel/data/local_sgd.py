@@ -91,15 +91,6 @@ class DiLoCo(LocalSGD):
         for a, p in zip(self.anchor, self.params):
             p.copy_(a)                                          # every replica restarts from theta
 
-    def outer_state(self) -> dict:
-        """What a checkpoint keeps to resume exactly: theta and the outer momentum (same on every rank)."""
-        return {"anchor": [a.clone() for a in self.anchor], "outer": self.outer.state_dict()}
-
-    def load_outer_state(self, state: dict) -> None:
-        for a, saved in zip(self.anchor, state["anchor"]):
-            a.copy_(saved)
-        self.outer.load_state_dict(state["outer"])
-
 
 def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor], grad: bool = False) -> None:
     """Cut ``flat`` into ``tensors``' shapes and copy each piece in (into ``.grad`` with ``grad``)."""
