@@ -113,7 +113,7 @@ def test_bad_options_refused_before_ranks_start(kw, match, tmp_path, monkeypatch
 
 
 def test_cli_options_parse_into_the_spec():
-    """``distlab train --strategy diloco --option sync_every=4`` (and quantize for zero3) reach the typed spec."""
+    """``distlab train --strategy diloco --option sync_every=4`` (and zero3's quantize) reach the spec."""
     from distlab.cli import _parser, train_keywords
     parser, _ = _parser()
     args = parser.parse_args(["train", "--strategy", "diloco", "--option", "sync_every=4",

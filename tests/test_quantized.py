@@ -95,7 +95,8 @@ def _run_collectives():
     ("fsdp", {"precision": "bf16-mixed"}, "int8", 0.5, 0.54),
     pytest.param("fsdp", {}, "fp8", 0.25, 0.27, marks=pytest.mark.slow),
 ])
-def test_zero3_and_fsdp_train_close_to_exact_with_a_quarter_or_half_the_bytes(strategy, extra, kind, low, high):
+def test_zero3_and_fsdp_train_close_to_exact_on_a_quarter_or_half_the_bytes(strategy, extra, kind, low,
+                                                                            high):
     """6 steps of gpt-tiny: the loss within 0.02 of the exact run's at every step (a quantizer that dropped
     the scales, or summed instead of averaging, is off by far more); bytes per step 1/4 of fp32's (plus the
     scales and padding: <= 0.27) and 1/2 of bf16's (fsdp bf16 gathers and reduce-scatters: <= 0.54)."""
