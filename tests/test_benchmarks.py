@@ -94,6 +94,6 @@ def test_summary_renders_a_table_for_every_result(results):
     text = _summary(results).tables()
     for title in ("Ring all-reduce", "Data parallelism", "Tensor parallelism", "Pipeline parallelism",
                   "Checkpoints", "Expert parallelism", "FSDP2", "All-to-all", "Context parallelism",
-                  "Checkpoint stall", "Dry runs", "Offload"):
+                  "Checkpoint stall", "Dry runs", "Offload", "Talking less"):
         assert f"**{title}**" in text, title
     assert text.count("\n|---") >= 6
