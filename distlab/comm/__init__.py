@@ -26,6 +26,8 @@ Reading order:
   6. ``ring_pipelined.py`` the same ring made fast: chunks streamed in segments, receives posted ahead;
                            tested bit-identical to ``ring.py``
   7. ``traced.py``         the entry points above: each algorithm run inside a traced call, from outside
+  8. ``quantized.py``      block-scaled int8 / fp8 packets (pure tensor code, no communication): what
+                           ZeRO-3's and fully_shard's ``quantize=`` send (`parallel.quantized_collectives`)
 """
 from .p2p import OPS, free_scratch
 from .ring import ring_bytes

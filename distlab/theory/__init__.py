@@ -8,7 +8,7 @@ can put a prediction beside a measurement. One idea per module:
   activations  Korthikanti et al. 2022 activation memory; pipeline in-flight microbatches
   offload      DeepSpeed's CPU-offload estimators; step_time, what offload adds to a step
   comm         alpha-beta collective times, nccl-tests algbw/busbw, per-step volumes
-  compression  PowerSGD's elements per step and compression ratio
+  compression  PowerSGD's elements per step; local SGD / DiLoCo bytes per step; quantized bytes and error
   batch        the linear LR scaling rule, warmup, the gradient noise scale and the critical batch size
   context      context parallelism: activation memory per rank, ring attention vs Ulysses bytes
   moe          mixture of experts: total vs active parameters, expert-parallel memory, all-to-all bytes
@@ -31,7 +31,8 @@ from distlab.theory.comm import (algbw, busbw, comm_time, dp_volume, fit_alpha_b
                                  tp_volume, zero_volume)
 from distlab.theory.batch import (examples_factor, linear_scaling_lr, noise_scale, steps_factor,
                                   warmup_lr)
-from distlab.theory.compression import powersgd_elements, powersgd_ratio
+from distlab.theory.compression import (int8_error, local_sgd_volume, powersgd_elements, powersgd_ratio,
+                                        quantized_bytes, quantized_ratio, quantized_volume, step_time_on_link)
 from distlab.theory.context import (cp_activation_bytes_per_layer, cp_bytes_per_layer,
                                     cp_saved_bytes_per_layer, ring_attention_flops)
 from distlab.theory.memory import MemoryBreakdown, bytes_per_param, fsdp_padding, memory, shard_numel
@@ -54,7 +55,9 @@ __all__ = [
     "activation_bytes_per_layer", "pipeline_in_flight", "algbw", "busbw", "comm_time", "dp_volume",
     "pp_volume", "tp_volume", "zero_volume", "cp_activation_bytes_per_layer", "cp_bytes_per_layer",
     "cp_saved_bytes_per_layer", "ring_attention_flops",
-    "powersgd_elements", "powersgd_ratio", "examples_factor", "linear_scaling_lr", "noise_scale",
+    "powersgd_elements", "powersgd_ratio", "local_sgd_volume", "quantized_bytes", "quantized_ratio",
+    "quantized_volume", "int8_error", "step_time_on_link", "examples_factor", "linear_scaling_lr",
+    "noise_scale",
     "steps_factor", "warmup_lr",
     "MemoryBreakdown", "bytes_per_param", "memory",
     "shard_numel", "OffloadEstimate", "OffloadTime", "zero2_offload", "zero3_offload", "gpt_params",
