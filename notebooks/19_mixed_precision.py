@@ -389,7 +389,10 @@ plt.show()
 # Which tensor gets which format in FP8 training (Micikevicius et al. 2022): e4m3, more precision, for weights and
 # activations in the forward; e5m2, more range, for gradients (their spread over a step is wider). Reductions are
 # the hard part: an fp8 *all-reduce* would round its partial sums at every ring hop, so recipes gather weights in
-# fp8 (one rounding, measured here) and reduce gradients in bf16 or fp32 (not measured here).
+# fp8 (one rounding, measured here) and reduce gradients in bf16 or fp32 (not measured here). distlab's own fp8
+# all-gather inside ZeRO-3 and FSDP, `quantize="fp8"` ([distlab/comm/quantized.py](../distlab/comm/quantized.py),
+# lesson 18), scales per block of 256 numbers instead of per tensor: one outlier then coarsens only its block, for
+# 4 bytes of scale per block.
 #
 # ## What to remember
 #
