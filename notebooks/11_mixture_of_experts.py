@@ -358,7 +358,10 @@ assert all(sent == [one] * 4 for sent in exact)
 # We measure the memory, on N = 2 ranks: model-state bytes after one AdamW step. The bytes per step, at two batch
 # sizes, one on each side of T*, are half measured: the all-to-all's bytes are counted exactly (each rank's rows
 # times their size, `bytes="exact"`), while the gradients' all-reduce runs on torch's gloo and is recorded with a
-# ring's bytes for the real calls (`bytes="ring-model"`, as in lessons 04, 06 and 09): modelled.
+# ring's bytes for the real calls (`bytes="ring-model"`, as in lessons 04, 06 and 09): modelled. So we also
+# measure them: `dl.comm.replay` re-runs those all-reduce calls, same sizes, on distlab's own ring of send/recv,
+# where every byte is counted as it is sent, and the count must equal 2 (n-1)/n x 4 P exactly (a wrong P_dense or
+# a wrong ring factor fails it).
 
 # %%
 def model_states(replicate):
@@ -391,7 +394,9 @@ for batch in (4, 32):
         sent[side, t] = by_op.get("all_reduce", 0) + by_op.get("all_to_all", 0)
         predicted[side, t] = ring * (P.dense if side == "ep" else P.total) + (
             dl.theory.moe_step_all_to_all_bytes(t, H, K, N, L) if side == "ep" else 0)
-        assert abs(by_op["all_reduce"] - ring * (P.dense if side == "ep" else P.total)) <= 0.01 * by_op["all_reduce"]
+        grads = [(e.name, e.args["size"]) for e in rep.run.trace.comms(rank=0, op="all_reduce")]
+        wire = dl.launch(dl.comm.replay, world_size=N, args=(grads,)).results[0]   # counted at each send
+        assert by_op["all_reduce"] == wire == ring * (P.dense if side == "ep" else P.total), (side, wire)
     print(f"T = {t:4} tokens per rank (T* = {T_STAR:.0f}): bytes recorded per step  ep {sent['ep', t]:7.0f} "
           f"(predicted {predicted['ep', t]:7.0f}),  replicated {sent['replicated', t]:7.0f} "
           f"(predicted {predicted['replicated', t]:7.0f})")
