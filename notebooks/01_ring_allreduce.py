@@ -257,6 +257,10 @@ for n in measured:
 # more ranks moves more bytes per rank for the same S. The *bus bandwidth* multiplies by the bytes each rank
 # really moves per byte of message, busbw = algbw · 2(N-1)/N for all-reduce, so it can be set beside the link's
 # peak whatever N is: if the ring is bandwidth-optimal, busbw approaches B, the fitted link speed, for large S.
+# Two checks, neither a formula against itself: busbw must equal the bytes one rank *really sent* (counted at each
+# send in section 2) per second, so a wrong factor in `dl.theory.busbw` (say (N-1)/N) fails; and at 16 MB it must
+# be within the fit's 35% of B (the printout gives the ratio; algbw in its place would be 1.5 times lower at N = 4,
+# which the first check catches whatever the timing).
 
 # %% tags=["nbval-ignore-output"]
 print(f"{'size':>8} " + "".join(f"{'N=' + str(n) + ' algbw':>14} {'busbw':>9}" for n in measured) + "   (GB/s)")
@@ -264,10 +268,14 @@ for i, S in enumerate(SIZES):
     row = "".join(f"{dl.theory.algbw(S, measured[n][i]) / 1e9:14.2f} "
                   f"{dl.theory.busbw('all_reduce', S, measured[n][i], n) / 1e9:9.2f}" for n in measured)
     print(f"{S >> 10:>6} KB {row}")
-for n in measured:                                 # busbw = algbw x 2(N-1)/N, exactly
+counted = {n: max(ring) / S for n, S, ring, _ in rows if S % (4 * n) == 0}   # section 2: bytes a rank sent / S
+for n in measured:
     S, t = SIZES[-1], measured[n][-1]
-    assert abs(dl.theory.busbw("all_reduce", S, t, n) - dl.theory.algbw(S, t) * 2 * (n - 1) / n) < 1e-6
-    assert dl.theory.busbw("all_reduce", S, t, n) < 2 * model[n][1]   # never far above the fitted link speed
+    busbw = dl.theory.busbw("all_reduce", S, t, n)
+    print(f"N={n}: bytes a rank sends per byte of message, counted in section 2: {counted[n]:.2f}; "
+          f"busbw at 16 MB / fitted B = {busbw / model[n][1]:.2f}")
+    assert abs(busbw - counted[n] * S / t) <= 1e-9 * busbw      # busbw = the bytes a rank really sent, per second
+    assert abs(busbw / model[n][1] - 1) <= TOLERANCE             # and, for large S, about the link speed B
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 4))

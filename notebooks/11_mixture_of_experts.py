@@ -185,7 +185,7 @@ plt.show()
 # If routing were uniform at random, expert e's load would be Binomial(T, k/E), and the expected fraction of pairs
 # dropped at capacity C is `E * sum_{l > C} (l - C) P(L = l) / (k T)`: `dl.theory.expected_drop_fraction`. We
 # check it with a router whose logits are independent and identically distributed (orthogonal gate rows of equal
-# norm, Gaussian tokens: every top-k choice equally likely), averaged over 8 batches of 2048 tokens, then measure
+# norm, Gaussian tokens: every top-k choice equally likely), averaged over 32 batches of 2048 tokens, then measure
 # the trained routers of section 2 on the held-out batch, re-planning their choices at each capacity factor.
 
 # %%
@@ -194,7 +194,7 @@ T_UNIFORM = 2048
 torch.manual_seed(0)
 uniform = moe.MoE(H, 2 * H, E8, top_k=K)                               # every expert in this process
 torch.nn.init.orthogonal_(uniform.router.gate.weight)                  # (E, h) rows orthonormal: iid logits
-draws = [uniform.router(torch.randn(T_UNIFORM, H))[1] for _ in range(8)]   # expert (T, k) per draw
+draws = [uniform.router(torch.randn(T_UNIFORM, H))[1] for _ in range(32)]  # expert (T, k) per draw
 
 def dropped_fraction(expert, factor):
     return float((~moe.plan(expert, E8, factor).kept).float().mean())
@@ -204,8 +204,14 @@ expected = [dl.theory.expected_drop_fraction(T_UNIFORM, E8, K, f) for f in FACTO
 print("capacity factor:          " + "  ".join(f"{f:6}" for f in FACTORS))
 print("uniform routing, measured " + "  ".join(f"{m:6.1%}" for m in measured_uniform))
 print("dl.theory, expected       " + "  ".join(f"{e:6.1%}" for e in expected))
-for m, e in zip(measured_uniform, expected):
-    assert abs(m - e) <= 0.005, (m, e)                                   # within half a percentage point
+for m, e, f in zip(measured_uniform, expected, FACTORS):
+    floor = max(0.0, 1 - f)                    # the fluid limit: what a formula without the binomial tail gives
+    if e - floor > 0.005:                      # where the tail matters (here c = 1.0): within 20% of it (32
+                                               # batches: sampling noise about 5% of the tail)
+        assert abs(m - e) <= 0.2 * (e - floor), (f, m, e)
+    else:                                      # elsewhere within 0.2 percentage points
+        assert abs(m - e) <= 0.002, (f, m, e)
+assert any(e - max(0.0, 1 - f) > 0.005 for e, f in zip(expected, FACTORS))   # the tail is tested somewhere
 
 def model_choices(model):
     inputs = []
