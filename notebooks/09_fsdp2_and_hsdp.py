@@ -356,7 +356,8 @@ plt.show()
 #
 # `reshard_after_forward=False` keeps each unit's gathered parameters from its forward to its backward: no second
 # all-gather (2 (N-1)/N · 4Ψ bytes per step instead of 3), but every unit stays gathered through the whole step,
-# so the full model sits on every rank between forward and backward. FSDP1 called this `SHARD_GRAD_OP`.
+# so the full model sits on every rank between forward and backward. FSDP1 called this `SHARD_GRAD_OP` (its other
+# strategies: `FULL_SHARD`, the default, is ZeRO-3; `NO_SHARD` is DDP; `HYBRID_SHARD` is section 5's HSDP).
 # `dl.theory.fsdp_volume(4Ψ, shards=N, reshard_after_forward=...)` predicts the bytes (Ψ here includes the
 # per-parameter padding measured in section 1: it is what travels).
 #

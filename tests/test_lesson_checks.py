@@ -191,7 +191,7 @@ def test_lesson_05_interleaving_must_divide_the_idle_time():
         codes[1] = codes[1].split("runs = {name")[0]                           # the function, not its runs
         real = dl.pp.TimedStage
 
-        def not_split(width, t_f, t_b, **kw):     # v chunks that are not smaller: each takes a whole stage's time
+        def not_split(width, t_f, t_b, **kw):     # v chunks not smaller: each takes a whole stage's time
             v = round(0.06 / t_f) if t_f < 0.06 else 1
             return real(width, t_f=t_f * v, t_b=t_b * v, **kw)
 
@@ -201,3 +201,25 @@ def test_lesson_05_interleaving_must_divide_the_idle_time():
         print(json.dumps(result))
     ''')
     assert outcome == {"chunks not split": "AssertionError"}
+
+
+def _replay_on(calls):
+    import distlab as dl
+    return dl.comm.replay(calls)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_replay_counts_the_bytes_a_ring_sends(n):
+    """`dl.comm.replay`, the lessons' measurement of torch's recorded calls, counts what the ring sends:
+    equal to `ring_bytes` per rank, also where n does not divide the message."""
+    import distlab as dl
+    calls = [("all_reduce", 4000), ("all_gather", 4 * 1001), ("reduce_scatter", 4 * 999), ("all_reduce", 4 * 10_007)]
+    sent = dl.launch(_replay_on, world_size=n, args=(calls,), output="quiet").results
+    for r in range(n):
+        assert sent[r] == sum(dl.comm.ring_bytes(size // 4, 4, n, r, op)[0] for op, size in calls)
+
+
+def test_replay_refuses_what_it_cannot_replay():
+    import distlab as dl
+    with pytest.raises(dl.LaunchError, match="cannot replay 'all_to_all'"):
+        dl.launch(_replay_on, world_size=2, args=([("all_to_all", 64)],), output="quiet")
