@@ -248,28 +248,28 @@ for name, v in SCHEDULES:
     # a real run can only add idle time (message latency, waking a process): never much below, a little above
     if name != "interleaved":    # its hops weigh twice as much here: measured on its own, below, with longer actions
         assert total - 0.03 < measured[name] < total + 0.12, (name, measured[name], total)
-assert measured["zb-h1"] < measured["1f1b"] and measured["interleaved"] < measured["gpipe"]
+assert measured["zb-h1"] < measured["1f1b"]
 
 # %% [markdown]
-# GPipe, 1F1B and ZB-H1 land within [-0.03, +0.12] of the prediction, ZB-H1 below 1F1B and interleaved below GPipe
-# (the cell asserts these; its printed numbers change from run to run, so nbval does not compare them).
+# GPipe, 1F1B and ZB-H1 land within [-0.03, +0.12] of the prediction and ZB-H1 below 1F1B (the cell asserts
+# these; its printed numbers change from run to run, so nbval does not compare them).
 # Interleaved is not held to the same window: that window, [0.13, 0.28], also holds 1F1B's own 0.27, so a schedule
 # that quietly ran like 1F1B would pass it. Interleaving gets its own measurement below, where v must show.
 #
 # What the measurement shows, and what it does not. GPipe and 1F1B have the same predicted bubble, and measured
 # they land close together, 1F1B often a point or two *above* GPipe: its steady state alternates F and B, so a
 # rank waits on a neighbour more often and pays a wake-up each time. Interleaving's gain is measured smaller than
-# predicted, and on a loaded machine a run can show interleaved barely below GPipe: its actions are v times
-# shorter while each hop costs the same, so hop costs eat the saving (next paragraph). These 2 shared cores
-# therefore show the *direction* of interleaving's effect, not its full factor v; the factor v is the ideal-clock
-# replay above, where messages are free. To see more of it here, make the actions long beside a hop (raise `T`).
+# predicted, and on a loaded machine a run can show interleaved barely below GPipe (or even above it): its actions
+# are v times shorter while each hop costs the same, so hop costs eat the saving (next paragraph). With 20 ms
+# actions these 2 shared cores do not show interleaving's factor v; the subsection after next makes the actions
+# long beside a hop, and there it shows, measured.
 #
 # Why +0.12 and not tighter: the formula charges nothing for a hop from rank to rank, and each hop here costs a
 # message plus waking a sleeping process, about 1 ms on an idle machine and several on a loaded 2-core one.
 # 1F1B's extra idle is roughly (hops on the critical path) x (cost per hop) / (step time): a few percent. The
 # interleaved schedule makes v = 2 times more hops with actions v times shorter, so the same per-hop cost weighs
-# about twice as much; on a busy machine it reaches +0.10. The bound is that worst case, not a fudge: an executor
-# that left its schedule, or one that serialised the ranks, lands far outside it.
+# about twice as much (+0.12 and more on a busy machine). The bound is the worst case for GPipe, 1F1B and ZB-H1,
+# not a fudge: an executor that left its schedule, or one that serialised the ranks, lands far outside it.
 
 # %% [markdown]
 # ### Where v shows: actions long beside a hop
