@@ -13,7 +13,9 @@ hands to a send. What comes back is measured, independent of `ring_bytes` and of
 
 A call's size is its message in bytes: the input of an all-reduce or a reduce-scatter, the output of an
 all-gather (the convention of the trace, as in nccl-tests); fp32 elements unless ``element_size`` says
-otherwise. The all-gather's swap of shard sizes (8 bytes a step) is bookkeeping and is left out.
+otherwise. The all-gather's swap of shard sizes (8 bytes a step) is bookkeeping and is left out. Rank r of
+the replay stands for group rank r of the recording: where n does not divide a message, ranks send
+different amounts (`ring_bytes`), so compare a rank with the rank in the same place.
 """
 from __future__ import annotations
 
@@ -30,7 +32,10 @@ def replay(calls, element_size: int = 4, group=None) -> int:
     """Re-run ``calls`` (``(op, size_in_bytes)`` pairs; op in all_reduce, reduce_scatter, all_gather) on
     distlab's ring over ``group``; returns the bytes this rank sent, counted at each send."""
     ring = Ring.of(group)                                      # the group's size and this rank's place
-    dtype = {4: torch.float32, 2: torch.bfloat16, 8: torch.float64}[element_size]
+    dtypes = {4: torch.float32, 2: torch.bfloat16, 8: torch.float64}
+    if element_size not in dtypes:
+        raise ValueError(f"element_size must be one of {sorted(dtypes)} bytes, got {element_size}")
+    dtype = dtypes[element_size]
     mark = len(tracer().events())
     for op, size in calls:
         if size % element_size:
