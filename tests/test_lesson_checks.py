@@ -214,7 +214,8 @@ def test_replay_counts_the_bytes_a_ring_sends(n):
     """`dl.comm.replay`, the lessons' measurement of torch's recorded calls, counts what the ring sends:
     equal to `ring_bytes` per rank, also where n does not divide the message."""
     import distlab as dl
-    calls = [("all_reduce", 4000), ("all_gather", 4 * 1001), ("reduce_scatter", 4 * 999), ("all_reduce", 4 * 10_007)]
+    calls = [("all_reduce", 4000), ("all_gather", 4 * 1001), ("reduce_scatter", 4 * 999),
+             ("all_reduce", 4 * 10_007)]
     sent = dl.launch(_replay_on, world_size=n, args=(calls,), output="quiet").results
     for r in range(n):
         assert sent[r] == sum(dl.comm.ring_bytes(size // 4, 4, n, r, op)[0] for op, size in calls)
