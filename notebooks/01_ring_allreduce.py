@@ -210,18 +210,11 @@ for n in (2, 4):
 
 
 # %% tags=["nbval-ignore-output"]
-def fit_alpha_beta(sizes, seconds, n):
-    """alpha (s) and B (bytes/s) minimising the relative error of 2(n-1) alpha + 2(n-1)/n S/B."""
-    t = np.asarray(seconds)
-    A = np.stack([np.full(len(sizes), 2.0 * (n - 1)), 2.0 * (n - 1) / n * np.asarray(sizes, float)], axis=1)
-    alpha, inv_b = np.linalg.lstsq(A / t[:, None], np.ones(len(t)), rcond=None)[0]
-    if alpha < 0:                                  # latency lost in the noise: fit bandwidth alone
-        alpha, inv_b = 0.0, np.linalg.lstsq(A[:, 1:] / t[:, None], np.ones(len(t)), rcond=None)[0][0]
-    return float(alpha), float(1.0 / inv_b)
-
+# `dl.theory.fit_alpha_beta`: least squares on the relative error of 2(n-1) alpha + 2(n-1)/n S/B (its docstring
+# derives it; lesson 12 fits the same model with it)
 HELD_OUT = 4 << 20                                 # not used in the fit: the model must predict it
 FIT = [i for i, S in enumerate(SIZES) if S != HELD_OUT]
-model = {n: fit_alpha_beta([SIZES[i] for i in FIT], [measured[n][i] for i in FIT], n) for n in measured}
+model = {n: dl.theory.fit_alpha_beta([SIZES[i] for i in FIT], [measured[n][i] for i in FIT], n) for n in measured}
 predicted = {n: [dl.theory.comm_time("all_reduce", S, n, bandwidth=model[n][1], latency=model[n][0])
                  for S in SIZES] for n in measured}
 error = {n: [abs(p - m) / m for p, m in zip(predicted[n], measured[n])] for n in measured}

@@ -25,8 +25,8 @@ can put a prediction beside a measurement. One idea per module:
 from distlab.theory.activations import activation_bytes_per_layer, pipeline_in_flight
 from distlab.theory.checkpoint import (checkpointed_wall_time, daly_interval, interval_steps, waste_fraction,
                                        young_interval)
-from distlab.theory.comm import (algbw, busbw, comm_time, dp_volume, fsdp_volume, pp_volume, tp_volume,
-                                 zero_volume)
+from distlab.theory.comm import (algbw, busbw, comm_time, dp_volume, fit_alpha_beta, fsdp_volume, pp_volume,
+                                 tp_volume, zero_volume)
 from distlab.theory.batch import (examples_factor, linear_scaling_lr, noise_scale, steps_factor,
                                   warmup_lr)
 from distlab.theory.compression import powersgd_elements, powersgd_ratio
@@ -49,6 +49,7 @@ from distlab.theory.landscape import accelerator_hours, implied_mfu, run_cost, t
 
 __all__ = [
     "activation_bytes_per_layer", "pipeline_in_flight", "algbw", "busbw", "comm_time", "dp_volume",
+    "fit_alpha_beta",
     "pp_volume", "tp_volume", "zero_volume", "cp_activation_bytes_per_layer", "cp_bytes_per_layer",
     "cp_saved_bytes_per_layer", "ring_attention_flops",
     "powersgd_elements", "powersgd_ratio", "examples_factor", "linear_scaling_lr", "noise_scale",
