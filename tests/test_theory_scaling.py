@@ -1,4 +1,4 @@
-"""dl.theory.scaling (Kaplan 2020, Hoffmann 2022), dl.theory.fit_alpha_beta and dl.theory.precision:
+"""dl.theory.scaling (Kaplan 2020, Hoffmann 2022), dl.theory.precision:
 closed forms checked against brute force and against torch's own float formats."""
 import math
 
@@ -40,19 +40,6 @@ def test_allocation_power_law_fit_and_gpu_seconds():
                 lambda: S.fit_power_law([1, 2], [0, 1]), lambda: S.fit_power_law([2, 2], [1, 3])):
         with pytest.raises(ValueError):
             bad()
-
-
-def test_fit_alpha_beta_recovers_the_model_and_drops_negative_latency():
-    sizes = [16 << 10, 128 << 10, 1 << 20, 4 << 20, 16 << 20]
-    for n in (2, 3, 4):
-        t = [dl.theory.comm_time("all_reduce", s, n, bandwidth=2e9, latency=5e-5) for s in sizes]
-        alpha, bw = dl.theory.fit_alpha_beta(sizes, t, n)
-        assert alpha == pytest.approx(5e-5, rel=1e-9) and bw == pytest.approx(2e9, rel=1e-9)
-    t = [s / 1e9 * (0.3 if s == sizes[0] else 1.0) for s in sizes]       # faster than linear at the small end
-    alpha, bw = dl.theory.fit_alpha_beta(sizes, t, 2)                     # latency would go negative
-    assert alpha == 0.0 and bw > 0
-    with pytest.raises(ValueError):
-        dl.theory.fit_alpha_beta(sizes, [1e-3] * 5, 1)
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,

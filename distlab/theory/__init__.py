@@ -53,6 +53,7 @@ from distlab.theory.landscape import accelerator_hours, implied_mfu, run_cost, t
 
 __all__ = [
     "activation_bytes_per_layer", "pipeline_in_flight", "algbw", "busbw", "comm_time", "dp_volume",
+    "fit_alpha_beta",
     "pp_volume", "tp_volume", "zero_volume", "cp_activation_bytes_per_layer", "cp_bytes_per_layer",
     "cp_saved_bytes_per_layer", "ring_attention_flops",
     "powersgd_elements", "powersgd_ratio", "local_sgd_volume", "quantized_bytes", "quantized_ratio",
@@ -69,7 +70,7 @@ __all__ = [
     "moe_all_to_all_bytes", "moe_layer_params", "moe_step_all_to_all_bytes", "expected_drop_fraction",
     "fsdp_volume", "fsdp_padding",
     "young_interval", "daly_interval", "waste_fraction", "checkpointed_wall_time", "interval_steps",
-    "sim", "published", "calibrate", "precision", "scaling", "fit_alpha_beta", "chinchilla_optimal",
+    "sim", "published", "calibrate", "precision", "scaling", "chinchilla_optimal",
     "fit_power_law", "gpu_seconds",
     "accelerator_hours", "implied_mfu", "run_cost", "tp_layer_time",
 ]

@@ -64,6 +64,33 @@ def busbw(op: str, nbytes: float, seconds: float, n: int) -> float:
     return algbw(nbytes, seconds) * BUS_FACTOR[op](n)
 
 
+def fit_alpha_beta(sizes: list[float], seconds: list[float], n: int) -> tuple[float, float]:
+    """Fit the ring all-reduce's alpha-beta model to measured times: (alpha in s, B in bytes/s).
+
+    Model (`comm_time`): t(S) = 2(n-1) alpha + 2(n-1)/n S / B, linear in x = (alpha, 1/B). Timings
+    span orders of magnitude, so the fit minimises the *relative* error: each row divided by its
+    measured t, least squares on
+
+        sum_i ( (a_i . x) / t_i - 1 )^2,      a_i = (2(n-1), 2(n-1)/n S_i)
+
+    solved by the 2 x 2 normal equations. A negative alpha (latency lost in the noise) is refitted
+    with bandwidth alone. Lessons 01 and 12 fit this machine's loopback with it.
+    """
+    if n < 2 or len(sizes) != len(seconds) or len(sizes) < 2 or min(seconds) <= 0:
+        raise ValueError(f"need n >= 2 and at least two (size, seconds > 0) pairs, got n={n}, "
+                         f"{len(sizes)} sizes and {len(seconds)} times")
+    rows = [(2.0 * (n - 1) / t, 2.0 * (n - 1) / n * s / t) for s, t in zip(sizes, seconds)]
+    p = sum(a * a for a, _ in rows)
+    q = sum(a * b for a, b in rows)
+    r = sum(b * b for _, b in rows)
+    u, v = sum(a for a, _ in rows), sum(b for _, b in rows)
+    det = p * r - q * q
+    alpha, inv_b = ((r * u - q * v) / det, (p * v - q * u) / det) if det > 0 else (-1.0, 0.0)
+    if alpha < 0:                                  # or every size the same: bandwidth alone
+        alpha, inv_b = 0.0, v / r
+    return float(alpha), float(1.0 / inv_b)
+
+
 def dp_volume(param_bytes: float, n: int) -> float:
     """Bytes each rank sends per step in DDP: a ring all-reduce of the gradients, 2 (n-1)/n Psi."""
     return 2 * (n - 1) / n * param_bytes
@@ -118,22 +145,3 @@ def pp_volume(seq_len: int, micro_batch: int, hidden: int, microbatches: int,
     """Bytes a middle pipeline stage sends per step: one b s h activation forward and one
     gradient backward per microbatch (point-to-point, no collective)."""
     return 2 * microbatches * seq_len * micro_batch * hidden * bytes_per_element
-
-
-def fit_alpha_beta(sizes: list[float], seconds: list[float], n: int) -> tuple[float, float]:
-    """(alpha in s, B in bytes/s) of the ring all-reduce T(S) = 2(n-1) alpha + 2(n-1)/n S/B fitted to
-    measured times, minimising the *relative* error sum_i (T(S_i)/t_i - 1)^2 (a 16 KB time counts as
-    much as a 16 MB one). Linear least squares in (alpha, 1/B): the 2 x 2 normal equations. If the fit
-    gives alpha < 0 (latency lost in the noise), alpha = 0 and B is fitted alone. Lessons 01 and 12."""
-    if n < 2 or len(sizes) != len(seconds) or len(sizes) < 2 or min(seconds) <= 0:
-        raise ValueError("need n >= 2 and at least two (size, seconds > 0) pairs of equal length")
-    rows = [(2.0 * (n - 1) / t, 2.0 * (n - 1) / n * s / t) for s, t in zip(sizes, seconds)]   # row / t_i
-    a11 = sum(u * u for u, _ in rows)
-    a12 = sum(u * v for u, v in rows)
-    a22 = sum(v * v for _, v in rows)
-    b1, b2 = sum(u for u, _ in rows), sum(v for _, v in rows)
-    det = a11 * a22 - a12 * a12
-    alpha, inv_b = ((b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det) if det > 0 else (-1.0, 0.0)
-    if alpha < 0:
-        alpha, inv_b = 0.0, b2 / a22
-    return float(alpha), float(1.0 / inv_b)
