@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-import distlab as dl
 from distlab.theory import precision as P
 from distlab.theory import scaling as S
 
