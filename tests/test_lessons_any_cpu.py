@@ -15,7 +15,7 @@ can run, each variable different from the pin:
 
 and checks that nbval still passes: an output that prints more digits than the arithmetic fixes fails
 here, on any machine, and not only on a learner's. The lessons re-run are fast ones that print numbers
-computed by torch (losses, norms, errors after training steps). Slow: ~30 s a lesson on 2 cores.
+computed by torch (losses after training steps). Slow: ~40 s a lesson on 2 cores.
 """
 from __future__ import annotations
 
@@ -32,12 +32,17 @@ pytest.importorskip("nbval")
 ROOT = Path(__file__).resolve().parents[1]
 OTHER = {"OMP_NUM_THREADS": "2", "MKL_CBWR": "COMPATIBLE", "ATEN_CPU_CAPABILITY": "default"}
 
-# lesson: the cell of it that still prints a CPU-dependent number (nbval's "Cell N", counting code cells
-# from 0), to be fixed in the lesson (print fewer digits, or what is invariant); an xfail that must fail.
+# lesson: None, or the cell of it that still prints a CPU-dependent number (nbval's "Cell N", counting
+# code cells from 0), to be fixed in the lesson (print fewer digits, or what is invariant): an expected
+# failure of that cell alone (any other cell failing fails the test), and a failure once the lesson passes,
+# so that the entry goes. Two lessons (~40 s each), to keep CI short. Every lesson under this setting
+# (14.5 min on 2 cores, Nov 2026) also failed at 04_tensor_parallel Cell 12 (the TP loss to 6 digits,
+# 4.436935 vs 4.436934) and 15_bring_your_own_model Cell 0 (losses to 4 digits, 1.9853 vs 1.9854) and
+# Cell 7 (it asserts the notebook process's logits bit-equal to the ranks': not so under this setting).
 LESSONS = {
-    "00_launch_and_collectives.ipynb": None,
+    "11_mixture_of_experts.ipynb": None,
     "08_checkpointing.ipynb": "Cell 4: the losses of the uninterrupted and the resumed run to 6 digits "
-                              "(3.883577 here vs 3.883576 under the other setting)",
+                              "(3.883577 stored, 3.883576 under the other setting)",
 }
 
 
@@ -54,9 +59,7 @@ def test_the_other_setting_differs_from_the_pinned_one_in_every_variable():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lesson", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=f"CPU-dependent output: {cell}"))
-    if cell else name for name, cell in LESSONS.items()])
+@pytest.mark.parametrize("lesson", sorted(LESSONS))
 def test_a_lesson_passes_nbval_under_another_cpu_setting(lesson):
     env = {**os.environ, **OTHER, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
                                                                               os.environ.get("PYTHONPATH")]))}
@@ -64,5 +67,12 @@ def test_a_lesson_passes_nbval_under_another_cpu_setting(lesson):
                            str(ROOT / "notebooks" / lesson)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     failed = re.findall(r"FAILED \S+::(Cell \d+)", done.stdout)
-    assert done.returncode == 0, (f"{lesson} prints a CPU-dependent output under {OTHER}: {failed}\n"
-                                  f"{done.stdout[-4000:]}")
+    known = LESSONS[lesson]
+    if known is None:
+        assert done.returncode == 0, (f"{lesson} prints a CPU-dependent output under {OTHER}: {failed}\n"
+                                      f"{done.stdout[-4000:]}")
+        return
+    assert done.returncode != 0, f"{lesson} passes under {OTHER} now: remove its entry from LESSONS"
+    cell = known.split(":")[0]
+    assert failed == [cell], f"{lesson}: {failed} failed, not just {cell}\n{done.stdout[-4000:]}"
+    pytest.xfail(f"CPU-dependent output, known: {lesson} {known}")
