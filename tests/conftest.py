@@ -65,3 +65,15 @@ def cpu_index():
         yield f"http://127.0.0.1:{server.server_port}/whl/cpu"
     finally:
         server.shutdown()
+
+
+@pytest.fixture(scope="session")
+def _jupyter_data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("jupyter-data")
+
+
+@pytest.fixture(autouse=True)
+def _own_jupyter_data(_jupyter_data_dir, monkeypatch):
+    """`distlab.lessons.copy` signs the lessons it writes into Jupyter's data directory (what `jupyter trust`
+    does): the tests' copies are signed into a directory of their own, never the user's."""
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(_jupyter_data_dir))
