@@ -19,7 +19,8 @@ every step equals one process on the whole batch whoever computed it. A `Kill` i
 come back, it asks the store to have it waited for at ``rejoin_at``. The launcher restarts it at once
 (a new pid; the others' never change) and the new process heals from a live peer at that step. A `Join`
 starts a new replica with the others, which waits for its step (a real cluster starts it when its
-machine arrives). Every check runs here, before any process starts.
+machine arrives); replica 0 announces it in the store before the first step, so the members wait for it
+at that step. Every check runs here, before any process starts.
 """
 from __future__ import annotations
 
@@ -97,6 +98,9 @@ def _replica(ctx, spec, founders: int, kills: dict, joins: dict, waits: tuple, r
     mine = kills.get(ctx.replica, [])
     kill = mine[ctx.incarnation] if ctx.incarnation < len(mine) else None
     join_at = _join_step(ctx, mine, joins, quorum)
+    if ctx.replica == 0 and ctx.incarnation == 0:       # the plan's joiners, announced before step 0: the
+        for replica, at in joins.items():               # members wait for each at its step, however slowly
+            quorum.request(replica, at)                 # its process starts
     ddp = ElasticDDP(model, opt, quorum, ctx.store, join_at=join_at, timeout=ctx.timeout)
     path = os.path.join(records, f"{ctx.replica}.{ctx.incarnation}.jsonl")
     with open(path, "w") as out:
