@@ -2,7 +2,7 @@
 
 No replica is in charge (a leader could die too); the store decides who was first. At step s::
 
-    member r:  set  hb/s/r                      "I am here for step s" (the heartbeat)
+    member r:  set  hb/s/r = <process id>       "I am here for step s" (the heartbeat)
                wait until every expected replica has its hb/s/*, or its wait is over:
                    expected = the last quorum   (waited for `timeout` seconds: a member that misses it
                             + the joiners        is taken for dead)
@@ -17,7 +17,8 @@ The store's ``compare_set`` is atomic, so however the members' views of who arri
 that lands just as one of them stops waiting), they all adopt the same quorum. A member missing from the
 quorum of step s (it was late, not dead) learns so from the same key and joins again like any other
 replica, healing from a live peer (`replica`). ``Decision.fresh`` names the members that were not in the
-quorum before: the ones that must be healed before the step runs.
+quorum before, or are there in a new process (a replica restarted fast enough to answer for its dead
+self: each heartbeat carries its process's own id): the ones that must be healed before the step runs.
 
 Fischer, Lynch and Paterson (1985) show that no protocol can both always decide and never wait on a
 crashed process when timing is unbounded: this one decides by timeout, so a replica slower than
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from dataclasses import dataclass
 
 POLL_SECONDS = 0.002
@@ -55,6 +57,8 @@ class Quorum:
         self.store, self.replica = store, replica
         self.members: tuple[int, ...] = tuple(sorted(members))
         self.timeout, self.join_timeout = timeout, join_timeout
+        self.uid = uuid.uuid4().hex             # this process: a restarted replica is a new one
+        self.uids: dict[int, str] = {}          # the last quorum's members' processes
         self.pending: dict[int, int] = {}      # replica -> the step it asked to join at
         self.requests_read = 0
         self.first = True
@@ -62,15 +66,22 @@ class Quorum:
     # -- a member ---------------------------------------------------------------------------------
     def agree(self, step: int) -> Decision:
         """The quorum of ``step``, as a member of the last one (it may leave this replica out)."""
-        self.store.set(f"hb/{step}/{self.replica}", "1")
+        self.store.set(f"hb/{step}/{self.replica}", self.uid)
         self._read_requests(step)
         joiners = {j for j, at in self.pending.items() if at <= step and j not in self.members}
         member_wait = self.join_timeout if self.first else self.timeout
         waits = {**dict.fromkeys(self.members, member_wait), **dict.fromkeys(joiners, self.join_timeout)}
         seen = self._wait_for(step, waits)
-        proposal = {"members": sorted(seen), "fresh": sorted(set(seen) - set(self.members))}
+        uids = {r: self.store.get(f"hb/{step}/{r}").decode() for r in sorted(seen)}
+        fresh = [r for r in uids if r not in self.members or self.uids.get(r, uids[r]) != uids[r]]
+        proposal = {"members": sorted(seen), "fresh": fresh, "uids": uids}
         stored = self.store.compare_set(f"quorum/{step}", "", json.dumps(proposal))
         return self._adopt(step, stored)
+
+    def heard(self, step: int, replicas, seconds: float) -> set[int]:
+        """Which of ``replicas`` announced ``step`` within ``seconds`` (an announcement of step s means its
+        sender is done with step s-1, its last all-reduce included)."""
+        return self._wait_for(step, dict.fromkeys(replicas, seconds))
 
     def _wait_for(self, step: int, waits: dict[int, float]) -> set[int]:
         """The replicas whose heartbeat for ``step`` arrived, each waited for at most its own seconds."""
@@ -91,6 +102,7 @@ class Quorum:
         agreed = json.loads(stored)
         decision = Decision(step, tuple(agreed["members"]), tuple(agreed["fresh"]))
         self.members, self.first = decision.members, False
+        self.uids = {int(r): uid for r, uid in agreed["uids"].items()}
         self.pending = {j: at for j, at in self.pending.items() if at > step}   # asked, answered
         self.store.set("latest", str(step))
         return decision
@@ -118,7 +130,7 @@ class Quorum:
         the `Decision` that includes this replica."""
         while True:
             self.request(self.replica, step)
-            self.store.set(f"hb/{step}/{self.replica}", "1")
+            self.store.set(f"hb/{step}/{self.replica}", self.uid)
             decision = self._adopt(step, self.store.get(f"quorum/{step}"))
             if self.replica in decision.members:
                 return decision

@@ -54,6 +54,7 @@ class ElasticDDP:
         self.timeout = timedelta(seconds=timeout)
         self.group = None                       # the gloo group of the current members
         self.group_members: tuple[int, ...] = ()
+        self.retired: list = []                 # earlier groups, kept open until the end (see _regroup)
 
     def steps(self, total: int, batch, loss_fn):
         """Take part in steps until ``total``; yields ``(step, decision, loss)`` for each step this
@@ -70,12 +71,18 @@ class ElasticDDP:
                 self._heal(decision)
             yield step, decision, self._step(step, decision, batch, loss_fn)
             step += 1
+        if self.group is not None:                            # nobody leaves (closing its sockets) while
+            self.group.allreduce([torch.zeros(1)]).wait()     # a peer still reads the last all-reduce
 
     def _regroup(self, decision: Decision) -> None:
-        """A new gloo group whenever the members change (its keys under group/<step> in the store)."""
-        if decision.members == self.group_members:
+        """A new gloo group whenever the members change, or one is a new process (its keys under
+        group/<step> in the store). The old one is kept open, not destroyed: a peer may still be reading
+        the last bytes of its final all-reduce, and closing our sockets under it would fail its step."""
+        if decision.members == self.group_members and not decision.fresh:   # a fresh member: a new process
             return
-        self.group, self.group_members = None, decision.members    # the old group goes (peers may be dead)
+        if self.group is not None:
+            self.retired.append(self.group)
+        self.group, self.group_members = None, decision.members
         n = len(decision.members)
         if n > 1:
             store = dist.PrefixStore(f"group/{decision.step}", self.store)
