@@ -4,7 +4,7 @@
     python benchmarks/elastic.py                        # gpt-tiny, 3 replicas, 12 steps, fault at step 6
     python benchmarks/elastic.py --replicas 4 --repeats 5
 
-After one untimed warm-up of each (the first run in a process pays for its imports), each repeat runs
+After ``--warmup`` untimed rounds (the first run in a process pays for its imports), each repeat runs
 four trainings, in this order: elastic without a fault, elastic with the last replica
 killed at the start of step ``--fault-step`` and restarted at once (``rejoin_at="next"``), ``dl.train("ddp")``
 with checkpoints every ``--checkpoint-every`` steps and no fault, and the same with ``fail_at_step`` and
@@ -101,7 +101,7 @@ def plot(result: dict, png: str) -> None:
 
 
 def main() -> None:
-    p = parser("elastic", __doc__, model=True, training=True)
+    p = parser("elastic", __doc__, model=True, training=True, warmup=1)
     p.set_defaults(model="gpt-tiny")
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--steps", type=int, default=12)
@@ -113,17 +113,19 @@ def main() -> None:
     a = p.parse_args()
     started = time.time()
     warm = argparse.Namespace(**{**vars(a), "steps": 3, "fault_step": 1, "checkpoint_every": 2})
-    elastic_repeat(warm)
-    restart_repeat(warm)
+    for _ in range(a.warmup):
+        elastic_repeat(warm)
+        restart_repeat(warm)
     elastic, restart = [], []
     for _ in range(a.repeats):
         elastic.append(elastic_repeat(a))
         restart.append(restart_repeat(a))
-    result = {
-        "elastic": {k: _median(elastic, k) for k in ("stall_s", "recovery_s", "extra_s", "clean_s", "fault_s")},
-        "restart": {k: _median(restart, k) for k in ("extra_s", "clean_s", "fault_s", "lost_seconds")},
-    }
+    timed = ("extra_s", "clean_s", "fault_s")
+    result = {"elastic": {k: _median(elastic, k) for k in ("stall_s", "recovery_s", *timed)},
+              "restart": {k: _median(restart, k) for k in (*timed, "lost_seconds")}}
     result["restart"]["lost_steps"] = restart[0]["lost_steps"]
+    result["restart"]["losses_equal_to_no_fault"] = True          # asserted in restart_repeat
+    result["elastic"]["max_reference_rel_diff"] = max(r["reference_rel_diff"] for r in elastic)
     result["elastic"]["timeline_table"] = elastic[-1]["table"]
     meta = {**machine_facts(started, "gloo"), "model": a.model, "replicas": a.replicas, "steps": a.steps,
             "fault_step": a.fault_step, "checkpoint_every": a.checkpoint_every, "heartbeat_s": a.heartbeat,

@@ -40,7 +40,8 @@ def _check_pids(r, killed):
 
 def test_kill_and_rejoin_at_3_replicas_equals_the_reference():
     steps = 8
-    r = dl.elastic.train(replicas=3, steps=steps, faults=[Kill(2, at_step=3, rejoin_at=6)], heartbeat=HEARTBEAT)
+    r = dl.elastic.train(replicas=3, steps=steps, faults=[Kill(2, at_step=3, rejoin_at=6)],
+                         heartbeat=HEARTBEAT)
     assert r.timeline == r.planned == [(0, 1, 2)] * 3 + [(0, 1)] * 3 + [(0, 1, 2)] * 2
     assert r.healed[6] == (2,) and sum(map(len, r.healed)) == 1
     _check_against_reference(r, steps)

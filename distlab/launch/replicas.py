@@ -154,7 +154,7 @@ class _Launcher:
         self.keeper = None
 
     def _parent_fds(self) -> list[int]:
-        """Descriptors a new child must close: the lifeline's write end, the others' pipes, other launches'."""
+        """What a new child must close: the lifeline's write end, the others' pipes, other launches'."""
         mine = [self.lifeline_w.fileno()]
         for r in self.ranks:
             mine += [c.fileno() for c in (r.out_conn, r.result_conn) if not c.closed]
@@ -206,8 +206,9 @@ class _Launcher:
                 self.keeper.join()
 
 
-def launch_replicas(fn: Callable, replicas, args: tuple = (), restart: Callable[[int, int], bool] | None = None,
-                    timeout: float = 300.0, host: str = "127.0.0.1") -> ReplicaRun:
+def launch_replicas(fn: Callable, replicas, args: tuple = (),
+                    restart: Callable[[int, int], bool] | None = None, timeout: float = 300.0,
+                    host: str = "127.0.0.1") -> ReplicaRun:
     """Run ``fn(ReplicaContext, *args)`` once per replica id in ``replicas`` (fork, loopback); a process
     that dies without returning is restarted when ``restart(replica, incarnation)`` is true, with the next
     incarnation. Returns when every process has returned or died for good; a replica that raises, or the

@@ -47,7 +47,7 @@ class ElasticReport:
 
     losses: list[float]                        # per step: the global batch's mean loss
     timeline: list[tuple[int, ...]]            # per step: the replicas of its quorum, as agreed
-    planned: list[tuple[int, ...] | None]      # per step: what the plan said (None: a "next" rejoin's unknown)
+    planned: list[tuple[int, ...] | None]      # per step: the plan's (None: unknown after a "next" rejoin)
     healed: list[tuple[int, ...]]              # per step: the replicas healed from a peer before it
     recoveries: list[Recovery]                 # per Kill, in order of their steps
     pids: dict[int, list[int]]                 # replica -> the pid of each of its processes
@@ -56,7 +56,7 @@ class ElasticReport:
     seconds: float = 0.0                       # the whole run, wall clock
 
     def table(self) -> str:
-        """One row per replica, one column per step: ``x`` computed, ``h`` healed then computed, ``.`` away."""
+        """A row per replica, a column per step: ``x`` computed, ``h`` healed then computed, ``.`` away."""
         return table(self.timeline, self.healed)
 
 
@@ -147,7 +147,7 @@ def _read_records(directory: str) -> dict:
 def _report(lines: dict, run, replicas: int, steps: int, faults, joins) -> ElasticReport:
     by_step: dict[int, list] = {}
     fault_times = {}
-    for (replica, incarnation), records in lines.items():
+    for (replica, _), records in lines.items():
         for rec in records:
             if "fault" in rec:
                 fault_times[replica, rec["fault"]] = rec["time"]
@@ -177,7 +177,8 @@ def reference(timeline, steps: int | None = None, *, model: str = "gpt-tiny", gl
                  optimizer=optimizer, weight_decay=weight_decay)
     import torch
     net = models.build(spec.model, spec.seed)
-    opt, data, criterion = make_optimizer(net.parameters(), spec), models.dataset_for(model, seed), loss_fn(spec)
+    opt, criterion = make_optimizer(net.parameters(), spec), loss_fn(spec)
+    data = models.dataset_for(spec.model, spec.seed)
     params, losses = [p for p in net.parameters() if p.requires_grad], []
     for step in range(steps):
         x, y = data.batch(step, global_batch)

@@ -108,7 +108,7 @@ def _check_alive(plan) -> None:
         if members is not None and not members:
             raise ValueError(f"step {step} would have no replica at all: keep at least one alive")
         if members and before and not set(members) & set(before):
-            raise ValueError(f"step {step}: every replica is new, none to heal from: keep one alive across it")
+            raise ValueError(f"step {step}: every replica is new, none to heal from: keep one alive across")
 
 
 def planned_timeline(replicas: int, steps: int, faults, joins) -> list[tuple[int, ...] | None]:
@@ -140,7 +140,7 @@ def recoveries(faults, fault_times: dict, timeline, ends) -> list[Recovery]:
 
 
 def table(timeline, healed) -> str:
-    """The timeline drawn: a row per replica, a column per step (``x`` computed, ``h`` healed first, ``.``)."""
+    """The timeline drawn: a row per replica, a column per step (``x`` computed, ``h`` healed, ``.`` away)."""
     replicas = sorted({r for members in timeline for r in members})
     steps = len(timeline)
     lines = ["step       " + " ".join(f"{s % 100:>2}" for s in range(steps))]
