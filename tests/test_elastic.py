@@ -67,6 +67,33 @@ def test_shrink_grow_and_rejoin_at_4_replicas_uneven_splits():
     assert [(x.replica, x.back_at) for x in r.recoveries] == [(1, None), (3, 7)]
 
 
+def test_a_late_replica_is_left_out_and_heals_without_a_restart(monkeypatch):
+    """A replica slower than the heartbeat is taken for dead (the quorum cannot tell slow from dead): it
+    finds itself outside the step's quorum, joins the next one and heals from a peer, in the same process."""
+    import time
+
+    from distlab.parallel.elastic import ElasticDDP, Quorum
+    agree, step_once = Quorum.agree, ElasticDDP._step
+
+    def late(self, step):                       # forked into the replicas: replica 1 oversleeps step 3
+        if self.replica == 1 and step == 3:
+            time.sleep(HEARTBEAT * 1.3)
+        return agree(self, step)
+
+    def slow(self, *args):                      # steps long enough for the late one to catch up
+        time.sleep(0.1)
+        return step_once(self, *args)
+
+    monkeypatch.setattr(Quorum, "agree", late)
+    monkeypatch.setattr(ElasticDDP, "_step", slow)
+    steps = 12
+    r = dl.elastic.train(replicas=3, steps=steps, heartbeat=HEARTBEAT)
+    back = r.healed.index((1,))                 # when its request reached the members: a step or two on
+    assert 3 < back and r.timeline == [(0, 1, 2)] * 3 + [(0, 2)] * (back - 3) + [(0, 1, 2)] * (steps - back)
+    _check_against_reference(r, steps)
+    _check_pids(r, {})                           # nobody died: one pid each
+
+
 def test_membership_changes_who_computes_never_what():
     """The weighting rows_i / B makes every schedule equal to one process on the whole batch."""
     one, _ = dl.elastic.reference([(0,)] * 4, global_batch=12)

@@ -126,15 +126,11 @@ class Quorum:
         self.store.set(f"joins/{n}", f"{replica}:{step}")
 
     def join(self, step: int) -> Decision:
-        """Wait to be let in at ``step`` (or, if that quorum is decided without this replica, a later one);
-        the `Decision` that includes this replica."""
-        while True:
-            self.request(self.replica, step)
-            self.store.set(f"hb/{step}/{self.replica}", self.uid)
-            decision = self._adopt(step, self.store.get(f"quorum/{step}"))
-            if self.replica in decision.members:
-                return decision
-            step = max(step, self.latest()) + 1
+        """Ask to be let in at ``step`` and wait for that step's quorum; it leaves this replica out when it
+        was decided before the request was read (then ask again for a later step)."""
+        self.request(self.replica, step)
+        self.store.set(f"hb/{step}/{self.replica}", self.uid)
+        return self._adopt(step, self.store.get(f"quorum/{step}"))
 
     def latest(self) -> int:
         """The last step whose quorum is decided (-1 before the first)."""

@@ -64,6 +64,7 @@ class ElasticDDP:
             decision = self.quorum.join(step) if joining else self.quorum.agree(step)
             if self.replica not in decision.members:          # left out (late): join again, heal
                 step, joining = max(step, self.quorum.latest()) + 1, True
+                self._regroup(Decision(step, (), ()))           # no longer in the members' group
                 continue
             step, joining = decision.step, False
             self._regroup(decision)
