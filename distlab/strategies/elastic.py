@@ -110,15 +110,16 @@ def _replica(ctx, spec, founders: int, kills: dict, joins: dict, waits: tuple, r
                                   "loss": loss, "end": time.time()}) + "\n")
             out.flush()
             if kill is not None and step + 1 == kill.at_step:
-                _die(ctx, quorum, kill, decision, out)
+                dying = {k.replica for ks in kills.values() for k in ks if k.at_step == kill.at_step}
+                _die(ctx, quorum, kill, [r for r in decision.members if r not in dying], out)
     return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "pid": os.getpid()}
 
 
-def _die(ctx, quorum, kill, decision, out) -> None:
-    """The planted fault: at the start of step ``kill.at_step``, once the peers are done with the step
-    before (they announced the next: a death *inside* an all-reduce is not what is planted, see
+def _die(ctx, quorum, kill, survivors: list[int], out) -> None:
+    """The planted fault: at the start of step ``kill.at_step``, once the ``survivors`` are done with the
+    step before (they announced the next: a death *inside* an all-reduce is not what is planted, see
     `distlab.parallel.elastic.replica`), ask to be waited for at ``rejoin_at``, note the time, SIGKILL."""
-    quorum.heard(kill.at_step, [r for r in decision.members if r != ctx.replica], quorum.join_timeout)
+    quorum.heard(kill.at_step, survivors, quorum.timeout)
     if kill.rejoin_at is not None and kill.rejoin_at != "next":
         quorum.request(ctx.replica, kill.rejoin_at)          # "wait for me at rejoin_at"
     out.write(json.dumps({"fault": kill.at_step, "time": time.time()}) + "\n")
