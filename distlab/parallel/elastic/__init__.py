@@ -8,8 +8,8 @@ peer and steps on with them::
     step        0   1   2   3   4   5   6   7   8   9
     replica 0   x   x   x   x   x   x   x   x   x   x
     replica 1   x   x   x   x   x   x   x   x   x   x
-    replica 2   x   x   x   X . . . . . .   h   x   x     X: killed at step 3; h: healed, back at step 8
-    quorum      3   3   3   2   2   2   2   2   3   3     (the global batch is split over the quorum)
+    replica 2   x   x   x   x   .   .   .   .   h   x     killed at the start of step 4 (.: away);
+    quorum      3   3   3   3   2   2   2   2   3   3     h: a new process, healed from a peer, at step 8
 
 Reading order:
 
