@@ -126,7 +126,7 @@ browser: $(STAMP)
 
 bench: $(STAMP)
 	for b in launch_latency allreduce data_parallel tensor_parallel pipeline checkpoint fsdp \
-	         all_to_all context_parallel expert_parallel; do \
+	         all_to_all context_parallel expert_parallel talk_less; do \
 	  OMP_NUM_THREADS=1 $(BIN)/python benchmarks/$$b.py || exit 1; done
 	$(BIN)/python benchmarks/summary.py --readme
 

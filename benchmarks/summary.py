@@ -301,6 +301,23 @@ def offload() -> list[str]:
             "|---|---|---|---|---|---|---|---|", *[_offload_row(r) for r in d["results"]], ""]
 
 
+def talk_less() -> list[str]:
+    d = _load("talk_less")
+    if not d:
+        return []
+    rows = []
+    for row in d["results"]:
+        for name, r in row["impls"].items():
+            over = "-" if r["bytes_over_ddp"] is None else f"{r['bytes_over_ddp']:.3f}x"
+            rows.append(f"| {row['world_size']} | {name} | {r['sent_per_step'] / 2**10:.1f} ({r['bytes']}) | "
+                        f"{over} | {_ms(r['mean_step_s'])} | {r['last_loss']:.3f} |")
+    return [f"**Talking less** (DDP, Local SGD and DiLoCo every H steps, ZeRO-3 / FSDP exact and quantized, "
+            f"beside torch's DDP, {d['meta']['model']}, one launch; mean step of the slowest rank; "
+            f"`benchmarks/talk_less.py`).{_load_note(d['meta'])}", "",
+            "| ranks | implementation | KiB sent per step (rank 0) | of dl.DDP's | step | last loss |",
+            "|---|---|---|---|---|---|", *rows, ""]
+
+
 def elastic() -> list[str]:
     d = _load("elastic")
     if not d:
@@ -327,6 +344,7 @@ def tables() -> str:
     parts += all_to_all() + context_parallel()
     parts += checkpoint_stall() + dry_run()
     parts += offload()
+    parts += talk_less()
     parts += elastic()
     return "\n".join(parts).rstrip() + "\n"
 

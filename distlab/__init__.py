@@ -39,6 +39,8 @@ _LAZY = {
     "NaiveDDP": (".parallel.data", "NaiveDDP"),
     "DDP": (".parallel.data", "DDP"),
     "PowerSGDDDP": (".parallel.data", "PowerSGDDDP"),
+    "LocalSGD": (".parallel.data", "LocalSGD"),
+    "DiLoCo": (".parallel.data", "DiLoCo"),
     "ZeRO": (".parallel.zero", "ZeRO"),
     "ShardedOptimizer": (".parallel.zero", "ShardedOptimizer"),
     "OffloadedOptimizer": (".parallel.zero", "OffloadedOptimizer"),

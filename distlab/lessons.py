@@ -18,6 +18,16 @@ package data cannot reach), found through the installed distribution's list of f
 
 The lessons link the files they explain as ``../distlab/...``; so that those links open, ``DIR/distlab``
 is made a link to the installed package (a copy where links are not allowed): the code that runs.
+
+Every copy written here is trusted, as `jupyter trust` would: signed with this user's notebook secret into
+their signature database (nbformat's ``NotebookNotary``, in the Jupyter data dir). JupyterLab shows the
+outputs of an untrusted notebook only in their safe forms, and a widget's view is not one: lesson 07
+opened fresh would show ``VBox(children=(HTML(...`` text where its calculator is, although the notebook
+stores every widget's state (``metadata.widgets``, ``application/vnd.jupyter.widget-state+json``, written
+by the execution). Trusted, the widget manager draws them from that state before any cell runs (not yet
+live: the cell's run connects them to the kernel). A copy the learner changed is left unsigned by this
+(JupyterLab signs what it saves from a trusted notebook itself). Only lessons that need it are signed: those
+with an output JupyterLab would not show untrusted (`needs_trust`); the rest look the same either way.
 """
 from __future__ import annotations
 
@@ -81,12 +91,14 @@ def copy(directory, force: bool = False) -> dict[str, list[Path]]:
     manifest_path = root / MANIFEST
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
     done: dict[str, list[Path]] = {"written": [], "kept": []}
+    ours: list[bytes] = []                         # what stands in the folder as written here: to be trusted
     for lesson in sorted(source().glob(PATTERN)):
         for folder, data in ((STUDENT, student_version(lesson)), (SOLVED, lesson.read_bytes())):
             target, key = root / folder / lesson.name, f"{folder}/{lesson.name}"
             now = _sha(target.read_bytes()) if target.is_file() else None
             if now == _sha(data):
                 manifest[key] = now                                    # up to date
+                ours.append(data)                                      # (signed again: a wiped database)
                 continue
             if now is not None and now != manifest.get(key) and not force:    # the learner's: left alone,
                 if manifest.get(key) != _sha(data):                           # named if the lesson changed
@@ -96,9 +108,41 @@ def copy(directory, force: bool = False) -> dict[str, list[Path]]:
             target.write_bytes(data)
             manifest[key] = _sha(data)
             done["written"].append(target)
+            ours.append(data)
     manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     _link_code(root)
+    trust([data for data in ours if needs_trust(json.loads(data))])
     return done
+
+
+# What JupyterLab renders in an untrusted notebook (its rendermime factories marked safe; HTML sanitised);
+# anything else (a widget's view, SVG, JavaScript) it replaces by the output's text/plain form.
+SAFE_OUTPUTS = frozenset({"text/plain", "text/html", "text/markdown", "text/latex", "image/png", "image/jpeg",
+                          "image/gif", "image/bmp", "image/webp", "application/vnd.jupyter.stdout",
+                          "application/vnd.jupyter.stderr"})
+
+
+def needs_trust(nb: dict) -> bool:
+    """Whether notebook ``nb`` (its parsed JSON) holds an output JupyterLab shows only when trusted."""
+    return any(set(output.get("data", {})) - SAFE_OUTPUTS
+               for cell in nb["cells"] for output in cell.get("outputs", ()))
+
+
+def trust(notebooks: list[bytes]) -> bool:
+    """Sign each notebook (its JSON text) as trusted for this user: what `jupyter trust FILE` does, into
+    the signature database of the Jupyter data dir (``$JUPYTER_DATA_DIR``, else ``~/.local/share/jupyter``)
+    that JupyterLab's server checks when it opens a notebook. The signature is an HMAC of the notebook's
+    content, so an edit made outside Jupyter makes it untrusted again. False where nbformat is missing
+    (distlab installed without its lab extras: no JupyterLab to show widgets either)."""
+    try:
+        import nbformat
+        from nbformat.sign import NotebookNotary
+    except ImportError:
+        return False
+    notary = NotebookNotary()
+    for data in notebooks:
+        notary.sign(nbformat.reads(data.decode(), as_version=4))
+    return True
 
 
 def _link_code(root: Path) -> None:

@@ -167,8 +167,10 @@ for sp in (False, True):
 # they are the call torch actually received. The bytes are not: torch's gloo all-reduce does not report what it
 # sends, so the wrapper records the bytes a ring moves for a message of that size (`bytes="ring-model"`; distlab's
 # own ring, built from send/recv, sends exactly these, `tests/test_comm.py`). The printout calls them "recorded
-# (ring model)", and the byte equality below is a check on the number and size of the calls, not a measurement of
-# the wire. The trace also carries two tags the wrapper finds out by
+# (ring model)", and an equality of those with `tp_volume` checks only the number and size of the calls. So the
+# bytes are then **measured** another way: `dl.comm.replay` re-runs every recorded call, same op and same size, on
+# distlab's own ring (send/recv, every byte counted where it is sent) on T ranks, and that count must equal
+# `tp_volume`: a wrong constant in the formula, or a ring that moved other bytes, fails it. The trace also carries two tags the wrapper finds out by
 # itself: `operator`, the function that called it (`ReduceFromRegion.forward` is *g*, `CopyToRegion.backward` is
 # *f*), and `phase="backward"` when autograd's engine is running. Which layer? `labels.label_modules(gpt)`
 # puts hooks on every submodule (from outside the model): forward hooks open a `scope(where=<module name>)`, and
@@ -199,8 +201,15 @@ for i in range(L):
         assert [(e.name, e.args["size"]) for e in ev] == [("all_reduce", message)] * 2
 predicted = dl.theory.tp_volume(S, B, H, T, layers=L, bytes_per_element=4)
 measured = sum(e.sent for e in tp_trace.comms(rank=0) if inside(e, "blocks"))
-print(f"bytes sent by rank 0 inside the layers: predicted {predicted:.0f}, recorded (ring model) {measured}")
-assert measured == predicted
+def replayed(trace, where="blocks"):  # rank 0's calls inside `where`, re-run on distlab's ring: bytes counted at send
+    calls = [(e.name, e.args["size"]) for e in trace.comms(rank=0) if inside(e, where)]
+    return dl.launch(dl.comm.replay, world_size=T, args=(calls,)).results[0]
+
+on_wire = replayed(tp_trace)
+print(f"bytes sent by rank 0 inside the layers: predicted {predicted:.0f}, recorded (ring model) {measured}, "
+      f"measured (the calls replayed on distlab's ring) {on_wire}")
+assert measured == predicted                  # the number and size of the calls
+assert on_wire == predicted                   # the bytes: counted at each send, independent of the formula
 
 # %% [markdown]
 # Outside the layers the trace also shows the embedding's *g* (one all-reduce forward), the head's *f* (one
@@ -245,9 +254,12 @@ def layer_bytes(trace, operators):
 tp_bytes = layer_bytes(tp_trace, ("f", "g"))
 sp_bytes = layer_bytes(sp_trace, ("SP g", "SP g-bar"))
 regather = layer_bytes(sp_trace, ("SP regather",))
-print(f"TP all-reduces: {tp_bytes} B   SP all-gathers + reduce-scatters: {sp_bytes} B   (+ re-gathers {regather} B)")
-assert sp_bytes == tp_bytes == predicted
+sp_wire = replayed(sp_trace)                            # every SP call in the layers, bytes counted at send
+print(f"TP all-reduces: {tp_bytes} B   SP all-gathers + reduce-scatters: {sp_bytes} B   (+ re-gathers {regather} B)"
+      f"; SP measured on distlab's ring: {sp_wire} B")
+assert sp_bytes == tp_bytes == predicted                # the calls: as many, as large
 assert regather == 2 * L * (T - 1) * message // T      # one all-gather of b*s*h per region, backward
+assert sp_wire == sp_bytes + regather + layer_bytes(sp_trace, ("grad sum",))   # the bytes, counted
 assert 4 * regather == tp_bytes                         # +25% over plain TP, in exchange for memory
 print(f"SP in all: {(sp_bytes + regather) / tp_bytes:.2f} x plain TP's bytes")
 
@@ -442,8 +454,10 @@ assert abs(loss - ref) < 1e-5 * ref and worst < 1e-5 and qkv_shape == (3 * H // 
 assert mine == (total - replicated) // T + replicated
 predicted = dl.theory.tp_volume(S, B, H, T, layers=L, bytes_per_element=4)
 measured = sum(e.sent for e in run.trace.comms(rank=0) if inside(e, "blocks"))
-print(f"bytes sent by rank 0 inside the blocks: predicted {predicted:.0f}, recorded (ring model) {measured}")
-assert measured == predicted
+on_wire = replayed(run.trace)
+print(f"bytes sent by rank 0 inside the blocks: predicted {predicted:.0f}, recorded (ring model) {measured}, "
+      f"measured on distlab's ring {on_wire}")
+assert measured == predicted and on_wire == predicted
 
 # %% [markdown]
 # ## What to remember

@@ -250,6 +250,28 @@ for r in range(8):
     print(f"{r:4d}  {str(report.results[r].info['coords']):22} {measured[r]['tp']:9d}  {measured[r]['pp']:9d}"
           f"  {measured[r]['dp']:9d}")
 
+# %% [markdown]
+# The pp bytes are the tensors each send was handed: measured. The tp and dp bytes ran on torch's gloo and are
+# recorded with a ring's formula (`bytes="ring-model"`), so the equality above checks the number and size of the
+# calls (a missed or extra all-reduce fails it), not the bytes. To measure those too, `dl.comm.replay` re-runs a
+# rank's step-1 calls, same op and size, on distlab's own ring of send/recv (T = D = 2 ranks), where every byte is
+# counted as it is sent: a wrong constant in `tp_volume` or `dp_volume`, or a formula that disagreed with the real
+# ring, would fail this check. One rank of each stage is enough (the others mirror them).
+
+# %%
+def step1_calls(r, axis):
+    marks = {e.args["step"]: e.start for e in trace.select("mark", rank=r, name="step")}
+    return [(e.name, e.args["size"]) for e in trace.comms(rank=r, group=axis) if marks[1] <= e.start < marks[2]]
+
+def replay_axes(tp_calls, dp_calls):         # both axes have 2 ranks here: one launch replays both
+    return {"tp": dl.comm.replay(tp_calls), "dp": dl.comm.replay(dp_calls)}
+
+for r in (0, 7):
+    wire = dl.launch(replay_axes, world_size=2, args=(step1_calls(r, "tp"), step1_calls(r, "dp"))).results[0]
+    print(f"rank {r}: measured on distlab's ring  tp {wire['tp']}  dp {wire['dp']}   (predicted tp "
+          f"{predicted[r]['tp']:.0f}, dp {predicted[r]['dp']:.0f})")
+    assert wire == {"tp": predicted[r]["tp"], "dp": predicted[r]["dp"]}, (r, wire, predicted[r])
+
 # %%
 fig, ax = plt.subplots(figsize=(10, 3.5))
 width = 0.27

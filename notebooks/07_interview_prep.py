@@ -21,8 +21,10 @@
 # all-reduce take*, *how much of the pipeline sits idle*. `dl.theory` holds those formulas, each one citing the
 # paper it comes from and tested against the paper's own figures; `dl.widgets` puts them behind sliders.
 #
-# Every widget here also exposes `.controls` (its inputs) and `.result` (its latest answer), so the cells below
-# move the controls from code and **assert** what the answer must be. Change the sliders yourself afterwards.
+# Every widget here also exposes `.controls` (its inputs) and `.result` (its latest answer), so the cell below each
+# one builds a second, undisplayed copy, moves *its* controls from code and **asserts** what the answer must be:
+# the widget on screen is yours and stays where you leave it. Opened before anything runs, the widgets show the
+# state they were saved in; running a widget's cell makes it live.
 #
 # The formulas are plain Python, no torch, one file per topic: memory per GPU in
 # [distlab/theory/memory.py](../distlab/theory/memory.py), activations in
@@ -65,14 +67,15 @@ mem = dl.widgets.memory_calculator("llama2-7b")
 mem
 
 # %%
-mem.controls["zero"].value = 0
-start = mem.result.total_gb
-mem.controls["zero"].value = 3
-print(f"llama2-7b, dp=8, seq 2048: ZeRO-0 {start:.1f} GB -> ZeRO-3 {mem.result.total_gb:.1f} GB per GPU")
-print("fits on:", [g for g, ok in mem.result.fits.items() if ok])
-print("cheapest:", mem.result.cheapest)
-assert mem.result.memory == dl.theory.memory("llama2-7b", dp=8, zero=3, seq_len=2048)
-assert mem.result.total_gb < start and mem.result.fits["h100-80gb"]
+calc = dl.widgets.memory_calculator("llama2-7b")      # a second calculator, driven from code
+calc.controls["zero"].value = 0
+start = calc.result.total_gb
+calc.controls["zero"].value = 3
+print(f"llama2-7b, dp=8, seq 2048: ZeRO-0 {start:.1f} GB -> ZeRO-3 {calc.result.total_gb:.1f} GB per GPU")
+print("fits on:", [g for g, ok in calc.result.fits.items() if ok])
+print("cheapest:", calc.result.cheapest)
+assert calc.result.memory == dl.theory.memory("llama2-7b", dp=8, zero=3, seq_len=2048)
+assert calc.result.total_gb < start and calc.result.fits["h100-80gb"]
 
 # %% [markdown]
 # ## 2. Which parallelism?
@@ -93,17 +96,18 @@ guide = dl.widgets.advisor("llama3-70b", "h100-80gb", gpus=64)
 guide
 
 # %%
-for question, answer in guide.result.steps:
+advice = dl.widgets.advisor("llama3-70b", "h100-80gb", gpus=64)   # a second advisor, driven from code
+for question, answer in advice.result.steps:
     print(f"- {question}\n    {answer}")
-print("=>", guide.result.plan)
-memory_only = guide.result.plan
+print("=>", advice.result.plan)
+memory_only = advice.result.plan
 assert (memory_only.zero, memory_only.recompute, memory_only.tp) == (3, "full", 1)
 assert 22 < memory_only.memory.total / GB < 24
 
-guide.controls["full_recompute"].value = False          # refuse the 33% recompute tax
-print("without full recomputation =>", guide.result.plan)
-assert guide.result.plan.tp == 8 and guide.result.plan.pp == 1
-assert guide.result.plan.memory.total > memory_only.memory.total
+advice.controls["full_recompute"].value = False          # refuse the 33% recompute tax
+print("without full recomputation =>", advice.result.plan)
+assert advice.result.plan.tp == 8 and advice.result.plan.pp == 1
+assert advice.result.plan.memory.total > memory_only.memory.total
 
 # %% [markdown]
 # ## 3. Communication: the ring all-reduce
@@ -120,13 +124,14 @@ comm = dl.widgets.allreduce_explorer(n=8, size_mb=100.0, link="nvlink4")
 comm
 
 # %%
-print({a: f"{t * 1e3:.3f} ms" for a, t in comm.result.seconds.items()}, "fastest:", comm.result.fastest)
-with comm.hold():
-    comm.controls["n"].value = 1024
-    comm.controls["size_mb"].value = 0.001
-    comm.controls["link"].value = "ethernet-100g"
-print("1 KB on 1024 ranks over 100 GbE, fastest:", comm.result.fastest)
-assert comm.result.fastest == "tree"
+scripted = dl.widgets.allreduce_explorer(n=8, size_mb=100.0, link="nvlink4")   # a second one, driven from code
+print({a: f"{t * 1e3:.3f} ms" for a, t in scripted.result.seconds.items()}, "fastest:", scripted.result.fastest)
+with scripted.hold():
+    scripted.controls["n"].value = 1024
+    scripted.controls["size_mb"].value = 0.001
+    scripted.controls["link"].value = "ethernet-100g"
+print("1 KB on 1024 ranks over 100 GbE, fastest:", scripted.result.fastest)
+assert scripted.result.fastest == "tree"
 ring = dl.theory.comm_time("all_reduce", 1e9, 8, 100e9)
 assert abs(ring - 2 * 7 / 8 * 1e9 / 100e9) < 1e-12
 
@@ -143,13 +148,13 @@ pipe = dl.widgets.bubble_explorer("1f1b", p=4, m=8)
 pipe
 
 # %%
+bubbles = dl.widgets.bubble_explorer("1f1b", p=4, m=8)      # a second explorer, driven from code
 for name in ["gpipe", "1f1b", "interleaved", "zb-h1"]:
-    pipe.controls["schedule"].value = name
-    r = pipe.result
+    bubbles.controls["schedule"].value = name
+    r = bubbles.result
     print(f"{name:12s} simulated {r.simulated:.3f}  theory {r.predicted:.3f}")
     assert abs(r.simulated - r.predicted) < 1e-9
-pipe.controls["schedule"].value = "1f1b"
-assert abs(pipe.result.simulated - 3 / 11) < 1e-12
+assert abs(pipe.result.simulated - 3 / 11) < 1e-12          # yours, untouched: 1F1B, p=4, m=8
 
 # %% [markdown]
 # ## 5. Throughput and time to train
@@ -177,12 +182,14 @@ q = dl.widgets.quiz(seed=7)
 q
 
 # %%
-print(len(q.questions), "questions")
-state = q.result
-q.controls["answer"].value = state.choices[state.question.answer]
-q.controls["submit"].click()
-print("right:", q.result.correct, "| score", q.result.score, "/", q.result.attempted)
-assert len(q.questions) >= 40 and q.result.correct and q.result.explanation
+demo = dl.widgets.quiz(seed=7)        # a second quiz, answered from code: yours above starts at 0/0
+print(len(demo.questions), "questions")
+state = demo.result
+demo.controls["answer"].value = state.choices[state.question.answer]
+demo.controls["submit"].click()
+print("right:", demo.result.correct, "| score", demo.result.score, "/", demo.result.attempted)
+assert len(demo.questions) >= 40 and demo.result.correct and demo.result.explanation
+assert demo.questions == q.questions and q.result.attempted == 0
 
 # %% [markdown]
 # ## 7. The landscape: links, real runs, frameworks

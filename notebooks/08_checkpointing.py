@@ -17,8 +17,8 @@
 #
 # *Symbols (N, Ψ, S, α, B, b, s, h, ...) as in [docs/notation.md](../docs/notation.md), the one table for every lesson.*
 #
-# A job on thousands of GPUs meets a failure every few hours: Meta's Llama 3 run logged 419 unexpected
-# interruptions in 54 days (Dubey et al. 2024, *The Llama 3 Herd of Models*, Sec. 3.3.4). Training survives by
+# A job on thousands of GPUs meets a failure every few hours (Meta's Llama 3 record, and what fails, open
+# [lesson 14](14_when_things_go_wrong.ipynb); lesson 14 also restarts a run automatically). Training survives by
 # **checkpointing**: saving everything a step depends on, often enough that little work is lost, and resuming from
 # the last save. Three things make that hard at scale:
 #

@@ -315,6 +315,19 @@ def comms(config, rank, step=1):
     return [e for e in run.trace.comms(rank=rank) if lo <= e.start <= hi]
 
 
+def on_wire(lists, world):
+    """{key: [(op, size), ...]}: each list of recorded calls re-run, same op and size, on distlab's own ring
+    of send/recv over ``world`` ranks (`dl.comm.replay`); {key: bytes rank 0 really sent}, counted at each send."""
+    return dl.launch(lambda: {k: dl.comm.replay(v) for k, v in lists.items()}, world_size=world).results[0]
+
+
+def calls(config, rank=0, group=None):
+    return [(e.name, e.args["size"]) for e in comms(config, rank) if group in (None, e.args.get("group"))]
+
+
+wire = on_wire({name: calls(name) for name in ("fsdp", "no reshard", "bf16 params", "bf16 both")}, N)
+
+
 # %%
 UNITS = MODEL.layers + 1                                         # the blocks, and the root
 for phase in ("forward", "backward"):
@@ -343,7 +356,8 @@ plt.show()
 #
 # `reshard_after_forward=False` keeps each unit's gathered parameters from its forward to its backward: no second
 # all-gather (2 (N-1)/N · 4Ψ bytes per step instead of 3), but every unit stays gathered through the whole step,
-# so the full model sits on every rank between forward and backward. FSDP1 called this `SHARD_GRAD_OP`.
+# so the full model sits on every rank between forward and backward. FSDP1 called this `SHARD_GRAD_OP` (its other
+# strategies: `FULL_SHARD`, the default, is ZeRO-3; `NO_SHARD` is DDP; `HYBRID_SHARD` is section 5's HSDP).
 # `dl.theory.fsdp_volume(4Ψ, shards=N, reshard_after_forward=...)` predicts the bytes (Ψ here includes the
 # per-parameter padding measured in section 1: it is what travels).
 #
@@ -352,6 +366,9 @@ plt.show()
 # sends are then *modelled*: the wrapper records the bytes a ring moves for that message (`bytes="ring-model"`;
 # distlab's own ring, built from send/recv, sends exactly these, `tests/test_comm.py`). So the byte checks in
 # sections 3 to 5 check the number and size of the calls against `fsdp_volume`, and the printouts say "recorded".
+# The bytes themselves are then measured apart: `on_wire` re-runs rank 0's calls of the step, same op and size, on
+# distlab's own ring of send/recv (`dl.comm.replay`), where every byte is counted as it is sent, and that count must
+# equal `fsdp_volume` too. A wrong constant in the formula (say 2 gathers per unit instead of 3 collectives) fails it.
 
 # %%
 for name, reshard in (("fsdp", True), ("no reshard", False)):
@@ -368,6 +385,10 @@ for name, reshard in (("fsdp", True), ("no reshard", False)):
     print(f"reshard_after_forward={reshard!s:5}: {gathers} all-gathers, recorded {sent:7d} B per step "
           f"(predicted {predicted:7.0f}); gathered parameters held between forward and backward: {held:6d} B "
           f"= {held / (4 * PSI):.0%} of the fp32 model; peak transient in backward {res['peak_buffers_backward']} B")
+    psi_bytes = 4 * results[0][name]["padded_psi"]
+    want = dl.theory.fsdp_volume(psi_bytes, shards=N, reshard_after_forward=reshard)["shard"]
+    print(f"{'':27}measured on distlab's ring: {wire[name]} B (rank 0)")
+    assert wire[name] == want, (name, wire[name], want)               # bytes, counted at each send
 assert results[0]["fsdp"]["peak_buffers_backward"] < results[0]["no reshard"]["peak_buffers_backward"]
 
 # %% [markdown]
@@ -399,7 +420,9 @@ for name, (param_bytes, grad_bytes) in {"fsdp": (4, 4), "bf16 params": (2, 4), "
     ratios = {op: sent_by_op[name][op] / base[op] for op in ("all_gather", "reduce_scatter")}
     print(f"{name:12} recorded {got:7d} B (predicted {predicted:7.0f}); vs fp32: all_gather x{ratios['all_gather']:.2f}, "
           f"reduce_scatter x{ratios['reduce_scatter']:.2f}")
-    assert abs(got - predicted) <= 0.01 * predicted
+    if name != "fsdp":
+        print(f"{'':13}measured on distlab's ring {wire[name]:7d} B")
+    assert abs(got - predicted) <= 0.01 * predicted and wire[name] == predicted       # calls; bytes counted
     assert ratios["all_gather"] == param_bytes / 4 and ratios["reduce_scatter"] == grad_bytes / 4
 
 # %% [markdown]
@@ -436,10 +459,14 @@ for r in range(N):
     for link in predicted:
         assert abs(by_link[link] - predicted[link]) <= 0.01 * predicted[link], (r, link, by_link, predicted)
     measured[r] = by_link
+hsdp_wire = on_wire({link: calls("hsdp 2x2", 0, link) for link in predicted}, 2)   # both groups have 2 ranks
+predicted = dl.theory.fsdp_volume(4 * results[0]["hsdp 2x2"]["padded_psi"], shards=S, replicas=R)
+assert hsdp_wire == predicted, (hsdp_wire, predicted)         # rank 0's bytes on each link, counted at each send
 ops = Counter((e.name, e.args.get("group")) for e in comms("hsdp 2x2", 0))
 print("rank 0's collectives in one step:", dict(sorted(ops.items())))
 for link in predicted:
-    print(f"  {link:9} link: recorded (ring model) {measured[0][link]:7d} B, predicted {predicted[link]:7.0f} B")
+    print(f"  {link:9} link: recorded (ring model) {measured[0][link]:7d} B, measured on distlab's ring "
+          f"{hsdp_wire[link]:7d} B, predicted {predicted[link]:7.0f} B")
 plain = sum(e.sent for e in comms("fsdp", 0))
 print(f"plain FSDP over all {N} ranks: {plain} B per rank (ring model), on rings that span both replicas")
 

@@ -48,6 +48,7 @@
 # %%
 import contextlib
 import importlib
+import time
 
 import matplotlib.pyplot as plt
 import torch
@@ -80,11 +81,10 @@ print(f"hidden {H}, heads {A}, sequence lengths {SEQS}")
 #
 # So the gap between the plain layer and the CP lines below is **two effects multiplied**: not storing the s × s
 # matrix, which FlashAttention already saves on one rank, and splitting the tokens c ways, which is what context
-# parallelism adds. The figure measures no one-rank FlashAttention-style layer; the same formula at c = 1 predicts
-# it (the c = 2 and c = 4 runs match that formula to the byte). At s = 512: the plain layer saves 5,513,216 bytes
-# (measured), a one-rank FlashAttention-style layer would save 1,130,496 (predicted; 4.9x less: FlashAttention's
-# share), and ring attention at c = 4 saves 282,624 per rank (measured; another 4x: what splitting the sequence
-# saves).
+# parallelism adds. To separate them we also measure a **one-rank FlashAttention-style layer**: the same ring
+# attention on a ring of one rank (c = 1), which computes attention block by block with the running log-sum-exp and
+# recomputes the scores in backward, exactly what FlashAttention does on one GPU. Plain -> c = 1 is
+# FlashAttention's saving; c = 1 -> c = 4 is what splitting the sequence saves (the printout gives both, at s = 512).
 
 # %%
 def layer_bytes(attention=None):
@@ -99,27 +99,34 @@ def layer_bytes(attention=None):
     return saved
 
 plain = layer_bytes()
+flash = layer_bytes("ring")        # one rank (this process): ring attention over a ring of one, FlashAttention-style
 cp_runs = {(att, n): dl.launch(layer_bytes, world_size=n, args=(att,), output="quiet").results
            for att, n in (("ring", 2), ("ring", 4), ("ulysses", 4))}
-print(f"{'s':>5} {'plain layer':>12} {'predicted':>12} {'of which s^2':>13} | per rank: "
+print(f"{'s':>5} {'plain layer':>12} {'predicted':>12} {'of which s^2':>13} {'flash c=1':>10} | per rank: "
       + "  ".join(f"{att} c={n}" for att, n in cp_runs))
 for s in SEQS:
     predicted = predicted_layer_bytes(s, 1, H, A) + unmodelled_bytes(s, 1)
     quadratic = 4 * A * s * s + s * s                            # softmax (fp32) + causal mask (bool)
     assert plain[s] == predicted
+    assert flash[s] == dl.theory.cp_saved_bytes_per_layer(s, 1, H, A, cp=1)   # measured, no s x s matrix kept
     per_rank = []
     for (att, n), results in cp_runs.items():
         want = dl.theory.cp_saved_bytes_per_layer(s, 1, H, A, cp=n)
         assert all(r[s] == want for r in results), (att, n, s)
         per_rank.append(results[0][s])
-    print(f"{s:5} {plain[s]:12,} {predicted:12,.0f} {quadratic / plain[s]:12.0%} | "
+    print(f"{s:5} {plain[s]:12,} {predicted:12,.0f} {quadratic / plain[s]:12.0%} {flash[s]:10,} | "
           + "  ".join(f"{b:>13,}" for b in per_rank))
+s = SEQS[-1]
+print(f"at s = {s}: FlashAttention-style on one rank saves {plain[s] / flash[s]:.1f}x (measured); ring attention "
+      f"over c = 4 ranks another {flash[s] / cp_runs['ring', 4][0][s]:.1f}x per rank (measured): splitting the sequence")
+assert flash[s] == 4 * cp_runs["ring", 4][0][s]         # with no s x s term left, c ranks divide it by exactly c
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 3.6))
 ax.plot(SEQS, [plain[s] / 1024 for s in SEQS], "o", color="C3", label="one rank, plain attention: measured")
 ax.plot(SEQS, [(predicted_layer_bytes(s, 1, H, A) + unmodelled_bytes(s, 1)) / 1024 for s in SEQS], "--",
         color="C3", label="predicted: 4sb(16h + as) + s^2 + stats")
+ax.plot(SEQS, [flash[s] / 1024 for s in SEQS], "D", color="C4", label="one rank, FlashAttention-style: measured")
 for (att, n), colour in zip(cp_runs, ("C0", "C2", "C1")):
     ax.plot(SEQS, [cp_runs[att, n][0][s] / 1024 for s in SEQS], "s" if att == "ring" else "^", color=colour,
             label=f"{att}, c = {n}: measured per rank")
@@ -163,12 +170,15 @@ RING = importlib.import_module("distlab.parallel.context.ring_attention")
 
 
 @contextlib.contextmanager
-def timed_blocks():
-    """A span in dl.tracer() around every block pair ring attention computes; restored on exit."""
+def timed_blocks(device_s=0.0):
+    """A span in dl.tracer() around every block pair ring attention computes; restored on exit.
+    ``device_s``: seconds a device would spend per (query row, key row) pair, slept inside the span (a sleeping
+    rank holds no CPU core, so 4 ranks on 2 cores behave like 4 devices; lesson 05's TimedStage does the same)."""
     real = RING.block_forward
 
     def timed(q, k, v, kind, scale):
         with dl.tracer().span(f"block ({kind})", rows=q.shape[2]):
+            time.sleep(device_s * q.shape[2] * k.shape[2])
             return real(q, k, v, kind, scale)
     RING.block_forward = timed
     try:
@@ -177,15 +187,16 @@ def timed_blocks():
         RING.block_forward = real
 
 
-def ring_forward(seq, zigzag, heads=4, head_dim=16):
+def ring_forward(seq, zigzag, heads=4, head_dim=16, device_s=0.0):
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, heads, seq, head_dim) for _ in range(3))      # the whole sequence, every rank
     mine = [dl.cp.split(t, dim=2, zigzag=zigzag) for t in (q, k, v)]         # (1, heads, seq/n, head_dim)
     with timed_blocks():
         with FlopCounterMode(display=False) as flops:                      # counts q k^T and P v
             dl.cp.ring_attention(*mine, causal=True, zigzag=zigzag)        # (and warms up)
-        torch.distributed.barrier()                                        # start the timed call together
-        dl.tracer().mark("measured")
+    torch.distributed.barrier()                                            # start the timed call together
+    dl.tracer().mark("measured")
+    with timed_blocks(device_s):
         dl.cp.ring_attention(*mine, causal=True, zigzag=zigzag)            # the one the timeline shows
     return flops.get_total_flops()
 
@@ -286,17 +297,27 @@ plt.show()
 
 
 # %% [markdown]
-# The same measured in wall-clock time: the trace of the timed forward on each rank (blue and green: block
-# computations, red: K/V hops, each drawn from posting to completion, so a red bar under a green one is a
-# transfer hidden behind compute).
+# The same in wall-clock time. On this machine a block pair takes about a millisecond of CPU, as long as a rank
+# being descheduled (4 ranks share 2 cores and other programs), so timed as it is the imbalance drowns in noise.
+# We therefore give each block pair a **device's time**: 250 ms per (s/c)² pair, proportional to its query rows x key
+# rows, slept inside the block's span (`timed_blocks(device_s)`; a sleeping rank holds no core, so the 4 ranks
+# behave like 4 devices, as lesson 05's `TimedStage` does). The work per rank and the waiting are then the schedule's.
+# **Prediction** (the work figure above, 250 ms a unit): the forward takes 4 units contiguous and 9/4 zig-zag,
+# 1000 ms against 563 ms, a ratio of 1.78; busy time per rank, slowest / mean, 1.60 contiguous and 1.00 zig-zag.
+# The CPU's own time per block (a few ms, but up to tens of ms on a loaded machine) adds noise to both.
+# (blue and green: block computations, red: K/V hops, each from posting to completion, so a red bar under a green
+# one is a transfer hidden behind compute.)
 
 # %%
 def measured_window(trace, rank):
     return [e for e in trace.select("mark", rank=rank, name="measured")][-1].start
 
+UNIT_S = 0.250                                                  # a device's time for one (s/c)^2 block pair
+device = {zigzag: dl.launch(ring_forward, world_size=N, args=(SEQ, zigzag, HEADS, HEAD_DIM, UNIT_S / (SEQ // N) ** 2),
+                            output="quiet") for zigzag in (False, True)}
 fig, axes = plt.subplots(2, 1, figsize=(10, 4.8), sharex=True)
 for ax, zigzag in zip(axes, (False, True)):
-    trace = layouts[zigzag].trace
+    trace = device[zigzag].trace
     for r in range(N):
         t0, y = measured_window(trace, r), N - 1 - r          # each rank on its own clock, from the barrier
         for e in trace.spans(rank=r):
@@ -308,8 +329,8 @@ for ax, zigzag in zip(axes, (False, True)):
                 ax.barh(y - 0.22, e.duration * 1e3, left=(e.start - t0) * 1e3, height=0.2, color="C3",
                         edgecolor="white", lw=0.5)
     ax.set_yticks(range(N), [f"rank {r}" for r in reversed(range(N))])
-    ax.set_title(f"ring attention forward, c = {N}, causal, {'zig-zag' if zigzag else 'contiguous'}: wall clock",
-                 fontsize=10)
+    ax.set_title(f"ring attention forward, c = {N}, causal, {'zig-zag' if zigzag else 'contiguous'}: wall clock, "
+                 f"{UNIT_S * 1e3:.0f} ms of device time per (s/c)^2 pair", fontsize=10)
 axes[-1].set_xlabel("ms since the barrier")
 axes[0].legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in ("C0", "C2", "C3")],
                labels=["block pair on the diagonal", "block pair, full", "K/V hop in flight"], fontsize=8,
@@ -317,25 +338,30 @@ axes[0].legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in ("C0", "C2
 fig.tight_layout()
 plt.show()
 
-# %% [markdown]
-# By the schedule, in the contiguous run rank 3 computes four block pairs of s/4 while rank 0 computes one and then
-# sits in its hops, waiting for blocks that are late because their senders are busy; in the zig-zag run every rank
-# computes nine pairs of s/8, in 9/4 units of time instead of 4. **The timeline above does not show that cleanly, and is
-# not the evidence for it**: 4 ranks share 2 CPU cores (and other programs), a block pair here takes about a
-# millisecond, as long as a rank being descheduled, so the wall-clock compute per rank printed below is uneven in
-# both layouts (slowest / mean well above 1 for zig-zag too, and a different rank slowest from run to run; this
-# cell's output is not checked). The evidence is the FLOP count above, exact: slowest / mean 1.60 contiguous
-# against 1.00 zig-zag. On hardware with a device per rank the time follows the FLOPs.
-
 # %% tags=["nbval-ignore-output"]
-for zigzag, run in layouts.items():
-    busy = []
+wall, spread = {}, {}
+for zigzag, run in device.items():
+    busy, ends = [], []
     for r in range(N):
         start = measured_window(run.trace, r)
-        busy.append(sum(e.duration for e in run.trace.spans(rank=r) if e.start >= start) * 1e3)
-    print(f"{'zig-zag   ' if zigzag else 'contiguous'} compute per rank (ms): "
-          + "  ".join(f"{b:6.2f}" for b in busy) + f"   slowest / mean {max(busy) * N / sum(busy):.2f}")
+        spans = [e for e in run.trace.spans(rank=r) if e.start >= start]
+        busy.append(sum(e.duration for e in spans))
+        ends.append(max(e.end for e in spans) - start)
+    wall[zigzag], spread[zigzag] = max(ends), max(busy) * N / sum(busy)
+    print(f"{'zig-zag   ' if zigzag else 'contiguous'} busy per rank (ms): " + "  ".join(f"{b * 1e3:5.0f}" for b in busy)
+          + f"   slowest / mean {spread[zigzag]:.2f};  forward {wall[zigzag] * 1e3:.0f} ms")
+print(f"contiguous / zig-zag wall clock: {wall[False] / wall[True]:.2f} (predicted 1.78)")
+assert spread[False] >= 1.4 and spread[True] <= 1.2                  # the imbalance, in time: 1.60 against 1.00
+assert 1.45 <= wall[False] / wall[True] <= 2.1                          # and the forward it costs: 1.78
 
+# %% [markdown]
+# The time follows the FLOPs once a block pair costs what it would on a device: in the contiguous run rank 3
+# computes four pairs of s/4 while rank 0 computes one and then waits in its hops; in the zig-zag run every rank
+# computes nine pairs of s/8, and the forward takes about 9/4 units instead of 4. (The printed numbers change from
+# run to run; the cell asserts the wall-clock ratio within [1.45, 2.1] and the spreads at least 1.4 and at most 1.2,
+# which a zig-zag that left the imbalance in place would miss: its forward would take as long as the contiguous
+# one, a ratio of 1, and its spread would be 1.60.) Without the device time,
+# CPU timings of 1 ms blocks on 2 shared cores are uneven in both layouts; the exact evidence stays the FLOP count.
 
 # %% [markdown]
 # ## 4. Ulysses: two all-to-alls

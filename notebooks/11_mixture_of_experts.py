@@ -185,7 +185,7 @@ plt.show()
 # If routing were uniform at random, expert e's load would be Binomial(T, k/E), and the expected fraction of pairs
 # dropped at capacity C is `E * sum_{l > C} (l - C) P(L = l) / (k T)`: `dl.theory.expected_drop_fraction`. We
 # check it with a router whose logits are independent and identically distributed (orthogonal gate rows of equal
-# norm, Gaussian tokens: every top-k choice equally likely), averaged over 8 batches of 2048 tokens, then measure
+# norm, Gaussian tokens: every top-k choice equally likely), averaged over 32 batches of 2048 tokens, then measure
 # the trained routers of section 2 on the held-out batch, re-planning their choices at each capacity factor.
 
 # %%
@@ -194,7 +194,7 @@ T_UNIFORM = 2048
 torch.manual_seed(0)
 uniform = moe.MoE(H, 2 * H, E8, top_k=K)                               # every expert in this process
 torch.nn.init.orthogonal_(uniform.router.gate.weight)                  # (E, h) rows orthonormal: iid logits
-draws = [uniform.router(torch.randn(T_UNIFORM, H))[1] for _ in range(8)]   # expert (T, k) per draw
+draws = [uniform.router(torch.randn(T_UNIFORM, H))[1] for _ in range(32)]  # expert (T, k) per draw
 
 def dropped_fraction(expert, factor):
     return float((~moe.plan(expert, E8, factor).kept).float().mean())
@@ -204,8 +204,14 @@ expected = [dl.theory.expected_drop_fraction(T_UNIFORM, E8, K, f) for f in FACTO
 print("capacity factor:          " + "  ".join(f"{f:6}" for f in FACTORS))
 print("uniform routing, measured " + "  ".join(f"{m:6.1%}" for m in measured_uniform))
 print("dl.theory, expected       " + "  ".join(f"{e:6.1%}" for e in expected))
-for m, e in zip(measured_uniform, expected):
-    assert abs(m - e) <= 0.005, (m, e)                                   # within half a percentage point
+for m, e, f in zip(measured_uniform, expected, FACTORS):
+    floor = max(0.0, 1 - f)                    # the fluid limit: what a formula without the binomial tail gives
+    if e - floor > 0.005:                      # where the tail matters (here c = 1.0): within 20% of it (32
+                                               # batches: sampling noise about 5% of the tail)
+        assert abs(m - e) <= 0.2 * (e - floor), (f, m, e)
+    else:                                      # elsewhere within 0.2 percentage points
+        assert abs(m - e) <= 0.002, (f, m, e)
+assert any(e - max(0.0, 1 - f) > 0.005 for e, f in zip(expected, FACTORS))   # the tail is tested somewhere
 
 def model_choices(model):
     inputs = []
@@ -358,7 +364,10 @@ assert all(sent == [one] * 4 for sent in exact)
 # We measure the memory, on N = 2 ranks: model-state bytes after one AdamW step. The bytes per step, at two batch
 # sizes, one on each side of T*, are half measured: the all-to-all's bytes are counted exactly (each rank's rows
 # times their size, `bytes="exact"`), while the gradients' all-reduce runs on torch's gloo and is recorded with a
-# ring's bytes for the real calls (`bytes="ring-model"`, as in lessons 04, 06 and 09): modelled.
+# ring's bytes for the real calls (`bytes="ring-model"`, as in lessons 04, 06 and 09): modelled. So we also
+# measure them: `dl.comm.replay` re-runs those all-reduce calls, same sizes, on distlab's own ring of send/recv,
+# where every byte is counted as it is sent, and the count must equal 2 (n-1)/n x 4 P exactly (a wrong P_dense or
+# a wrong ring factor fails it).
 
 # %%
 def model_states(replicate):
@@ -391,7 +400,9 @@ for batch in (4, 32):
         sent[side, t] = by_op.get("all_reduce", 0) + by_op.get("all_to_all", 0)
         predicted[side, t] = ring * (P.dense if side == "ep" else P.total) + (
             dl.theory.moe_step_all_to_all_bytes(t, H, K, N, L) if side == "ep" else 0)
-        assert abs(by_op["all_reduce"] - ring * (P.dense if side == "ep" else P.total)) <= 0.01 * by_op["all_reduce"]
+        grads = [(e.name, e.args["size"]) for e in rep.run.trace.comms(rank=0, op="all_reduce")]
+        wire = dl.launch(dl.comm.replay, world_size=N, args=(grads,)).results[0]   # counted at each send
+        assert by_op["all_reduce"] == wire == ring * (P.dense if side == "ep" else P.total), (side, wire)
     print(f"T = {t:4} tokens per rank (T* = {T_STAR:.0f}): bytes recorded per step  ep {sent['ep', t]:7.0f} "
           f"(predicted {predicted['ep', t]:7.0f}),  replicated {sent['replicated', t]:7.0f} "
           f"(predicted {predicted['replicated', t]:7.0f})")

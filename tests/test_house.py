@@ -24,6 +24,8 @@ INSTRUMENTATION = {
     "memory.py": "the memory ledger: measures saved activations and buffers from outside",
     "memory_budget.py": "the ledger's limit: raises, naming the phase, when the bytes it counts cross it",
     "comm/p2p.py": "dl.comm's one attachment point: its primitives record each step of the call they run in",
+    "comm/replay.py": "a measuring tool, not an algorithm: re-runs recorded calls on the ring and reads back "
+                      "the bytes its sends recorded",
     "parallel/collectives.py": "the one traced wrapper over torch.distributed: records every collective",
     "parallel/flat_collectives.py": "the flat-buffer half of the wrapper (DDP, ZeRO, FSDP)",
     "parallel/labels.py": "names modules from outside (forward hooks) for the wrapper's events",

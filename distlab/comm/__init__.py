@@ -13,6 +13,8 @@
                                                            # the same ring, fast: same arguments, same bits
 
     dl.comm.ring_bytes(numel, element_size, n, rank, "all_reduce")   # exact (sent, received) bytes
+    dl.comm.replay(calls)                                  # re-run recorded (op, size) calls on the ring:
+                                                           # the bytes this rank really sent
     dl.comm.free_scratch()                                 # drop the receive buffers kept between calls
 
 Reading order:
@@ -26,8 +28,12 @@ Reading order:
   6. ``ring_pipelined.py`` the same ring made fast: chunks streamed in segments, receives posted ahead;
                            tested bit-identical to ``ring.py``
   7. ``traced.py``         the entry points above: each algorithm run inside a traced call, from outside
+  8. ``quantized.py``      block-scaled int8 / fp8 packets (pure tensor code, no communication): what
+                           ZeRO-3's and fully_shard's ``quantize=`` send (`parallel.quantized_collectives`)
+  9. ``replay.py``         torch's recorded calls re-run on the ring, to measure the bytes the trace models
 """
 from .p2p import OPS, free_scratch
+from .replay import replay
 from .ring import ring_bytes
 from .traced import (all_to_all, broadcast, naive_all_reduce, pipelined_all_gather, pipelined_all_reduce,
                      pipelined_reduce_scatter, ring_all_gather, ring_all_reduce, ring_reduce_scatter,
@@ -35,4 +41,4 @@ from .traced import (all_to_all, broadcast, naive_all_reduce, pipelined_all_gath
 
 __all__ = ["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather", "pipelined_all_reduce",
            "pipelined_reduce_scatter", "pipelined_all_gather", "broadcast", "naive_all_reduce",
-           "all_to_all", "ring_shift", "start_ring_shift", "ring_bytes", "free_scratch", "OPS"]
+           "all_to_all", "ring_shift", "start_ring_shift", "ring_bytes", "replay", "free_scratch", "OPS"]

@@ -3,8 +3,9 @@
 Reading order (each folder's ``__init__`` states the order of its own files):
 
     collectives.py   the one traced wrapper every parallelism talks through (flat_collectives.py:
-                     its asynchronous flat-buffer half, for DDP, ZeRO and FSDP)
-    data/            DDP: NaiveDDP first, then the bucketed, overlapped DDP
+                     its asynchronous flat-buffer half, for DDP, ZeRO and FSDP; quantized_collectives.py:
+                     its all-gather and reduce-scatter in int8/fp8 packets, ZeRO++'s qwZ and qgZ)
+    data/            DDP: NaiveDDP first, then the bucketed, overlapped DDP; PowerSGD, Local SGD, DiLoCo
     zero/            ZeRO stages 1, 2, 3: the optimizer state, then gradients, then parameters sharded
     tensor/          Megatron tensor parallelism and sequence parallelism
     pipeline/        pipeline schedules (pure), stage splitting, the executor, zero bubble

@@ -123,6 +123,18 @@ class Collectives:
                            "all_gather", out.numel(), out.element_size(), async_op)
 
     @torch.no_grad()
+    def all_to_all(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        """Row block k of ``t`` (dim 0 split in ``size`` equal blocks) goes to rank k; ``out``'s block k
+        is what rank k sent here. Synchronous, torch.distributed; recorded with the exact bytes that leave
+        and arrive (the block to itself stays in memory). Quantized reduce-scatters use it (qgZ)."""
+        start, tags = tracer().now(), current_tags()
+        dist.all_to_all_single(out, t, group=self.group)
+        nbytes = t.numel() * t.element_size() // self.size * (self.size - 1)
+        record("all_to_all", start=start, end=tracer().now(), sent=nbytes, received=nbytes, group=self.group,
+               tags=tags, impl="torch", bytes="exact", size=t.numel() * t.element_size(), world=self.size)
+        self._launched()
+
+    @torch.no_grad()
     def broadcast(self, t: torch.Tensor, src: int = 0) -> None:
         """Copy ``t`` from group rank ``src`` to every rank (used once, at construction)."""
         if self.comm == "ring":

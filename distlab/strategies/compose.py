@@ -109,7 +109,8 @@ class Parallel:
         if self.zero and self.over_world:
             from ..parallel.zero import ZeRO
             self.ddp = ZeRO(self.model, stage=self.zero, optim=cls, bucket_mb=o.bucket_mb, overlap=o.overlap,
-                            prefetch=o.prefetch, comm=o.comm, max_inflight=o.max_inflight, **kwargs)
+                            prefetch=o.prefetch, comm=o.comm, max_inflight=o.max_inflight,
+                            **({"quantize": o.quantize} if o.quantize else {}), **kwargs)   # zero3 only
             return self.ddp.optimizer
         if self.zero:
             from ..parallel.zero import ShardedOptimizer

@@ -18,7 +18,8 @@ The ZeRO stage is ``spec.layout.zero`` (``zero1``: 1, ...); the wrapper's knobs 
 ``spec.data_parallel`` (`spec.DataParallel`): ``bucket_mb`` (25.0), ``overlap`` (True), ``comm`` ("torch"
 or "ring"), ``naive`` (DDP, False), ``compression`` (DDP: None or "powersgd", with ``powersgd_rank``, 4,
 and ``error_feedback``, True; `distlab.parallel.data.powersgd`), ``prefetch`` (ZeRO-3, False),
-``max_inflight`` (ZeRO, 1: flat gradient buckets alive at once), ``no_sync`` (accumulate locally;
+``max_inflight`` (ZeRO, 1: flat gradient buckets alive at once), ``quantize`` (ZeRO-3: "int8"/"fp8",
+ZeRO++'s quantized gathers and reduce-scatters), ``no_sync`` (accumulate locally;
 True except for ZeRO-3); ``offload`` ("cpu" or "disk", + ``offload_dir``: `distlab.parallel.zero.offload`).
 Checkpoints: ``checkpoint_dir``, ``checkpoint_every``, ``keep_last``, ``resume`` (True: the latest; or a
 step), and fault injection ``fail_at_step``/``fail_rank``/``fail_in``
@@ -33,6 +34,7 @@ from functools import partial
 import torch
 
 from ..checkpoint.state import flat_shard_state, replicated_state, with_part
+from ..comm.quantized import check_kind
 from ..memory import replica_memory, zero_memory
 from ..models import shard
 from ..runtime import rank, world_size
@@ -151,6 +153,10 @@ def check(spec: TrainSpec, n: int) -> None:
     if spec.strategy == "single" and n != 1:
         raise ValueError("strategy 'single' runs on one process: use world_size=1 (or pick ddp, zero1, ...)")
     require_rows(spec, n)                   # each option's type and range: its field's rule (`spec`)
+    if spec.data_parallel.quantize is not None:             # (parse lets only zero3 and fsdp take it)
+        check_kind(spec.data_parallel.quantize)             # fp8 needs torch's float8_e4m3fn
+        if spec.data_parallel.comm != "torch":
+            raise ValueError("quantize= sends its packets through torch.distributed: drop comm='ring'")
 
 
 def _check(spec: TrainSpec) -> tuple[int, int]:

@@ -9,7 +9,8 @@ optimizer is built afterwards on ``model.parameters()``, the local shards.
 ``spec.data_parallel``: ``hsdp`` (replicate degree R, default 1: mesh (R, N / R)), ``param_dtype``
 ("bf16", "fp16" or None; ``precision="bf16-mixed"`` means "bf16", "fp16-mixed" "fp16"),
 ``reshard_after_forward`` (True),
-``no_sync`` (True: accumulate micro-steps locally), ``offload`` ("cpu"/"disk": the optimizer an
+``no_sync`` (True: accumulate micro-steps locally), ``quantize`` ("int8"/"fp8": block-scaled all-gathers
+and reduce-scatters, `distlab.parallel.quantized_collectives`), ``offload`` ("cpu"/"disk": the optimizer an
 `OffloadedOptimizer` over the shards). Checkpoints: the "model-parallel" format, each
 shard a dim-0 block of its parameter (rows saved), so a checkpoint consolidates and reshards to and
 from the other strategies (`distlab.checkpoint.reshard`).
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..checkpoint.state import model_parallel_state
+from ..comm.quantized import check_kind
 from ..memory import fsdp_memory
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.zero import fsdp
@@ -47,8 +49,10 @@ def options(spec: TrainSpec, world: int) -> dict:
         raise ValueError(f"hsdp={o.hsdp!r}: the replicate degree must be a positive int dividing "
                          f"world_size={world} (mesh (hsdp, world_size / hsdp))")
     name = o.param_dtype or {"bf16-mixed": "bf16", "fp16-mixed": "fp16"}.get(spec.precision)
+    if o.quantize is not None:
+        check_kind(o.quantize)                   # fp8 where this torch has no float8_e4m3fn: refused
     return {"mesh": (o.hsdp, world // o.hsdp) if o.hsdp > 1 else None, "param_dtype": DTYPES[name],
-            "reshard_after_forward": o.reshard_after_forward}
+            "reshard_after_forward": o.reshard_after_forward, "quantize": o.quantize}
 
 
 def describe(model: torch.nn.Module, params: list) -> list[dict]:

@@ -41,9 +41,9 @@ NAMED = {
     "ddp": Named({"dp": None}, _DDP),
     "zero1": Named({"dp": None, "zero": 1}, _ZERO),
     "zero2": Named({"dp": None, "zero": 2}, _ZERO),
-    "zero3": Named({"dp": None, "zero": 3}, _ZERO + ("prefetch",)),
+    "zero3": Named({"dp": None, "zero": 3}, _ZERO + ("prefetch", "quantize")),
     "fsdp": Named({"dp": None, "zero": 3},
-                  ("hsdp", "param_dtype", "reshard_after_forward", "no_sync") + _OFFLOAD),
+                  ("hsdp", "param_dtype", "reshard_after_forward", "no_sync", "quantize") + _OFFLOAD),
     "tp": Named({"tp": None}, ("sequence_parallel",)),
     "tp-sp": Named({"tp": None, "sequence_parallel": True}),
     "pp-gpipe": Named({"pp": None, "schedule": "gpipe"}, _PIPE),
@@ -53,6 +53,8 @@ NAMED = {
     "ep": Named({"ep": None}, ("dp", "experts", "bucket_mb")),
     "cp-ring": Named({"cp": None, "attention": "ring"}, ("dp", "tp", "zigzag", "bucket_mb")),
     "cp-ulysses": Named({"cp": None, "attention": "ulysses"}, ("dp", "tp", "zigzag", "bucket_mb")),
+    "local-sgd": Named({"dp": None}, ("sync_every", "comm")),
+    "diloco": Named({"dp": None}, ("sync_every", "outer_lr", "outer_momentum", "comm")),
     "3d": Named({}, _MESH),
 }
 #: how `names` and the CLI show the mesh entry: the form `dl.train` takes

@@ -25,6 +25,8 @@ REGISTRY: dict[str, str] = {
     "ep": "distlab.strategies.expert:train_rank",
     "cp-ring": "distlab.strategies.context:train_rank",
     "cp-ulysses": "distlab.strategies.context:train_rank",
+    "local-sgd": "distlab.strategies.local_sgd:train_rank",
+    "diloco": "distlab.strategies.local_sgd:train_rank",
     "3d": "distlab.strategies.mesh:train_rank",
 }
 assert set(REGISTRY) == set(NAMED), "every strategy name has a preset (parse.NAMED) and a train_rank"

@@ -119,6 +119,13 @@ class DataParallel:
     param_dtype: str | None = option(None, OneOf("bf16", "fp16", none="fp32, or the precision's"),
                                      "fsdp: the dtype parameters are gathered and computed in")
     reshard_after_forward: bool = option(True, Flag(), "fsdp: free gathered parameters after forward")
+    quantize: str | None = option(None, OneOf("int8", "fp8", none="exact collectives"),
+                                  "zero3, fsdp: all-gather weights and reduce-scatter gradients as block-"
+                                  "scaled int8 or fp8 packets (ZeRO++ qwZ/qgZ)")
+    sync_every: int = option(8, Whole(1, example=8), "local-sgd, diloco: inner steps between syncs (H)")
+    outer_lr: float = option(0.7, Number(0, strict=True, example=0.7), "diloco: the outer Nesterov SGD's "
+                                                                       "learning rate")
+    outer_momentum: float = option(0.9, Number(0, example=0.9), "diloco: the outer SGD's momentum")
 
     def __post_init__(self):
         check_fields(self)

@@ -64,6 +64,33 @@ def busbw(op: str, nbytes: float, seconds: float, n: int) -> float:
     return algbw(nbytes, seconds) * BUS_FACTOR[op](n)
 
 
+def fit_alpha_beta(sizes: list[float], seconds: list[float], n: int) -> tuple[float, float]:
+    """Fit the ring all-reduce's alpha-beta model to measured times: (alpha in s, B in bytes/s).
+
+    Model (`comm_time`): t(S) = 2(n-1) alpha + 2(n-1)/n S / B, linear in x = (alpha, 1/B). Timings
+    span orders of magnitude, so the fit minimises the *relative* error: each row divided by its
+    measured t, least squares on
+
+        sum_i ( (a_i . x) / t_i - 1 )^2,      a_i = (2(n-1), 2(n-1)/n S_i)
+
+    solved by the 2 x 2 normal equations. A negative alpha (latency lost in the noise) is refitted
+    with bandwidth alone. Lessons 01 and 12 fit this machine's loopback with it.
+    """
+    if n < 2 or len(sizes) != len(seconds) or len(sizes) < 2 or min(seconds) <= 0:
+        raise ValueError(f"need n >= 2 and at least two (size, seconds > 0) pairs, got n={n}, "
+                         f"{len(sizes)} sizes and {len(seconds)} times")
+    rows = [(2.0 * (n - 1) / t, 2.0 * (n - 1) / n * s / t) for s, t in zip(sizes, seconds)]
+    p = sum(a * a for a, _ in rows)
+    q = sum(a * b for a, b in rows)
+    r = sum(b * b for _, b in rows)
+    u, v = sum(a for a, _ in rows), sum(b for _, b in rows)
+    det = p * r - q * q
+    alpha, inv_b = ((r * u - q * v) / det, (p * v - q * u) / det) if det > 0 else (-1.0, 0.0)
+    if alpha < 0:                                  # or every size the same: bandwidth alone
+        alpha, inv_b = 0.0, v / r
+    return float(alpha), float(1.0 / inv_b)
+
+
 def dp_volume(param_bytes: float, n: int) -> float:
     """Bytes each rank sends per step in DDP: a ring all-reduce of the gradients, 2 (n-1)/n Psi."""
     return 2 * (n - 1) / n * param_bytes

@@ -51,6 +51,7 @@ class Lab:
     url: str         # http://127.0.0.1:<port>
     token: str
     root: Path       # the server's root directory (where the lesson copy lives)
+    data: Path       # its JUPYTER_DATA_DIR: the notebook secret and the signatures that say what is trusted
 
     def open_url(self, path: str) -> str:
         return f"{self.url}/lab/tree/{path}?token={self.token}"
@@ -115,8 +116,8 @@ def browser_tmp(tmp_path_factory) -> Path:
 @pytest.fixture
 def lab(browser_tmp: Path):
     """A JupyterLab server of this venv, private to the test, shut down (kernels included) afterwards."""
-    root, runtime, settings = (browser_tmp / name for name in ("root", "runtime", "settings"))
-    for folder in (root, runtime, settings, browser_tmp / "workspaces", browser_tmp / "config"):
+    root, runtime, settings, data = (browser_tmp / name for name in ("root", "runtime", "settings", "data"))
+    for folder in (root, runtime, settings, data, browser_tmp / "workspaces", browser_tmp / "config"):
         folder.mkdir()
     for plugin, values in LAB_SETTINGS.items():
         path = settings / f"{plugin}.jupyterlab-settings"
@@ -125,7 +126,8 @@ def lab(browser_tmp: Path):
     token = secrets.token_hex(16)
     env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(runtime), JUPYTERLAB_SETTINGS_DIR=str(settings),
                JUPYTERLAB_WORKSPACES_DIR=str(browser_tmp / "workspaces"),
-               JUPYTER_CONFIG_DIR=str(browser_tmp / "config"), OMP_NUM_THREADS="1", MPLBACKEND="agg")
+               JUPYTER_CONFIG_DIR=str(browser_tmp / "config"), JUPYTER_DATA_DIR=str(data),
+               OMP_NUM_THREADS="1", MPLBACKEND="agg")
     command = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={_free_port()}",
                "--ServerApp.port_retries=20", f"--IdentityProvider.token={token}",
                f"--ServerApp.root_dir={root}",
@@ -137,7 +139,7 @@ def lab(browser_tmp: Path):
     log = open(browser_tmp / "jupyterlab.log", "wb")
     server = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        yield Lab(_wait_for_server(server, runtime, token, browser_tmp / "jupyterlab.log"), token, root)
+        yield Lab(_wait_for_server(server, runtime, token, browser_tmp / "jupyterlab.log"), token, root, data)
     finally:
         _stop_server(server, token, runtime)
         log.close()

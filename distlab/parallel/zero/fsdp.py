@@ -61,26 +61,30 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..flat_collectives import Collectives
+from ..quantized_collectives import collectives, exact
 from ..mesh import as_group, describe, grid_groups, mesh_dims, span_group
 from .fsdp_unit import FSDPUnit, ShardedParam
 
 
 # -- the public functions ------------------------------------------------------------------------
 def fully_shard(module: nn.Module, *, group=None, mesh=None, param_dtype=None, reduce_dtype=None,
-                reshard_after_forward: bool = True, replicate=None) -> nn.Module:
+                reshard_after_forward: bool = True, replicate=None,
+                quantize: str | None = None) -> nn.Module:
     """Shard ``module``'s parameters (those no inner ``fully_shard`` took) on dim 0, in place; returns it.
 
     ``group``: the data-parallel ranks (default: the world; or a 1-D mesh); ``mesh=(R, S)``: HSDP over
     the world, shards over S ranks, R replicas (a 2-D DeviceMesh or dl.Mesh: HSDP over it, (replicate,
     shard); a 1-D one: FSDP over it); ``param_dtype``/``reduce_dtype``: gather-and-compute and
     reduce-scatter dtypes (the shards stay in their own dtype); ``replicate``: parameters kept whole,
-    gradients averaged. Build the optimizer *after* sharding, on ``module.parameters()`` (one built
+    gradients averaged; ``quantize``: "int8" or "fp8", the shards' all-gathers and reduce-scatters sent
+    as block-scaled packets (`..quantized_collectives`; replicas' all-reduces stay exact). Build the
+    optimizer *after* sharding, on ``module.parameters()`` (one built
     before holds the replaced originals: its first ``step`` raises, `_refuse_stale_optimizers`).
     """
     replicate, group = list(replicate or []), as_group(group)      # a 1-D mesh: its process group
     fresh, replicated = _params_to_shard(module, replicate)
     _refuse_stale_optimizers()
-    dp, shard_comm, replica_comm = _comms(module, group, mesh)
+    dp, shard_comm, replica_comm = _comms(module, group, mesh, quantize)
     _broadcast([p for p, _ in fresh] + [p for _, _, p in replicated] + list(module.buffers()), dp)
     device = next((p.device for p, _ in fresh), torch.device("cpu"))
     dtype = param_dtype or next((p.dtype for p, _ in fresh), torch.float32)
@@ -164,11 +168,13 @@ def _refuse_if_stale(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                          "would update nothing")
 
 
-def _comms(module: nn.Module, group, mesh) -> tuple:
-    """(data-parallel, shard, replica or None) `Collectives`; an inner unit's, when it used the same."""
+def _comms(module: nn.Module, group, mesh, quantize=None) -> tuple:
+    """(data-parallel, shard, replica or None) `Collectives`; an inner unit's, when it used the same
+    (the shard one quantized where ``quantize`` asks)."""
     for m in module.modules():
         inner = getattr(m, "_fsdp", None)
-        if inner is not None and inner.mesh == mesh and inner.group is group:
+        if (inner is not None and inner.mesh == mesh and inner.group is group
+                and getattr(inner.shard_comm, "quantize", None) == quantize):
             return inner.dp, inner.shard_comm, inner.replica_comm
     if mesh is not None and group is not None:
         raise ValueError("give fully_shard either group= (plain FSDP) or mesh= (HSDP over the world), "
@@ -178,7 +184,7 @@ def _comms(module: nn.Module, group, mesh) -> tuple:
         group, mesh, dims = dims[0][1], None, None
     dp = Collectives("torch", span_group(mesh) if dims else group)
     if mesh is None:
-        return dp, dp, None
+        return dp, (dp if quantize is None else collectives("torch", group, quantize)), None
     if dims is None:
         shard_group, replica_group = hsdp_groups(*_check_mesh(mesh, dist.get_world_size()))
     elif len(dims) == 2:
@@ -186,7 +192,7 @@ def _comms(module: nn.Module, group, mesh) -> tuple:
     else:
         raise ValueError(f"mesh={describe(mesh)}: fully_shard takes a 1-D mesh (FSDP) or a 2-D one (HSDP: "
                          "replicate, shard); pass a sub-mesh, e.g. mesh['dp_replicate', 'dp_shard']")
-    return dp, Collectives("torch", shard_group), Collectives("torch", replica_group)
+    return dp, collectives("torch", shard_group, quantize), Collectives("torch", replica_group)
 
 
 def _check_mesh(mesh, world: int) -> tuple[int, int]:
@@ -259,7 +265,8 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
             continue
         send = torch.cat([p.padded(p.shard.detach(), p.dtype) for p in unit.params])
         out = torch.empty(unit.shard_comm.size * unit.total, dtype=send.dtype, device=send.device)
-        unit.shard_comm.all_gather(out, send)
+        with exact(unit.shard_comm):                                        # never quantized
+            unit.shard_comm.all_gather(out, send)
         rows = out.view(unit.shard_comm.size, unit.total)                 # (N, S)
         for p, off in zip(unit.params, unit.offsets):
             full[id(p.shard)] = p.unpad(rows[:, off:off + p.chunk]).clone()

@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..flat_collectives import Collectives
+from ..quantized_collectives import collectives, exact
 from ..data.backward_hooks import BackwardWatcher
 from ..data.buckets import FlatBucket
 from ..data.ddp import broadcast_from_rank0
@@ -77,17 +77,19 @@ class ZeRO3(ZeROModule):
 
     ``units``: the gather units (default: the children of every ``nn.ModuleList``, then the root);
     ``prefetch``: gather the next unit early; ``max_inflight``: transient buffers alive at once
-    (gathered units and flat gradients waiting for their reduce-scatter, `GradReducer`).
+    (gathered units and flat gradients waiting for their reduce-scatter, `GradReducer`);
+    ``quantize``: "int8" or "fp8", parameters all-gathered and gradients reduce-scattered as block-scaled
+    packets (ZeRO++'s qwZ and qgZ, `..quantized_collectives`); the shards and the optimizer stay fp32.
     """
 
     stage = 3
 
     def __init__(self, module: nn.Module, optim: type[torch.optim.Optimizer] = torch.optim.AdamW, *,
                  units: list[nn.Module] | None = None, prefetch: bool = False, comm: str = "torch",
-                 group=None, max_inflight: int = 1, **optim_kwargs):
+                 group=None, max_inflight: int = 1, quantize: str | None = None, **optim_kwargs):
         super().__init__()
         self.module, self.prefetch = module, prefetch
-        self.comm = Collectives(comm, group)
+        self.comm = collectives(comm, group, quantize)
         broadcast_from_rank0(module, self.comm)           # identical starting point on every rank
         units = units if units is not None else default_units(module)
         groups = unit_params(units)
@@ -151,7 +153,9 @@ class ZeRO3(ZeROModule):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's parameters and buffers, cloned, on every rank (a collective)."""
-        self.gather_all()
+        self.free_all()                             # gathered exactly, even where the steps quantize
+        with exact(self.comm):
+            self.gather_all()
         state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
         self.free_all()
         return state
