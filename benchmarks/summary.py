@@ -318,6 +318,25 @@ def talk_less() -> list[str]:
             "|---|---|---|---|---|---|", *rows, ""]
 
 
+def elastic() -> list[str]:
+    d = _load("elastic")
+    if not d:
+        return []
+    m, e, r = d["meta"], d["results"]["elastic"], d["results"]["restart"]
+    return [f"**Elastic recovery** (one of {m['replicas']} {m['model']} replicas killed at step "
+            f"{m['fault_step']} of {m['steps']}: `dl.elastic.train` restarts that replica alone and heals "
+            f"it from a peer, beside `dl.train(\"ddp\", max_restarts=1)` relaunching every rank from a "
+            f"checkpoint every {m['checkpoint_every']} steps; {m['statistic']}, {m['repeats']} repeats; "
+            f"`benchmarks/elastic.py`). Both checked: the elastic run equals the one-process reference on "
+            f"its membership timeline, the restarted run ends with the losses of the run without a fault."
+            f"{_load_note(m)}", "",
+            "| elastic: survivors stalled | elastic: quorum whole again | elastic: wall time lost | "
+            "restart: wall time lost | restart: steps computed twice |",
+            "|---|---|---|---|---|",
+            f"| {_ms(e['stall_s'])} | {_ms(e['recovery_s'])} | {_ms(e['extra_s'])} | {_ms(r['extra_s'])} | "
+            f"{r['lost_steps']} |", ""]
+
+
 def tables() -> str:
     parts = launch_latency() + allreduce() + data_parallel() + tensor_parallel() + pipeline() + checkpoint()
     parts += expert_parallel()
@@ -326,6 +345,7 @@ def tables() -> str:
     parts += checkpoint_stall() + dry_run()
     parts += offload()
     parts += talk_less()
+    parts += elastic()
     return "\n".join(parts).rstrip() + "\n"
 
 

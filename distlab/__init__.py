@@ -49,6 +49,7 @@ _LAZY = {
     "clip_grad_norm_": (".parallel.clip", "clip_grad_norm_"),
     "recompute": (".recomputation", "recompute"),     # (a module named "recompute" would shadow it)
     "Mesh": (".parallel.mesh", "Mesh"),
+    "elastic": (".strategies.elastic", None),        # replicas that leave and join (`parallel.elastic`)
 }
 
 __all__ = ["launch", "Run", "LaunchError", "rank", "world_size", "local_rank", "device", "backend",

@@ -33,6 +33,8 @@ TINY = {  # script -> arguments that make it take seconds
     "offload": ["--ranks", "2", "--steps", "2", "--warmup", "1", "--model", "gpt-tiny", "--stages", "2"],
     "talk_less": ["--steps", "8", "--warmup", "0", "--rows", "2",
                   "--impls", "torch DDP,dl.DDP,local-sgd H=4,diloco H=8,zero3,zero3 int8,fsdp fp8"],
+    "elastic": ["--replicas", "2", "--steps", "4", "--fault-step", "3", "--checkpoint-every", "2",
+                "--repeats", "1", "--rows", "4", "--warmup", "0"],
 }
 
 
@@ -86,6 +88,8 @@ def test_benchmarks_check_their_own_correctness(results):
     assert talk["local-sgd H=4"]["bytes_over_ddp"] == pytest.approx(1 / 4, rel=1e-3)
     assert talk["diloco H=8"]["bytes_over_ddp"] == pytest.approx(1 / 8, rel=1e-3)
     assert 0.25 < talk["zero3 int8"]["sent_per_step"] / talk["zero3"]["sent_per_step"] < 0.27
+    el = json.loads((results / "elastic.json").read_text())["results"]
+    assert el["elastic"]["max_reference_rel_diff"] < 1e-5 and el["restart"]["losses_equal_to_no_fault"]
     stall = json.loads((results / "checkpoint.json").read_text())["stall"]    # sync and async runs agree
     assert stall["params_equal"] and len(stall["async_stall_s"]) == len(stall["sync_write_s"]) > 0
 
@@ -94,6 +98,6 @@ def test_summary_renders_a_table_for_every_result(results):
     text = _summary(results).tables()
     for title in ("Ring all-reduce", "Data parallelism", "Tensor parallelism", "Pipeline parallelism",
                   "Checkpoints", "Expert parallelism", "FSDP2", "All-to-all", "Context parallelism",
-                  "Checkpoint stall", "Dry runs", "Offload", "Talking less"):
+                  "Checkpoint stall", "Dry runs", "Offload", "Talking less", "Elastic recovery"):
         assert f"**{title}**" in text, title
     assert text.count("\n|---") >= 6

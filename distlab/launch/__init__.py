@@ -19,6 +19,8 @@ Read it in this order:
     diagnosis.py   the rings read after a hang, in words: who waits where, who never came
     fake.py        dry runs: ``backend="fake", ranks=(0, ...)`` runs ``fn`` here as each listed rank of a
                    job of any size, on torch's fake process group and the meta device
+    replicas.py    elastic training's processes: a store of its own, a dead replica restarted alone while
+                   the others keep their processes (`distlab.parallel.elastic`)
     profiler.py    ``profile=DIR``: every rank under torch.profiler, distlab's spans and collectives as its
                    ranges, one merged trace on the launch's time base
 

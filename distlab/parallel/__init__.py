@@ -12,6 +12,8 @@ Reading order (each folder's ``__init__`` states the order of its own files):
     context/         context parallelism: sequence layouts, ring attention, Ulysses
     expert/          expert parallelism: the model's mixture-of-experts layer (models/moe.py) with its
                      experts split over ranks, tokens dispatched by all-to-all
+    elastic/         replicas that leave and join while the others step: a quorum per step through the
+                     store, a gloo group per membership, healing from a live peer
     mesh.py          the device mesh that composes them: torch.arange(world).view(dp, pp, tp)
     placement.py     where each parameter's piece lives under any of them (what a checkpoint records)
 

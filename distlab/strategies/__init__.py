@@ -19,6 +19,8 @@ one file per family, each only building the model (through `compose`), the crite
 `loop.Plan`: `data_parallel` (single, DDP, ZeRO), `fsdp` (`dl.fully_shard`), `tensor`, `pipeline`,
 `context` (cp-ring, cp-ulysses), `expert` (ep), `mesh` (3D), `mesh_axes` (its cp= and ep= axes). `dry`:
 the same strategies at real size in a dry run (``backend="fake"``), one step on the meta device.
+`elastic` (`dl.elastic.train`) and `elastic_plan`: replicas that die and rejoin while the others step
+(`distlab.parallel.elastic`), with its own processes (`distlab.launch.replicas`), not `dl.train`'s.
 
 The walk of ``dl.train(strategy=...)``, room by room: it leaves ``train.py`` once and does not come back
 until the report is made::
