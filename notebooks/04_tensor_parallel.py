@@ -145,7 +145,7 @@ def compare_with_full(sequence_parallel):
 
 for sp in (False, True):
     ref, loss, worst, mine, total = dl.launch(compare_with_full, world_size=4, args=(sp,)).results[0]
-    print(f"SP={sp!s:5}  full loss {ref:.6f}  TP loss {loss:.6f}  worst grad error {'<1e-5' if worst < 1e-5 else worst}"
+    print(f"SP={sp!s:5}  full loss {ref:.4f}  TP loss {loss:.4f}  worst grad error {'<1e-5' if worst < 1e-5 else worst}"
           f"  params on rank 0: {mine} of {total}")
     assert abs(loss - ref) < 1e-5 * ref and worst < 1e-5
 
@@ -447,7 +447,7 @@ def my_model_step():
 
 run = dl.launch(my_model_step, world_size=T)
 (ref, loss), worst, qkv_shape, mine, total, replicated = run.results[0]
-print(f"full loss {ref:.6f}  TP loss {loss:.6f}  worst grad error {'<1e-5' if worst < 1e-5 else worst}")
+print(f"full loss {ref:.4f}  TP loss {loss:.4f}  worst grad error {'<1e-5' if worst < 1e-5 else worst}")
 print(f"rank 0 holds qkv.weight {qkv_shape} of {(3 * H, H)}; parameters: predicted (total - replicated)/T + "
       f"replicated = {(total - replicated) // T + replicated}, measured {mine} of {total}")
 assert abs(loss - ref) < 1e-5 * ref and worst < 1e-5 and qkv_shape == (3 * H // T, H)

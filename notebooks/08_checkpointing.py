@@ -133,7 +133,7 @@ print(f"resumed from step {info['resumed_from']}, ran steps {steps_run}, saved {
 print("directory now:", sorted(p.name for p in CKPT.iterdir()))
 print(" step   uninterrupted   resumed")
 for s, (a, b) in enumerate(zip(reference.losses, resumed.losses)):
-    print(f"{s:5}   {a:13.6f}   {b:7.6f}" + ("   <- after the crash" if s == info["resumed_from"] else ""))
+    print(f"{s:5}   {a:13.4f}   {b:7.4f}" + ("   <- after the crash" if s == info["resumed_from"] else ""))
 
 # %% [markdown]
 # The claim is not "close": in fp32, with the same seed, the resumed run is **bit-for-bit** the uninterrupted one.
