@@ -87,7 +87,7 @@ lab-solved: $(STAMP)
 # `make test` leaves out the tests marked slow (spawn and forkserver variants, larger worlds: a few minutes
 # more); `make test-slow` runs exactly those. CI (.ci/run) runs both.
 test: $(STAMP) lint
-	$(REPRODUCIBLE) $(BIN)/python -m pytest --nbval -m "not slow" tests notebooks
+	$(REPRODUCIBLE) $(BIN)/python -m pytest --nbval -m "not slow" --durations=15 tests notebooks
 
 test-slow: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m slow tests
