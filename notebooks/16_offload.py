@@ -189,15 +189,16 @@ for rank in range(2):
 # ## 5 · What it costs: the step time beside the prediction
 #
 # `dl.theory.offload.step_time` adds up the bytes each tier moves over their bandwidths: gradients down and
-# parameters up, 8 Ψ/N over the host copy's bandwidth; for `"disk"` also every shard's masters and state read
-# and written, 2 (K + 4) Ψ/N over the file bandwidth, plus a file opened twice per shard. The bandwidths are
-# measured in each rank, in every round beside the steps (the machine's load changes from second to second;
-# measured this way it changes the probe and the steps alike): a host copy of 8 Ψ/N bytes; one file of the
-# state's size saved with `torch.save` and read back with `torch.load` (the page cache included, as for the
-# run's own files); and a small file's save and load, for the cost of a file. Then the three tiers train the
-# same GPT taking turns. On a CPU the "host copies" are memcpys into fp32 buffers, so the cpu tier adds little
-# beyond Python; the disk tier's extra is the files, which is what the formula is about. Asserted: the disk
-# tier's measured extra (median over rounds) within a factor 2 of the prediction, and above the cpu tier's.
+# parameters up, 8 Ψ/N over the host copy's bandwidth; for `"disk"` also every shard's masters and state read and
+# written, 2 (K + 4) Ψ/N over the file bandwidth, plus a file opened twice per shard. The bandwidths are measured in
+# each rank, in every round beside the steps (the machine's load changes from second to second; measured this way it
+# changes the probe and the steps alike): a host copy of 8 Ψ/N bytes; one file of the state's size saved with
+# `torch.save` and read back with `torch.load` (the page cache included, as for the run's own files); and a small
+# file's save and load, for the cost of a file. Then the three tiers train the same GPT (about 1.7 M parameters)
+# taking turns, each one's optimizer step timed: that is where offload acts. On a CPU the "host copies" are memcpys
+# into fp32 buffers, so the cpu tier adds little beyond Python; the disk tier's extra is the files, which is what
+# the formula is about. Asserted: the disk tier's measured extra (median over rounds) within a factor 2 of the
+# prediction, and above the cpu tier's.
 
 # %% tags=["nbval-ignore-output"]
 def probe(directory: str, shard_params: int) -> dict[str, float]:
