@@ -61,7 +61,9 @@ TMP = Path(tempfile.mkdtemp(prefix="distlab_17_"))
 # one without talking). torch's `DistributedSampler` gives rank r of N the ids `order[r::N]`, padding the order to
 # a multiple of N. distlab's sampler gives the same shards, and adds what torch's lacks: a **position**, counted
 # in *global samples consumed*. A global batch is the next B ids of the stream, and each rank takes its rows of
-# it, so the stream, and the position, are the same whatever N is.
+# it, so the stream, and the position, are the same whatever N is. From storage, a data-parallel rank of
+# `dl.train(..., data="text")` reads only its rows (`Loader(part=(r, N))`): every rank knows the ids of the
+# whole batch, none reads another's samples.
 
 # %%
 corpus = TextCorpus(seq_len=32)
@@ -170,6 +172,9 @@ for name, r in resumed.items():
     assert restart.resumed_from == 4 and samples(r) == {s: samples(whole)[s] for s in (4, 5)}
     assert r.results[0].info["data"]["resumed_position"] == (0, 4 * 6)
 assert resumed["shrunk to 2"].world_size == 2
+read = [r.info["data"]["rows_read"] for r in whole.results]
+print(f"samples each rank of the uninterrupted run read from storage in 6 steps: {read} (its 2 rows of each 6)")
+assert read == [12, 12, 12]
 
 restarted = sorted(i for r in range(2) for i in sampler.shard(0, r, 2)[:3])    # its first 3 ids on each rank
 print(f"\ntorch's sampler restarted on 2 ranks: step 4 reads {restarted}, step 0's samples again")
