@@ -165,3 +165,23 @@ def test_a_text_checkpoint_resumes_only_the_same_order(tmp_path):
         dl.train("single", world_size=1, data="text", shuffle=False, **{**kw, "steps": 3}, resume=True)
     r = dl.train("single", world_size=1, data="text", **{**kw, "steps": 3}, resume=True)
     assert r.results[0].info["data"]["resumed_position"] == (0, 8) and list(_samples(r)) == [2]
+
+
+def test_each_data_parallel_rank_reads_only_its_rows():
+    """A loader with ``part=(r, n)`` reads rank r's rows of each global batch (the ids stay global); in
+    `dl.train` a data-parallel rank reads only its shard (7 samples a step over 3 ranks: 3, 2, 2), a
+    tensor-parallel rank the whole batch, and the losses are those of one process reading everything."""
+    corpus = TextCorpus(seq_len=8)
+    s = DistributedSampler(len(corpus), seed=1)
+    whole = next(Loader(corpus, s, 7))
+    for r in range(3):
+        part = next(Loader(corpus, s, 7, part=(r, 3), workers=1))
+        assert torch.equal(part.ids, whole.ids) and torch.equal(part.x, dl.data.rows(whole.x, r, 3))
+    kw = dict(model="gpt-tiny", steps=2, global_batch=7, seed=0, data="text")
+    ref = dl.train("single", world_size=1, **kw)
+    ddp = dl.train("ddp", world_size=3, **kw)
+    assert [r.info["data"]["rows_read"] for r in ddp.results] == [6, 4, 4]
+    assert all(r.info["data"]["samples"] == _samples(ref) for r in ddp.results)
+    assert ddp.losses == pytest.approx(ref.losses, rel=1e-5)
+    tp = dl.train("tp", world_size=2, **kw)
+    assert [r.info["data"]["rows_read"] for r in tp.results] == [14, 14]

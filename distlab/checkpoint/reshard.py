@@ -224,7 +224,8 @@ def restore_model_parallel(layout: list[dict], held, opt, logical: dict) -> None
         _restore_sharded(opt, local, keys)
         return
     state = {}
-    for i, p in enumerate(opt.param_groups[0]["params"]):
+    params = getattr(opt, "params", None) or opt.param_groups[0]["params"]     # offloaded: the device's
+    for i, p in enumerate(params):
         p.copy_(local["params"][keys[id(p)]])
         if local["optimizer"][keys[id(p)]]:
             state[i] = local["optimizer"][keys[id(p)]]

@@ -16,6 +16,8 @@ With ``workers`` threads keeping ``workers * prefetch`` batches in flight (torch
                  |read  ||read  |                      (sleeping and tensor copies release the GIL)
 
 The read-ahead never moves the position: a batch read ahead but not taken is read again after a resume.
+``part=(r, n)``: this rank reads only its rows of each global batch (`rows`: ``tensor_split`` into n), the
+ids stay the global batch's: each rank reads its shard, and the position is still global.
 Threads, not processes: a training rank is itself a process of `dl.launch`, and a corpus of a few KB
 needs no second address space. ``wait_s`` keeps how long each ``next`` waited (the trainer traces it).
 """
@@ -28,12 +30,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampler import DistributedSampler, Position
+from .sampler import DistributedSampler, Position, rows
 
 
 @dataclass
 class Batch:
-    """One global batch: the sample ids (B,), the inputs and targets (B, ...), and the position after it."""
+    """One global batch: the sample ids (B,), the inputs and targets (B, ...; a ``part``: its rows only),
+    and the position after it."""
 
     ids: torch.Tensor
     x: torch.Tensor
@@ -44,11 +47,12 @@ class Batch:
 class Loader:
     """Global batches of ``batch`` samples of ``dataset`` (``dataset[ids] -> (x, y)``) in ``sampler``'s
     stream from ``position``; ``workers`` threads, ``prefetch`` batches in flight per worker, ``latency``
-    seconds of (simulated) storage per batch."""
+    seconds of (simulated) storage per batch; ``part=(rank, n)``: only that rank's rows are read."""
 
     def __init__(self, dataset, sampler: DistributedSampler, batch: int, *, workers: int = 0,
-                 prefetch: int = 2, latency: float = 0.0, position: Position | None = None):
-        self.dataset, self.sampler, self.batch = dataset, sampler, batch
+                 prefetch: int = 2, latency: float = 0.0, position: Position | None = None,
+                 part: tuple[int, int] | None = None):
+        self.dataset, self.sampler, self.batch, self.part = dataset, sampler, batch, part
         self.workers, self.prefetch, self.latency = workers, prefetch, latency
         self.position = position or Position()        # what the trainer has taken
         self._ahead = self.position                   # where the next read starts
@@ -57,11 +61,11 @@ class Loader:
         self.wait_s: list[float] = []
 
     def _read(self, position: Position) -> Batch:
-        """Read the batch at ``position`` (the storage's latency first)."""
+        """Read the batch at ``position`` (the storage's latency first): all its rows, or this part's."""
         ids, after = self.sampler.batch_at(position, self.batch)
         if self.latency:
             time.sleep(self.latency)
-        x, y = self.dataset[ids]
+        x, y = self.dataset[ids if self.part is None else rows(ids, *self.part)]
         return Batch(ids, x, y, after)
 
     def _fill(self) -> None:
@@ -92,6 +96,12 @@ class Loader:
     def load_state_dict(self, state: dict) -> None:
         """Go to a saved position: reads in flight are dropped, reading starts again there."""
         self.seek(Position.from_tensor(state["position"]))
+
+    def read_part(self, part: tuple[int, int] | None) -> None:
+        """From now on read ``part``'s rows (None: whole batches); reads in flight are made again."""
+        if part != self.part:
+            self.part = part
+            self.seek(self.position)
 
     def seek(self, position: Position) -> None:
         for f in self._inflight:

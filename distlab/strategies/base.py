@@ -95,6 +95,17 @@ def global_batch(spec: TrainSpec, step: int, micro: int = 0) -> tuple[torch.Tens
     return x[rows].to(device()), y[rows].to(device())
 
 
+def local_batch(spec: TrainSpec, step: int, micro: int, rank: int, n: int):
+    """(x, y, B): data-parallel rank ``rank`` of ``n``'s rows of micro-batch ``micro`` (``tensor_split``,
+    uneven allowed) and the micro-batch's size B. Synthetic data is drawn whole and cut; with
+    ``data="text"`` the rank's loader reads only its rows (each rank its shard of the storage)."""
+    if spec.data_loading.data != "synthetic" and not dry_run():
+        x, y = current_run().feed.batch(step, micro, part=(rank, n))
+        return x.to(device()), y.to(device()), spec.micro_batch
+    x, y = global_batch(spec, step, micro)
+    return models.shard(x, rank, n), models.shard(y, rank, n), x.shape[0]
+
+
 def dry_run() -> bool:
     """On the meta device of a dry run (`distlab.launch.fake`): tensors have shapes, not values."""
     return device().type == "meta"

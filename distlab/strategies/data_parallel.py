@@ -36,13 +36,12 @@ import torch
 from ..checkpoint.state import flat_shard_state, replicated_state, with_part
 from ..comm.quantized import check_kind
 from ..memory import replica_memory, zero_memory
-from ..models import shard
 from ..runtime import rank, world_size
 from .base import (
     RankResult,
     TrainSpec,
     build_model,
-    global_batch,
+    local_batch,
     loss_fn,
     make_optimizer,
     optimizer_class,
@@ -172,11 +171,10 @@ def _forward(spec: TrainSpec, wrapped, model, n: int, r: int):
     compute_dtype = next(model.parameters()).dtype
 
     def forward(step: int, micro: int) -> torch.Tensor:
-        x, y = global_batch(spec, step, micro)
-        xs, ys = shard(x, r, n), shard(y, r, n)          # (B/n, ...): this rank's rows, uneven allowed
+        xs, ys, total = local_batch(spec, step, micro, r, n)   # (B/n, ...): this rank's rows, uneven allowed
         if xs.is_floating_point():
             xs = xs.to(compute_dtype)
-        weight = n * xs.shape[0] / x.shape[0] / spec.grad_accum
+        weight = n * xs.shape[0] / total / spec.grad_accum
         out = wrapped(xs)
         aux = model.aux_loss() if hasattr(model, "aux_loss") else 0.0   # mixture of experts: load balance
         return (criterion(out.float() if spec.model == "mlp" else out, ys) + aux) * weight

@@ -8,8 +8,10 @@ checkpoint, its waits on the timeline.
                     feed.start(start)                    ...or, from an older checkpoint, from the step
                     for step: ... feed.step_done(step)   every rank past the step's micro-batches
 
-Every rank reads every global micro-batch (and the strategy cuts its rows, as for synthetic data), so
-the position, *global samples consumed*, is the same on every rank and means the same on any world size.
+Every rank walks every global micro-batch's sample ids; a data-parallel rank reads only its rows of it
+(`base.local_batch`: ``part=(r, n)``), the other layouts the whole micro-batch and cut it as for synthetic
+data. So the position, *global samples consumed*, is the same on every rank and means the same on any world
+size.
 That is what makes a resume on another data-parallel size exact: a per-rank count (torch's
 DistributedSampler iterated on each rank, the position kept by rank) would be cut for the old size.
 
@@ -45,6 +47,7 @@ class Feed:
         self.restored: Position | None = None
         self.served: dict[tuple[int, int], tuple] = {}   # (step, micro) -> (ids, x, y) of the step so far
         self.samples: dict[int, list[int]] = {}          # step -> the global sample ids it consumed
+        self.rows_read = 0                               # samples this rank read from storage
 
     # -- checkpoints ---------------------------------------------------------------------------
     def carry(self, state: RankState) -> RankState:
@@ -77,10 +80,15 @@ class Feed:
         self.loader.seek(self.restored if self.restored is not None else derived)
 
     # -- during training -----------------------------------------------------------------------
-    def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, step: int, micro: int, part: tuple[int, int] | None = None):
         """Micro-batch ``micro`` of step ``step``: the loader's next one (a "data wait" span), or the one
-        already served if asked again. Steps and micro-steps come in order."""
+        already served if asked again. Steps and micro-steps come in order. ``part=(r, n)``: only rank r
+        of n's rows are read (a data-parallel rank's shard; the loader is told at the first call)."""
+        if not self.served and not self.samples:
+            self.loader.read_part(part)                  # before the first batch: read only this part
         if (step, micro) not in self.served:
+            if part != self.loader.part:
+                raise RuntimeError(f"the text loader reads the part {self.loader.part}, asked for {part}")
             expected = (step, len(self.served))
             if (step, micro) != expected:
                 raise RuntimeError(f"the text loader serves micro-batches in order: asked for {(step, micro)}"
@@ -88,6 +96,7 @@ class Feed:
             with tracer().span("data wait", cat="data", step=step, micro=micro):
                 b = next(self.loader)
             self.served[(step, micro)] = (b.ids, b.x, b.y)
+            self.rows_read += b.x.shape[0]
         _, x, y = self.served[(step, micro)]
         return x, y
 
@@ -95,16 +104,17 @@ class Feed:
         """Take any micro-batch of ``step`` this rank did not ask for (a pipeline's middle stage), so every
         rank's position is past the step; record the step's sample ids."""
         for micro in range(self.spec.grad_accum):
-            self.batch(step, micro)
+            self.batch(step, micro, self.loader.part)
         ids = [self.served[(step, m)][0] for m in range(self.spec.grad_accum)]
         self.samples[step] = torch.cat(ids).tolist()
         self.served.clear()
 
     def summary(self) -> dict:
-        """``{"data": {...}}`` for the rank's info: the sample ids of each step it ran, the final position,
-        the seconds each ``next`` waited."""
+        """``{"data": {...}}`` for the rank's info: the sample ids of each step it ran, the samples it read
+        (its rows only, on a data-parallel rank), the final position, the seconds each ``next`` waited."""
         p = self.loader.position
-        return {"data": {"samples": dict(self.samples), "position": (p.epoch, p.offset),
+        return {"data": {"samples": dict(self.samples), "rows_read": self.rows_read,
+                         "position": (p.epoch, p.offset),
                          "resumed_position": (self.restored.epoch, self.restored.offset) if self.restored
                          else None, "wait_s": list(self.loader.wait_s)}}
 

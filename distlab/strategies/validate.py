@@ -9,7 +9,7 @@ starts (`dl.train` calls it; each field's type and range was checked when the sp
     numerics               fp16 and its options where the loop is handed the gradients (`numerics.check`)
     recompute              only where the memory count and the attention core allow it
     data                   the text corpus for a GPT (`check_data`)
-    offload                offload_dir only with offload="disk" (and writable); no checkpoints yet
+    offload                offload_dir only with offload="disk" (and writable)
     checkpoints            what the options say together, the directory writable (`distlab.checkpoint`)
     restarts               the world size of every attempt (`restart.plan`), each checked as above
 
@@ -105,16 +105,12 @@ def check_recompute(spec: TrainSpec, world: int) -> None:
 
 def check_offload(spec: TrainSpec) -> None:
     """``offload``: zero1-3 and fsdp only (their keywords, `parse`); ``offload_dir`` only with "disk", a
-    directory this process can create and write; not with checkpoints (an offloaded optimizer's state
-    is not saved yet)."""
+    directory this process can create and write."""
     import os
     m = spec.memory
     if m.offload_dir is not None and m.offload != "disk":
         raise ValueError("offload_dir= is where offload='disk' keeps the optimizer state: pass "
                          "offload='disk' too (or drop offload_dir)")
-    if m.offload is not None and spec.checkpoint.checkpoint_dir is not None:
-        raise ValueError(f"offload={m.offload!r} with checkpoint_dir: saving an offloaded optimizer's state "
-                         "is not supported yet; train without offload to checkpoint")
     if m.offload_dir is not None:
         path = os.fspath(m.offload_dir)
         try:

@@ -28,6 +28,10 @@ stream. (Written for CUDA, exercised on CPU.) On a CPU "device" and "host" are o
 still happen, and the memory ledger counts the offloaded bytes as ``host``/``disk``, not ``optimizer``
 (`distlab.memory.offload_bytes`). Each shard is stepped by its own instance of the optimizer class:
 elementwise optimizers (Adam, AdamW, SGD) give the same numbers, to the bit, as one instance over all.
+
+Checkpoints: `state_dict` is torch's format with one index per shard, each holding its optimizer state and
+its fp32 ``master`` (the only fp32 copy under mixed precision), read from the files for ``"disk"``; being
+per-element, the master is resharded with Adam's moments when a run resumes on another world size.
 """
 from __future__ import annotations
 
@@ -160,11 +164,46 @@ class OffloadedOptimizer:
 
     # -- saving, and what a learner prints -----------------------------------------------------
     def state_dict(self) -> dict:
-        raise NotImplementedError("saving an offloaded optimizer's state is not supported yet: train "
-                                  "without offload to checkpoint")
+        """torch's optimizer format, one index per shard: ``{"state": {i: {**shard i's optimizer state,
+        "master": its fp32 master}}, "param_groups": [one group per shard, "params": [i]]}`` (``"disk"``:
+        read from the files). The master is saved because under mixed precision it is the only fp32 copy;
+        as a per-element tensor it is resharded with Adam's moments when the world size changes."""
+        state = {}
+        for i, (o, m) in enumerate(zip(self.optimizers, self.masters)):
+            if self.files is not None:
+                saved = self.files.read(i)
+                master, held = saved["master"], saved["state"]
+            else:
+                master, held = m.detach(), o.state.get(m, {})
+            state[i] = {**{k: v.clone() if torch.is_tensor(v) else v for k, v in held.items()},
+                        "master": master.clone()}
+        groups = [{**{k: v for k, v in o.param_groups[0].items() if k != "params"}, "params": [i]}
+                  for i, o in enumerate(self.optimizers)]
+        return {"state": state, "param_groups": groups}
 
+    @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        raise NotImplementedError("loading into an offloaded optimizer is not supported yet")
+        """Put a `state_dict` back (``"disk"``: into the files). A shard without a saved ``"master"`` takes
+        its parameter's current value (a checkpoint of another optimizer, restored into the parameters
+        first); one without optimizer state starts it afresh, as a new optimizer would."""
+        groups = state["param_groups"]
+        if len(groups) != len(self.optimizers):
+            raise ValueError(f"the state has {len(groups)} parameter groups; this offloaded optimizer has "
+                             f"{len(self.optimizers)} shards (one group each)")
+        for i, (o, m, p) in enumerate(zip(self.optimizers, self.masters, self.params)):
+            saved = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                     for k, v in state["state"].get(i, state["state"].get(str(i), {})).items()}
+            master = saved.pop("master", None)
+            master = (master if master is not None else p.detach()).to(torch.float32, copy=True).cpu()
+            group = {k: v for k, v in groups[i].items() if k != "params"}
+            o.param_groups[0].update(group)
+            if self.files is not None:
+                self.files.write(i, master.reshape(p.shape), saved)
+                continue
+            m.copy_(master.reshape(p.shape))
+            o.state.pop(m, None)
+            if saved:
+                o.state[m] = saved
 
     def __repr__(self) -> str:
         where = f"files under {self.files.path}" if self.files is not None else "host memory"
