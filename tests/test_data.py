@@ -3,6 +3,7 @@ epoch, every sample once across ranks, deterministic by seed and epoch, uneven s
 position (read-ahead never moves it), exact resume of the data after a fault, on the same and on a
 shrunk data-parallel size (the sample ids of every step compared with an uninterrupted run's), the
 "data wait" spans of slow storage, and a text loss that falls."""
+import math
 import time
 
 import pytest
@@ -185,3 +186,11 @@ def test_each_data_parallel_rank_reads_only_its_rows():
     assert ddp.losses == pytest.approx(ref.losses, rel=1e-5)
     tp = dl.train("tp", world_size=2, **kw)
     assert [r.info["data"]["rows_read"] for r in tp.results] == [14, 14]
+
+
+def test_text_data_with_a_model_given_by_its_shape():
+    """`model=` a `dl.theory.ModelPreset` reads the corpus in sequences of its own seq_len (it was looked up
+    among the named presets: KeyError); an untrained byte-level model starts near ln 256."""
+    shape = dl.theory.ModelPreset("mine", hidden=64, layers=2, heads=4, vocab=256, seq_len=24)
+    report = dl.train("ddp", world_size=2, model=shape, data="text", steps=2, seed=0)
+    assert len(report.losses) == 2 and abs(report.losses[0] - math.log(256)) < 0.3

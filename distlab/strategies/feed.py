@@ -27,7 +27,7 @@ import torch
 
 from ..checkpoint.state import RankState
 from ..data import DistributedSampler, Loader, Position, TextCorpus
-from ..models import PRESETS
+from ..models.presets import config
 from ..runtime import current_run, tracer
 
 KEY = "data_position"          # the checkpoint entry: tensor([epoch, offset]), the same on every rank
@@ -39,7 +39,7 @@ class Feed:
     def __init__(self, spec):
         o = spec.data_loading
         self.spec = spec
-        self.corpus = TextCorpus(seq_len=PRESETS[spec.model].seq_len)
+        self.corpus = TextCorpus(seq_len=config(spec.model).seq_len)   # a preset's, or a ModelPreset's
         self.sampler = DistributedSampler(len(self.corpus), shuffle=o.shuffle, seed=spec.seed,
                                           drop_last=o.drop_last)
         self.loader = Loader(self.corpus, self.sampler, spec.micro_batch, workers=o.workers,
