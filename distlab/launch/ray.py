@@ -95,19 +95,27 @@ def start_local(num_cpus: int | None = None) -> None:
         raise RuntimeError("Ray was imported before distlab could keep its local cluster on loopback: set "
                            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray is imported, or start Ray "
                            "yourself (ray.init(...)) and distlab uses it as it is")
-    ray.init(num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False,
-             log_to_driver=os.environ.get("DISTLAB_RAY_LOGS", "0") == "1", configure_logging=False)
+    for tries_left in (2, 1, 0):             # Ray gives its raylet 30 s to start, too few on a busy machine
+        try:
+            ray.init(num_cpus=num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False,
+                     log_to_driver=os.environ.get("DISTLAB_RAY_LOGS", "0") == "1", configure_logging=False)
+            return
+        except Exception as err:
+            ray.shutdown()
+            if not tries_left or "timed out during startup" not in str(err):
+                raise
 
 
-def launch(fn, world_size: int = 2, args: tuple = (), kwargs: dict | None = None, *, use_gpu: bool = False,
-           max_failures: int = 0, storage_path=None, name: str | None = None, keep: int | None = None,
-           timeout: float = 300.0, backend: str | None = None):
+def launch(fn, world_size: int = 2, args: tuple = (), kwargs: dict | None = None, *,
+           use_gpu: bool | None = None, max_failures: int = 0, storage_path=None, name: str | None = None,
+           keep: int | None = None, timeout: float = 300.0, backend: str | None = None):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` Ray Train workers and return a `Run`, like `dl.launch`.
 
     ``max_failures``: Ray restarts the whole worker group up to that many times after a worker dies
     (``FailureConfig``); ``fn`` resumes from what it saved (`restore_checkpoint`). ``storage_path``: where
     Ray keeps its copies of reported checkpoints (default: Ray's); ``keep``: how many it keeps.
-    ``backend``: "gloo" or "nccl" (default: NCCL when ``use_gpu``). A failed run raises `LaunchError`."""
+    ``use_gpu``: one GPU per worker (None: when the cluster has a GPU for each). ``backend``: "gloo" or
+    "nccl" (default: NCCL when ``use_gpu``). A failed run raises `LaunchError`."""
     from .parent import Run
     from .supervisor import LaunchError
     if not isinstance(world_size, int) or world_size < 1:
@@ -116,6 +124,8 @@ def launch(fn, world_size: int = 2, args: tuple = (), kwargs: dict | None = None
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
     start_local()
+    if use_gpu is None:
+        use_gpu = ray.cluster_resources().get("GPU", 0) >= world_size
     name = name or f"distlab-{uuid.uuid4().hex[:8]}"
     trainer = TorchTrainer(
         train_loop, train_loop_config=config(fn, args, kwargs),

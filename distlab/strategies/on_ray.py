@@ -1,4 +1,4 @@
-"""``dl.train(..., engine="ray")``: the strategies of `dl.train` on Ray Train's workers (`distlab.launch.ray`).
+"""``dl.train(..., engine="ray")``: the strategies of `dl.train` on Ray Train workers (`distlab.launch.ray`).
 
     report = dl.train("zero2", world_size=4, steps=40, checkpoint_dir="/shared/ck", checkpoint_every=5,
                       max_restarts=2, engine="ray")         # FailureConfig(max_failures=2)
@@ -16,7 +16,6 @@ Ray keeps its copies of the checkpoints under ``checkpoint_dir/.ray`` (``keep_la
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from .restart import FAULTS
@@ -26,7 +25,8 @@ def check(spec) -> None:
     """What Ray Train's path cannot do, refused before Ray starts; and Ray itself installed."""
     from ..launch import ray as ray_train
     if spec.strategy == "single":
-        raise ValueError("engine='ray' starts workers: use a launched strategy (ddp, zero1, ...), not 'single'")
+        raise ValueError("engine='ray' starts workers: use a launched strategy (ddp, zero1, ...), not "
+                         "'single'")
     if spec.restart.shrink not in (False, None):
         raise ValueError("engine='ray' restarts the group on the same number of workers: drop shrink= "
                          "(engine='local' shrinks), or see distlab.parallel's elastic replicas")
@@ -36,17 +36,15 @@ def check(spec) -> None:
     ray_train._ray()                                          # ImportError: pip install 'distlab[ray]'
 
 
-def run(train_rank, spec, world_size: int, timeout: float):
+def launch(train_rank, spec, world_size: int, timeout: float):
     """Train ``spec`` on ``world_size`` Ray Train workers (Ray restarts the group up to ``max_restarts``
-    times) and report it like a launch (`runner.report`)."""
+    times); the `Run`, whose results `runner.report` reads as a launch's."""
     from ..launch import ray as ray_train
-    from .runner import report
-    start = time.perf_counter()
     directory = spec.checkpoint.checkpoint_dir
     storage = Path(directory).resolve() / ".ray" if directory is not None else None
-    run = ray_train.launch(_rank, world_size, args=(train_rank, spec), max_failures=spec.restart.max_restarts,
-                           storage_path=storage, keep=spec.checkpoint.keep_last, timeout=timeout)
-    return report(spec, world_size, run, start)
+    return ray_train.launch(_rank, world_size, args=(train_rank, spec), storage_path=storage,
+                            max_failures=spec.restart.max_restarts, keep=spec.checkpoint.keep_last,
+                            timeout=timeout)
 
 
 def _rank(train_rank, spec):

@@ -79,7 +79,8 @@ def run(spec: TrainSpec, sizes: list[int], *, output: str, timeout: float, progr
 
     if spec.restart.engine == "ray":                  # Ray Train starts (and restarts) the ranks
         from . import on_ray
-        return on_ray.run(train_rank, spec, sizes[0], timeout)
+        start = time.perf_counter()
+        return report(spec, sizes[0], on_ray.launch(train_rank, spec, sizes[0], timeout), start)
 
     def launch_once(s: TrainSpec, n: int) -> Report:
         return _launched(train_rank, s, n, output, timeout, progress)
