@@ -74,6 +74,7 @@ def _ray():
     """Ray, imported with its node address on loopback (the variable is read when Ray is imported)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")   # its agents start slowly on a busy CPU
     try:
         import ray
         import ray.train  # noqa: F401
