@@ -56,6 +56,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import sys
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -74,7 +75,8 @@ def _ray():
     """Ray, imported with its node address on loopback (the variable is read when Ray is imported)."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")   # its agents start slowly on a busy CPU
+    for name, value in (("RAY_agent_register_timeout_ms", "120000"), ("RAY_raylet_start_wait_time_s", "120")):
+        os.environ.setdefault(name, value)             # Ray's agents start slowly on a busy CPU
     try:
         import ray
         import ray.train  # noqa: F401
@@ -145,8 +147,19 @@ def launch(fn, world_size: int = 2, args: tuple = (), kwargs: dict | None = None
 
 def config(fn, args: tuple = (), kwargs: dict | None = None) -> dict:
     """``train_loop_config`` for `train_loop`: the function and its arguments, pickled by value (cells'
-    functions travel too)."""
-    return {"distlab_payload": cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))}
+    functions travel too; so does the module of a function defined in a script or a test file, which
+    Ray's workers could not import: they do not start in this directory)."""
+    module = sys.modules.get(getattr(fn, "__module__", None) or "")
+    path = getattr(module, "__file__", None) or ""
+    by_value = (module is not None and path and "site-packages" not in path
+                and module.__name__.split(".")[0] not in ("distlab", "__main__"))
+    if by_value:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return {"distlab_payload": cloudpickle.dumps((fn, tuple(args), dict(kwargs or {})))}
+    finally:
+        if by_value:
+            cloudpickle.unregister_pickle_by_value(module)
 
 
 def train_loop(cfg: dict) -> dict:
