@@ -24,23 +24,24 @@ the tracer. gloo on the CPU; NCCL when ``use_gpu=True`` (one GPU per worker), as
 Checkpoints stay distlab's (`distlab.checkpoint`: every rank writes its shard into ``checkpoint_dir``,
 which several machines must share); each committed ``step_N`` folder is also reported to Ray
 (`report_checkpoint`: ``ray.train.report`` with a ``Checkpoint``, a barrier of every worker), which
-copies it into the run's storage. A restarted group asks Ray for the newest (`restore_checkpoint`),
-copies it back into ``checkpoint_dir`` if that lost it, and resumes from it, bit for bit. `attempt`
+copies it into the run's storage. A restarted group copies Ray's newest back into ``checkpoint_dir`` if that
+lost it (`restore_checkpoint`) and resumes from the newest checkpoint there, bit for bit (Ray registers a
+report when its controller next polls the workers, so its newest can lag the directory's by one). `attempt`
 counts the group's starts (0 first), so planted faults (``fail_at_step``) fire on the first only.
 
 Ray's elasticity and distlab's own, side by side:
 
-    engine              what a failure costs                    who keeps running
-    dl.train max_restarts   every rank stops; a fresh launch on     nobody: all restart (shrink=: on fewer)
-    (engine="local")        this machine resumes the checkpoint
-    Ray Train           every worker stops; Ray starts a new group  nobody: all restart, on any node with
-    (engine="ray")      (on healthy nodes) from the checkpoint      room (ScalingConfig)
-    elastic replicas    the replica is left out of the quorum;      the survivors, without a pause longer
-    (`distlab.parallel.elastic`)  it rejoins healed from a live peer   than one step
+    engine                  what a failure costs                        who keeps running
+    dl.train max_restarts   every rank stops; a fresh launch on this    nobody: all restart (shrink=: on
+      (engine="local")      machine resumes from the checkpoint         fewer ranks)
+    dl.train                every worker stops; Ray starts a new group  nobody: all restart, on any node
+      (engine="ray")        (on healthy nodes) from the checkpoint      with room (ScalingConfig)
+    dl.elastic.train        the dead replica leaves the quorum; it      the survivors, without waiting
+      (elastic replicas)    rejoins healed from a live peer             (`distlab.parallel.elastic`)
 
-Ray restarts a *group* from a checkpoint (the steps since it are lost); elastic replicas keep survivors
-stepping and lose nothing but the dead replica's share of one step. They compose: Ray to replace a node,
-elastic replicas so the others need not wait for it.
+Ray restarts a *group* from a checkpoint (the steps since it are computed again); elastic replicas keep
+the survivors stepping on the same global batch and lose no step. Ray replaces machines; elastic replicas
+keep the others from waiting for one.
 
 Security of the local cluster `start_local` makes: every Ray process on 127.0.0.1 (the node address
 ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` gives, which also makes Ray's gRPC servers listen on loopback
