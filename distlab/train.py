@@ -123,8 +123,8 @@ def train(strategy: str = "single", world_size: int = 1, model: str = "gpt-tiny"
     if backend == "fake" and global_batch is None:
         spec = spec.replace(global_batch=dry.default_rows(spec, world_size))
     sizes = validate(spec, world_size)        # every check, once, before any rank starts
-    if spec.strategy != "single" and backend != "fake":
-        check_machine(world_size)
+    if spec.strategy != "single" and backend != "fake" and spec.restart.engine == "local":
+        check_machine(world_size)             # (Ray Train's workers run on the cluster's machines)
     if check_only:
         return None
     return run(spec, sizes, output=output, timeout=timeout, progress=progress,      # -> strategies.runner

@@ -15,6 +15,8 @@ Read it in this order:
     lifeline.py    the pipe and the subreaper that end a rank's whole process tree when the parent goes
     torchrun.py    torchrun's path: under RANK/WORLD_SIZE, ``fn`` runs in this process; a store prefix
                    per restart attempt
+    ray.py         Ray Train's path (``pip install 'distlab[ray]'``): the ranks as Ray Train workers,
+                   the group restarted by Ray from the newest checkpoint; ``dl.train(engine="ray")``
     flight.py      the flight recorder: each rank's last collectives in a ring buffer that outlives it
     diagnosis.py   the rings read after a hang, in words: who waits where, who never came
     fake.py        dry runs: ``backend="fake", ranks=(0, ...)`` runs ``fn`` here as each listed rank of a

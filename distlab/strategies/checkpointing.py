@@ -194,6 +194,9 @@ class Checkpointer:
                 self.writer.submit(store.save, self.directory, done, store.snapshot(own), **kw)
         self.stall_s.append(time.perf_counter() - t0)
         self.saved.append(done)
+        if self.spec.restart.engine == "ray":            # committed: every rank reports it to Ray Train
+            from ..launch import ray as ray_train
+            ray_train.report_checkpoint(self.directory, done)
 
     def summary(self, start: int) -> dict:
         """What to add to the rank's ``info``: ``{"checkpoint": {"resumed_from", "saved"}, "checkpoint_io":

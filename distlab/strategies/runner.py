@@ -77,6 +77,11 @@ def run(spec: TrainSpec, sizes: list[int], *, output: str, timeout: float, progr
     if spec.strategy == "single":
         return _single(train_rank, spec, progress)
 
+    if spec.restart.engine == "ray":                  # Ray Train starts (and restarts) the ranks
+        from . import on_ray
+        start = time.perf_counter()
+        return report(spec, sizes[0], on_ray.launch(train_rank, spec, sizes[0], timeout), start)
+
     def launch_once(s: TrainSpec, n: int) -> Report:
         return _launched(train_rank, s, n, output, timeout, progress)
     if len(sizes) > 1:
@@ -115,9 +120,16 @@ def _launched(train_rank, spec: TrainSpec, world_size: int, output: str, timeout
               progress: bool | None) -> Report:
     """One launch of ``train_rank`` on ``world_size`` ranks, and its `Report`."""
     from ..launch import launch
-    start, strategy = time.perf_counter(), spec.strategy
+    start = time.perf_counter()
     run = launch(train_rank, world_size=world_size, args=(spec,), output=output, timeout=timeout,
                  progress=progress, profile=spec.profiling.profile)
+    return report(spec, world_size, run, start)
+
+
+def report(spec: TrainSpec, world_size: int, run, start: float) -> Report:
+    """The `Report` of a ``run`` of ``train_rank`` on every rank (by `dl.launch` or Ray Train), begun at
+    ``start`` (``time.perf_counter()``)."""
+    strategy = spec.strategy
     results: list[RankResult] = run.results
     _print_notes(results)
     holder = next((r for r in results if r.losses is not None), None)

@@ -10,7 +10,7 @@ dataclass per concern, each field with its default, its rule (`distlab.rules`) a
     +- memory: Memory       recompute, memory_limit, offload, offload_dir
     +- checkpoint:          checkpoint_dir, checkpoint_every, keep_last, resume, async_save, fault
     |  Checkpointing        injection (`distlab.checkpoint.options`)
-    +- restart: Restart     max_restarts, shrink
+    +- restart: Restart     max_restarts, shrink, engine
     +- data_loading:        data ("synthetic" | "text"), workers, read_ahead, data_latency,
        DataLoading          shuffle, drop_last (`distlab.data`)
     +- profiling: Profiling profile (a directory for torch.profiler's traces)
@@ -185,6 +185,9 @@ class Restart:
     shrink: bool | list | None = option(False, Custom(_sizes, "True (one rank fewer per restart), False, or "
                                                       "a list of world sizes for the restarts (e.g. [3, 2])",
                                                       none="no shrink"), "where each restart runs")
+    engine: str = option("local", OneOf("local", "ray"), "who starts and restarts the ranks: 'local' "
+                         "(dl.launch here) or 'ray' (Ray Train, pip install 'distlab[ray]'; max_restarts is "
+                         "its FailureConfig(max_failures))")
 
     def __post_init__(self):
         check_fields(self)

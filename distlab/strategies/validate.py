@@ -32,6 +32,9 @@ def validate(spec: TrainSpec, world_size: int) -> list[int]:
     in_process = spec.strategy if spec.strategy == "single" else None
     check_checkpoints(spec.checkpoint, in_process, steps=spec.steps, world=world_size)   # resume=...
     r = spec.restart
+    if r.engine == "ray":
+        from .on_ray import check
+        check(spec)                           # what Ray Train's path cannot do, and Ray itself installed
     if not r.max_restarts and r.shrink in (False, None):
         return [world_size]
     sizes = restart.plan(spec, world_size)
