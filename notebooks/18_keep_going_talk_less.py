@@ -114,6 +114,12 @@ print(f"checkpoint restart: {lost} steps computed twice on every rank; replica-s
 # from fault to full recovery): the elastic path pays one heartbeat and one peer-to-peer copy of one replica's
 # state instead. What it does not cover here (its docstrings say so): a death *inside* an all-reduce (torchft
 # needs a commit vote for that), and replicas that are themselves sharded.
+#
+# **Which engine does what.** `dl.train(..., max_restarts=k)` (lesson 14) and `dl.train(..., engine="ray")` (a Ray
+# cluster: README, "On a Ray cluster") both restart the *whole* group from the newest checkpoint; Ray adds what a
+# cluster needs around it (scheduling workers onto machines, replacing a dead node, retrying up to `max_failures`).
+# `dl.elastic` keeps the survivors running and heals one replica from a live peer, without a checkpoint. Real
+# systems stack them: torchft inside a job for replica failures, the scheduler's restart for everything else.
 
 # %% [markdown]
 # ## 1. Talk less often: Local SGD and DiLoCo
