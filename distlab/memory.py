@@ -289,6 +289,8 @@ class PipelineStash:
     ``microbatches`` (how many (stage, microbatch) forwards wait for their backward: ``pipe.stash``) and
     ``activations`` (the bytes autograd saved for them, each measured by `SavedActivations` around its
     first forward, parameters excluded). GPipe holds m microbatches at its peak, 1F1B p - i on rank i.
+    With recomputation a forward saves only each block's input; a backward then rebuilds one block's
+    activations at a time (counted by `recomputation`), held on top of the stash: the peak counts both.
     """
 
     LABEL = "pipeline stash"
@@ -303,12 +305,18 @@ class PipelineStash:
     @contextlib.contextmanager
     def around_action(self, pipe, action):
         key = (action.stage, action.microbatch)
+        rebuilt = current_run().saved_tensors if action.kind != "F" else None
+        held_before = sum(self.saved.get(k, 0) for k in pipe.stash)
+        if rebuilt is not None:
+            rebuilt.take_rebuilt()                      # start counting this backward's recomputation
         if action.kind == "F" and key not in self.saved:
             with SavedActivations(pipe.modules[action.stage]) as counter:
                 yield
             self.saved[key] = counter.bytes
         else:
             yield
+        if rebuilt is not None:                         # recompute: the stash + one block rebuilt at a time
+            self.peak = max(self.peak, held_before + rebuilt.take_rebuilt())
         held = list(pipe.stash)
         held_bytes = sum(self.saved.get(k, 0) for k in held)
         self.peak = max(self.peak, held_bytes)

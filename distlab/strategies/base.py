@@ -38,8 +38,9 @@ def build_model(spec: TrainSpec) -> nn.Module:
     `models.attention_core`)."""
     vocab = 256 if spec.data_loading.data == "text" else None           # bytes (`dl.data`)
     where = device()
-    if where.type == "meta":                      # a dry run: built without a byte
-        with torch.device(where):
+    if where.type == "meta":                      # a dry run: built without a byte (nor initialised)
+        from .dry import skip_init
+        with torch.device(where), skip_init():
             model = models.build(spec.model, spec.seed, vocab=vocab)
     else:                                         # initialised by the CPU's generator, then moved: the same
         model = models.build(spec.model, spec.seed, vocab=vocab).to(where)   # weights on any device
@@ -123,9 +124,12 @@ def loss_fn(spec: TrainSpec):
 
 def autocast(spec: TrainSpec):
     """bf16 autocast on this rank's device for ``precision="bf16-mixed"`` (weights stay fp32), else none."""
-    if spec.precision == "bf16-mixed" and not dry_run():     # autocast has no meta device: a dry run
-        return torch.autocast(device().type, dtype=torch.bfloat16)   # computes (and saves) in fp32
-    return contextlib.nullcontext()
+    if spec.precision != "bf16-mixed":
+        return contextlib.nullcontext()
+    if dry_run():                                  # autocast has no meta device: the same policy, emulated
+        from .dry import MetaAutocast
+        return MetaAutocast(torch.bfloat16)
+    return torch.autocast(device().type, dtype=torch.bfloat16)
 
 
 def microbatch_count(requested: int | None, rows: int, p: int, schedule: str, where: str) -> int:
