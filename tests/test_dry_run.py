@@ -304,7 +304,8 @@ def test_bf16_dry_run_activations_equal_a_real_cpu_run(strategy, world, recomput
     """Autocast does nothing to meta tensors; `strategies.dry.MetaAutocast` applies CPU autocast's policy
     (matmuls in bf16, a weight cast once per region, recomputations under it again): the bytes a dry run
     counts equal what the same code saves on real CPU tensors, to the byte, rank by rank."""
-    kw = dict(world_size=world, model="gpt-small", precision="bf16-mixed", global_batch=8, recompute=recompute)
+    kw = dict(world_size=world, model="gpt-small", precision="bf16-mixed", global_batch=8,
+              recompute=recompute)
     real = dl.train(strategy, steps=1, seed=0, **kw)
     dry = dl.train(strategy, backend="fake", ranks=list(range(world)), **kw)
     fp32 = dl.train(strategy, backend="fake", ranks=[0], **{**kw, "precision": "fp32"})

@@ -50,6 +50,7 @@ def test_the_check_finds_a_figure_shown_twice():
     twice = {"cells": [{"cell_type": "code", "outputs": [png, {**png, "output_type": "execute_result"}]}]}
     apart = {"cells": [{"cell_type": "code", "outputs": [png]}, {"cell_type": "markdown"},
                        {"cell_type": "code", "outputs": [other, png]}]}
-    assert repeated_images(twice) == ["code cell 0 stores an image (image/png) already stored by the same cell"]
+    assert repeated_images(twice) == [
+        "code cell 0 stores an image (image/png) already stored by the same cell"]
     assert repeated_images(apart) == ["code cell 1 stores an image (image/png) already stored by code cell 0"]
     assert repeated_images({"cells": [{"cell_type": "code", "outputs": [png, other]}]}) == []
