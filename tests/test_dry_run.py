@@ -325,3 +325,14 @@ def test_pipeline_recompute_holds_each_blocks_input_plus_one_block_rebuilt():
     block_input = 2 * cfg.seq_len * cfg.d_model * 4                      # 8 rows / 4 microbatches = 2 rows
     assert abs(stash / (2 * 2 * block_input) - 1) < 0.05                 # + the token ids and positions
     assert stash < kept.memory[0]["peak"]["activations"] < plain.memory[0]["peak"]["activations"] / 2
+
+
+def test_a_vocabulary_tp_does_not_divide_is_padded_as_megatron_pads_it():
+    """GPT-3's 50,257 tokens under tp=8: padded to a multiple of 128 x 8 = 51,200 (Megatron-LM's
+    ``--make-vocab-size-divisible-by 128``), the same bytes as a model built with 51,200 tokens."""
+    from distlab.strategies.base import padded_vocab
+    assert (padded_vocab(50257, 1), padded_vocab(50257, 8), padded_vocab(51200, 8)) == (50304, 51200, 51200)
+    odd = ModelPreset("gpt3-vocab", hidden=64, layers=1, heads=8, vocab=50257, seq_len=16)
+    even = ModelPreset("gpt3-vocab-padded", hidden=64, layers=1, heads=8, vocab=51200, seq_len=16)
+    got, want = (_dry("tp", shape, 8, [0]) for shape in (odd, even))
+    assert got == want
