@@ -38,13 +38,14 @@ def check(spec: TrainSpec, world: int, backend: str) -> None:
         raise ValueError("a dry run restarts nothing: drop max_restarts and shrink with backend='fake'")
     d = spec.layout.degrees(world)
     if d["ep"] > 1 or spec.strategy == "ep":
-        raise ValueError(f"a dry run cannot run ep={d['ep']}: expert routing sends each token where the router's "
-                         "scores (tensor values) say, and the all-to-all's sizes follow from them; on the meta "
-                         "device there are none. Dry-run the same layout without ep")
+        raise ValueError(f"a dry run cannot run ep={d['ep']}: expert routing sends each token where the "
+                         "router's scores (tensor values) say, and the all-to-all's sizes follow from them; "
+                         "on the meta device there are none. Dry-run the same layout without ep")
     if d["cp"] > 1 and spec.layout.attention == "ulysses":
-        raise ValueError("a dry run cannot run Ulysses attention yet: on the fake group its all-to-all buffers "
-                         "are counted apart where a real run shares them (+20% activations on gpt-small): use "
-                         "attention='ring' (cp-ring), whose dry run equals a real run to the byte")
+        raise ValueError("a dry run cannot run Ulysses attention yet: on the fake group its all-to-all "
+                         "buffers are counted apart where a real run shares them (+20% activations on "
+                         "gpt-small): use attention='ring' (cp-ring), whose dry run equals a real run to "
+                         "the byte")
     checks = spec.numerics.skip_nonfinite or spec.numerics.nan_at_step is not None
     if spec.precision == "fp16-mixed" or checks:
         raise ValueError("a dry run has no values to check for inf/NaN: use precision='bf16-mixed' or 'fp32' "
