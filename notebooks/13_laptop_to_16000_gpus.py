@@ -458,7 +458,7 @@ show(selective, ranks=(0,))
 print(f"the dry run took {seconds:.0f} s here for one rank of a 16,384-GPU job")
 
 # %% [markdown]
-# The formula says the layout fits, barely; the code says it does not, by a factor of two. The dry run caught
+# The formula says the layout fits, barely (79 of 80 GiB); the code says it does not, by a factor of two. The dry run caught
 # it before 16,384 GPUs did. Each byte of the difference has a reason, and each reason is measured below.
 #
 # **Model states, exact.** distlab's `bf16-mixed` under tensor and pipeline parallelism is autocast over fp32
@@ -517,9 +517,10 @@ assert bf16_block > korthikanti                             # Llama's block save
 assert 1.25 < mixed_block / bf16_block < 1.75    # autocast: between all-bf16 (1) and autocast ignored (~2)
 
 # %% [markdown]
-# Three measured reasons, none tuned away: (1) Llama's block is not GPT's (SwiGLU's three 3.25h-wide tensors
-# where GELU's MLP saves two 4h-wide ones), (2) autocast saves the fp32 residual stream and norms and a bf16 copy
-# of each matmul input beside them, where a bf16 model saves one 2-byte copy, (3) the written-out attention
+# Three measured reasons, none tuned away: (1) Llama's block is not GPT's (its SwiGLU MLP saves four tensors of
+# width 3.25h, 13h in all, where GELU's saves two of 4h; grouped-query attention's K and V are smaller),
+# (2) autocast saves the fp32 residual stream and norms and a bf16 copy of each matmul input beside them, where
+# a bf16 model saves one 2-byte copy, (3) the written-out attention
 # rebuilds its s x s scores in backward (flash attention, which Meta ran, never materialises them). 1F1B's first
 # stage holds p = 16 microbatches: all 16 here.
 #
@@ -554,10 +555,10 @@ print(f"the full-recomputation dry run took {seconds:.0f} s here for two ranks o
 # holds all m microbatches; 1F1B holds at most p. Take Llama 3 70B on 1,024 GPUs (dp 16, tp 8, pp 8: 80 blocks +
 # embedding + head = 82 units, cut 10 or 11 per stage, the larger ones last) with full recomputation. Write
 # `my_stash` (bytes of stage 0's stash), pick a `SCHEDULE` and `MICRO`, run the cell: the dry run checks you.
-# Then try the other schedule, 8 or 32 microbatches, or `sp=False` in the layout (and 8x the bytes per block).
+# Then try the other schedule, 16 or 32 microbatches, or `sp=False` in the layout (and 8x the bytes per block).
 
 # %%
-SCHEDULE, MICRO = "gpipe", 16                   # try "1f1b", and MICRO = 8 or 32
+SCHEDULE, MICRO = "gpipe", 8                    # try "1f1b", and MICRO = 16 or 32
 
 
 def my_stash(schedule, m, p=8, t=8, s=8192, h=8192):
