@@ -35,8 +35,10 @@ class Config:
     """Sizes of one check: `GPU` for the real one, `DRY` for the proof on a CPU in seconds."""
 
     dry: bool
-    step_models: tuple[str, ...]  # the presets timed by the step stage
+    step_models: tuple           # the presets timed by the step stage (names, or a dl.theory.ModelPreset)
     step_batch: int              # their global batch (rows of seq_len tokens)
+    big_batch: int               # the batch of a ModelPreset among them (a bigger model: fewer rows)
+    matmul_n: int                # the measured peak: bf16 n x n products on a GPU (fp32 on a CPU)
     warmup: int                  # untimed steps first
     steps: int                   # timed steps
     memory_model: str
@@ -52,10 +54,18 @@ class Config:
 #: jupytext), which a bare GPU image lacks, out of the GPU check
 GPU_TEST_FILES = ("tests/test_gpu.py", "tests/test_launch.py")
 
-GPU = Config(dry=False, step_models=("gpt-small", "gpt-wide"), step_batch=256, warmup=5, steps=30,
+#: a model big enough for MFU to mean something (gpt-small is 0.87 M parameters: 0.3-0.5% of an H100 on
+#: the first run): GPT-2 medium's width and depth (302 M parameters in the blocks) on 1,024 tokens, with a
+#: byte vocabulary (a Markov chain over 50,257 tokens would not fit in memory)
+BIG = dl.theory.ModelPreset("gpt-medium-bytes", hidden=1024, layers=24, heads=16, vocab=256, seq_len=1024)
+BIG_DRY = dl.theory.ModelPreset("gpt-big-dry", hidden=64, layers=2, heads=4, vocab=256, seq_len=64)
+
+GPU = Config(dry=False, step_models=("gpt-small", "gpt-wide", BIG), step_batch=256, big_batch=4,
+             matmul_n=8192, warmup=5, steps=30,
              memory_model="gpt-small", memory_batch=16, sizes=tuple(4**k * 1024 for k in range(9)),  # 1K..64M
              budget=0.5, test_paths=GPU_TEST_FILES, test_timeout=140.0)
-DRY = Config(dry=True, step_models=("gpt-tiny",), step_batch=8, warmup=1, steps=2, memory_model="gpt-tiny",
+DRY = Config(dry=True, step_models=("gpt-tiny", BIG_DRY), step_batch=8, big_batch=2, matmul_n=256, warmup=1,
+             steps=2, memory_model="gpt-tiny",
              memory_batch=8, sizes=(4096, 65536), budget=0.01, test_paths=("tests/test_gpu.py",),
              test_timeout=80.0)
 
@@ -160,31 +170,56 @@ def step(cfg: Config) -> dict:
         dev = dl.device()
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
         peak = peak_flops(name)[0] if dev.type == "cuda" and peak_flops(name) else None
+        measured = matmul_peak(dev, cfg.matmul_n)
         for model in cfg.step_models:
-            found, models[model] = _step_of(cfg, model, dev, peak)
+            found, models[getattr(model, "name", model)] = _step_of(cfg, model, dev, peak, measured)
             rows += found
-    return {"models": models, "global_batch": cfg.step_batch, "device": str(dev), "peak_bf16_flops": peak,
+    return {"models": models, "global_batch": cfg.step_batch, "big_batch": cfg.big_batch, "device": str(dev),
+            "peak_bf16_flops": peak, "measured_matmul_flops": measured,
+            "measured_matmul": f"{cfg.matmul_n} x {cfg.matmul_n} products, "
+                               f"{'bf16' if dev.type == 'cuda' else 'fp32'}, median of 3 timings",
             "precision": "bf16-mixed (autocast, fp32 weights)", "optimizer": "AdamW lr 1e-3", "rows": rows,
             "labels": {"median_s": "measured", "mfu": "6 N T / measured time / data-sheet peak"
                        if peak else "omitted: no peak known for this device"}}
 
 
-def _step_of(cfg: Config, model: str, dev: torch.device, peak: float | None) -> tuple[list[dict], dict]:
+def matmul_peak(dev: torch.device, n: int, reps: int = 10) -> float:
+    """The measured matmul peak, FLOP/s: ``reps`` products of two n x n matrices (bf16 on a GPU, where the
+    tensor cores reach their peak at large n; fp32 on a CPU), the median of 3 timings after a warm-up."""
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    a @ b
+    sync()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        sync()
+        times.append(time.perf_counter() - start)
+    return 2 * n ** 3 * reps / statistics.median(times)
+
+
+def _step_of(cfg: Config, model, dev: torch.device, peak: float | None,
+             measured: float) -> tuple[list[dict], dict]:
     """Both sides' rows for ``model``, and its facts: parameters, tokens, time ratio, loss gap."""
-    r = dl.train("single", model=model, steps=cfg.warmup + cfg.steps + 1, global_batch=cfg.step_batch,
+    batch = cfg.big_batch if isinstance(model, dl.theory.ModelPreset) else cfg.step_batch
+    r = dl.train("single", model=model, steps=cfg.warmup + cfg.steps + 1, global_batch=batch,
                  precision="bf16-mixed")
     starts = sorted(e.start for e in r.trace.select("mark", name="step"))
     dl_times = [b - a for a, b in zip(starts, starts[1:])][cfg.warmup:]
-    torch_times, torch_losses, params = _torch_loop(cfg, model, dev)
-    tokens = cfg.step_batch * dl.models.PRESETS[model].seq_len
+    torch_times, torch_losses, params = _torch_loop(cfg, model, dev, batch)
+    tokens = batch * dl.models.config(model).seq_len
     sides = {"dl.train single": dl_times, "torch loop": torch_times}
-    rows = [{"model": model, **_step_row(side, times, params, tokens, peak)} for side, times in sides.items()]
+    rows = [{"model": getattr(model, "name", model), "batch": batch,
+             **_step_row(side, times, params, tokens, peak, measured)} for side, times in sides.items()]
     return rows, {"params": params, "tokens_per_step": tokens,
                   "time_ratio_dl_over_torch": rows[0]["median_s"] / rows[1]["median_s"],
                   "loss_max_relative_gap": max(abs(a - b) / abs(b) for a, b in zip(r.losses, torch_losses))}
 
 
-def _torch_loop(cfg: Config, name: str, dev: torch.device) -> tuple[list[float], list[float], int]:
+def _torch_loop(cfg: Config, name, dev: torch.device, batch: int) -> tuple[list[float], list[float], int]:
     """The same model, data, optimizer and autocast as `dl.train("single")`, written as plain torch."""
     model = dl.models.build(name, 0).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
@@ -192,7 +227,7 @@ def _torch_loop(cfg: Config, name: str, dev: torch.device) -> tuple[list[float],
     starts, losses = [], []
     for s in range(cfg.warmup + cfg.steps + 1):
         starts.append(time.perf_counter())
-        x, y = (t.to(dev) for t in data.batch(s, cfg.step_batch))
+        x, y = (t.to(dev) for t in data.batch(s, batch))
         with torch.autocast(dev.type, dtype=torch.bfloat16):
             logits = model(x)                                               # (B, T, vocab)
             loss = F.cross_entropy(logits.flatten(0, -2).float(), y.flatten())
@@ -204,8 +239,10 @@ def _torch_loop(cfg: Config, name: str, dev: torch.device) -> tuple[list[float],
     return times, losses, sum(p.numel() for p in model.parameters())
 
 
-def _step_row(side: str, times: list[float], params: int, tokens: int, peak: float | None) -> dict:
+def _step_row(side: str, times: list[float], params: int, tokens: int, peak: float | None,
+              measured: float) -> dict:
     t = statistics.median(times)
     achieved = 6 * params * tokens / t
     return {"implementation": side, "median_s": t, "min_s": min(times), "steps_timed": len(times),
-            "tokens_per_s": tokens / t, "model_flops_per_s": achieved, "mfu": mfu(params, tokens, t, peak)}
+            "tokens_per_s": tokens / t, "model_flops_per_s": achieved, "mfu": mfu(params, tokens, t, peak),
+            "of_measured_matmul": achieved / measured}

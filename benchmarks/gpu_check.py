@@ -16,7 +16,9 @@ that one that fails, crashes or overruns is reported and the next one still runs
                             equal to one process, as a world of one NCCL rank; tests/test_launch.py: NCCL
                             with one GPU per rank)
     memory       45 / 45    the memory ledger beside torch.cuda.max_memory_allocated: ddp, zero1-3, fsdp
-    step         45 / 45    bf16 step time and MFU of gpt-small and gpt-wide, dl.train beside a torch loop
+    step         45 / 45    bf16 step time and MFU of gpt-small, gpt-wide and a 302 M-parameter GPT (GPT-2
+                            medium's blocks), dl.train beside a torch loop; MFU of the data sheet's peak
+                            and of the measured matmul peak (bf16 8192 x 8192 products)
     allreduce    60 / 45    benchmarks/allreduce.py's measurement on CUDA tensors (2 gloo ranks, one GPU)
     all_to_all   60 / 45    benchmarks/all_to_all.py's, the same way
     multirank   100 / 60    every strategy on 2 gloo ranks sharing the GPU, CUDA tensors, against single:

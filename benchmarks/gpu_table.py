@@ -66,15 +66,22 @@ def _tests(t: dict, name: str) -> list[str]:
 
 
 def _step(s: dict, name: str) -> list[str]:
-    lines = [f"bf16 training step on one device, global batch {s['global_batch']}:", "",
+    measured = "measured_matmul_flops" in s             # results from before the measured peak lack it
+    big = f" ({s['big_batch']} for the bigger model)" if "big_batch" in s else ""
+    lines = [f"bf16 training step on one device, global batch {s['global_batch']}{big}:", "",
              "| model | parameters | tokens/step | implementation | median step | tokens/s | model TFLOP/s "
-             "| MFU |", "|---|---|---|---|---|---|---|---|"]
+             "| MFU |" + (" of the measured matmul peak |" if measured else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|" if measured else "")]
     for r in s["rows"]:
         m = s["models"][r["model"]]
         mfu = "omitted" if r["mfu"] is None else f"{r['mfu'] * 100:.2f}%"
         lines.append(f"| {r['model']} | {m['params'] / 1e6:.2f} M | {m['tokens_per_step']} | "
                      f"{r['implementation']} | {_ms(r['median_s'])} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['model_flops_per_s'] / 1e12:.3f} | {mfu} |")
+                     f"{r['model_flops_per_s'] / 1e12:.3f} | {mfu} |"
+                     + (f" {r['of_measured_matmul'] * 100:.2f}% |" if measured else ""))
+    if measured:
+        lines += ["", f"Measured matmul peak: {s['measured_matmul_flops'] / 1e12:.1f} TFLOP/s "
+                      f"({s['measured_matmul']})."]
     return lines + [""]
 
 

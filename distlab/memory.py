@@ -289,6 +289,10 @@ class PipelineStash:
     ``microbatches`` (how many (stage, microbatch) forwards wait for their backward: ``pipe.stash``) and
     ``activations`` (the bytes autograd saved for them, each measured by `SavedActivations` around its
     first forward, parameters excluded). GPipe holds m microbatches at its peak, 1F1B p - i on rank i.
+    Inside a run (a memory ledger counts saved tensors: `Ledger`, the run's ``saved_tensors``) the bytes
+    are the ledger's live count instead: what every forward saved and autograd still holds, so a backward
+    that frees a microbatch's tensors lowers it, and with recomputation (a forward keeps only each block's
+    input) the block a backward rebuilds is counted on top of what is alive at that moment.
     """
 
     LABEL = "pipeline stash"
@@ -302,17 +306,25 @@ class PipelineStash:
 
     @contextlib.contextmanager
     def around_action(self, pipe, action):
-        key = (action.stage, action.microbatch)
-        if action.kind == "F" and key not in self.saved:
-            with SavedActivations(pipe.modules[action.stage]) as counter:
+        key, live = (action.stage, action.microbatch), current_run().saved_tensors
+        if live is None:                           # bare: each forward's saved bytes, by SavedActivations
+            if action.kind == "F" and key not in self.saved:
+                with SavedActivations(pipe.modules[action.stage]) as counter:
+                    yield
+                self.saved[key] = counter.bytes
+            else:
                 yield
-            self.saved[key] = counter.bytes
-        else:
+            held_bytes = sum(self.saved.get(k, 0) for k in pipe.stash)
+        else:                                           # in a run: the ledger's count of what is alive
+            before = live.current
+            live.take_rebuilt()
             yield
-        held = list(pipe.stash)
-        held_bytes = sum(self.saved.get(k, 0) for k in held)
+            if action.kind == "F":
+                self.saved.setdefault(key, live.current - before)
+            held_bytes = live.current
+            self.peak = max(self.peak, live.take_rebuilt())    # a backward rebuilding a block on top
         self.peak = max(self.peak, held_bytes)
-        tracer().memory(self.LABEL, activations=held_bytes, microbatches=len(held))
+        tracer().memory(self.LABEL, activations=held_bytes, microbatches=len(pipe.stash))
 
     def take(self) -> int:
         """The most activation bytes held at once since the last call (then starts again from 0)."""

@@ -64,11 +64,23 @@ def recompute_context():
     """``torch.utils.checkpoint``'s ``context_fn`` for a recomputing module (`recompute`; `models.Block`,
     attached by the strategies): forward as usual; in the recomputation, what it saves again for backward
     is counted by the memory ledger of the run in progress (saved-tensor hooks cannot see it: the
-    checkpoint's own take those tensors); with no ledger, counted nowhere."""
-    saved = current_run().saved_tensors
-    if saved is None:
-        return contextlib.nullcontext(), contextlib.nullcontext()
-    return contextlib.nullcontext(), _Rebuilt(saved)
+    checkpoint's own take those tensors); with no ledger, counted nowhere. Under a dry run's emulated
+    autocast (`strategies.dry.MetaAutocast`) the recomputation runs under it again, as torch's checkpoint
+    does for ``torch.autocast``, so it rebuilds the bf16 tensors forward saved."""
+    saved, cast = current_run().saved_tensors, current_run().dry_autocast
+    return contextlib.nullcontext(), _rebuilding(saved, cast)
+
+
+@contextlib.contextmanager
+def _rebuilding(saved: SavedTensors | None, cast):
+    """The recomputation's context: counted into ``saved``, under ``cast()`` (a dry run's emulated
+    autocast, which torch's checkpoint cannot restore as it restores ``torch.autocast``)."""
+    with contextlib.ExitStack() as stack:
+        if cast is not None:
+            stack.enter_context(cast())
+        if saved is not None:
+            stack.enter_context(_Rebuilt(saved))
+        yield
 
 
 class _Rebuilt(TorchDispatchMode):

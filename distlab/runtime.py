@@ -33,6 +33,8 @@ class _RankState:
     comm_scopes: list = field(default_factory=list)       # the tags of every open `collectives.scope`
     comm_buffers: dict = field(default_factory=dict)      # dl.comm's receive buffers, kept between calls
     saved_tensors: object = None                          # what the memory ledger counts recomputations into
+    dry_autocast: object = None                           # a dry run's autocast in force (`strategies.dry`):
+                                                          # what a recomputation must run under again
     placed: torch.device | None = None                    # where `place_on` put the rank, if anywhere
     feed: object = None                                   # dl.train's data loader (`strategies.feed`), if any
 

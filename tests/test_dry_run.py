@@ -229,9 +229,10 @@ def test_cli_dry_run_prints_each_listed_rank(capsys):
     (dict(world_size=8, strategy="single", backend="fake", ranks=[0]), "one rank is"),
     (dict(world_size=8, strategy="ddp", backend="fake", ranks=[8]), "not a rank"),
     (dict(world_size=8, strategy="ddp", backend="fake", ranks=[0], max_restarts=1), "restarts nothing"),
-    (dict(world_size=8, strategy="cp-ring", backend="fake", ranks=[0]), "cannot run cp=8"),
+    (dict(world_size=8, strategy="cp-ulysses", backend="fake", ranks=[0]), "cannot run Ulysses"),
     (dict(world_size=4, strategy="ep", model="gpt-moe-tiny", backend="fake", ranks=[0]), "cannot run ep=4"),
     (dict(world_size=8, strategy="ddp", precision="fp16-mixed", backend="fake", ranks=[0]), "inf/NaN"),
+    (dict(world_size=2, strategy="pp-zb-h1", recompute=True, backend="fake", ranks=[0]), "zero-bubble"),
 ])
 def test_train_refuses_bad_dry_runs_before_any_rank(kwargs, error):
     with pytest.raises(ValueError, match=error):
@@ -295,3 +296,54 @@ def test_mixed_precision_model_states_equal_the_zero_papers(strategy, zero, stat
         theory = memory(mine * n, dp=n, zero=3, precision="bf16-mixed", optimizer="adamw")
     assert peak["params"] == held.get(zero, theory.params)
     assert (peak["grads"], peak["optimizer"]) == (theory.grads, theory.optimizer + 4 * states)
+
+
+# -- bf16-mixed on the meta device (autocast emulated) and recomputation inside a pipeline -------------------
+@pytest.mark.parametrize("strategy, world, recompute", [("tp", 2, False), ("3d:dp=1,tp=2,pp=2", 4, True)])
+def test_bf16_dry_run_activations_equal_a_real_cpu_run(strategy, world, recompute):
+    """Autocast does nothing to meta tensors; `strategies.dry.MetaAutocast` applies CPU autocast's policy
+    (matmuls in bf16, a weight cast once per region, recomputations under it again): the bytes a dry run
+    counts equal what the same code saves on real CPU tensors, to the byte, rank by rank."""
+    kw = dict(world_size=world, model="gpt-small", precision="bf16-mixed", global_batch=8,
+              recompute=recompute)
+    real = dl.train(strategy, steps=1, seed=0, **kw)
+    dry = dl.train(strategy, backend="fake", ranks=list(range(world)), **kw)
+    fp32 = dl.train(strategy, backend="fake", ranks=[0], **{**kw, "precision": "fp32"})
+    got = [m["peak"]["activations"] for m in dry.memory]
+    assert got == [m["peak"]["activations"] for m in real.memory]
+    assert got[0] < 0.9 * fp32.memory[0]["peak"]["activations"]          # emulated, not ignored
+
+
+def test_pipeline_recompute_holds_each_blocks_input_plus_one_block_rebuilt():
+    """Full recomputation in a 1F1B pipeline: stage 0 (embedding and 2 of gpt-small's 4 blocks) stashes
+    p = 2 microbatches, each only its blocks' inputs (b s h fp32); backward rebuilds on top of that."""
+    cfg = dl.models.config("gpt-small")
+    kw = dict(world_size=2, model="gpt-small", backend="fake", ranks=[0], global_batch=8)
+    layout = "3d:dp=1,tp=1,pp=2,microbatches=4"
+    kept, plain = dl.train(layout, recompute=True, **kw), dl.train(layout, **kw)
+    stash = max(e.args["activations"] for e in kept.run.trace.select("memory", rank=0, name="pipeline stash"))
+    block_input = 2 * cfg.seq_len * cfg.d_model * 4                      # 8 rows / 4 microbatches = 2 rows
+    assert abs(stash / (2 * 2 * block_input) - 1) < 0.05                 # + the token ids and positions
+    assert stash < kept.memory[0]["peak"]["activations"] < plain.memory[0]["peak"]["activations"] / 2
+
+
+def test_a_vocabulary_tp_does_not_divide_is_padded_as_megatron_pads_it():
+    """GPT-3's 50,257 tokens under tp=8: padded to a multiple of 128 x 8 = 51,200 (Megatron-LM's
+    ``--make-vocab-size-divisible-by 128``), the same bytes as a model built with 51,200 tokens."""
+    from distlab.strategies.base import padded_vocab
+    assert (padded_vocab(50257, 1), padded_vocab(50257, 8), padded_vocab(51200, 8)) == (50304, 51200, 51200)
+    odd = ModelPreset("gpt3-vocab", hidden=64, layers=1, heads=8, vocab=50257, seq_len=16)
+    even = ModelPreset("gpt3-vocab-padded", hidden=64, layers=1, heads=8, vocab=51200, seq_len=16)
+    got, want = (_dry("tp", shape, 8, [0]) for shape in (odd, even))
+    assert got == want
+
+
+def test_context_parallel_dry_run_equals_a_real_run():
+    """Ring attention on the fake group: the K/V blocks arrive as nothing, but with the right shapes, so the
+    activations a rank saves and the bytes it sends per step are a real 2-rank run's, to the byte."""
+    kw = dict(world_size=2, model="gpt-small", global_batch=8)
+    real = dl.train("cp-ring", steps=1, seed=0, **kw)
+    dry = dl.train("cp-ring", backend="fake", ranks=[0, 1], **kw)
+    assert [m["peak"] for m in dry.memory] == [m["peak"] for m in real.memory]
+    assert [c["sent_per_step"] for c in dry.comm] == [c["sent_per_step"] for c in real.comm]
+    assert all(c["sent_by_op"]["ring_shift"] > 0 for c in dry.comm)

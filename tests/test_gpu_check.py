@@ -31,8 +31,11 @@ def test_dry_run_exercises_every_stage_on_the_cpu_and_leaves_readme_alone(tmp_pa
     assert [s["name"] for s in summary["stages"]] == list(gpu_check.STAGES)
     assert all(s["status"] == "ok" for s in summary["stages"]) and summary["dry"]
     step = json.loads((tmp_path / "cpu" / "step.json").read_text())
-    assert [r["implementation"] for r in step["rows"]] == ["dl.train single", "torch loop"]
+    assert [(r["model"], r["implementation"]) for r in step["rows"]] == [
+        (m, side) for m in ("gpt-tiny", "gpt-big-dry") for side in ("dl.train single", "torch loop")]
+    assert [r["batch"] for r in step["rows"]] == [8, 8, 2, 2]              # the bigger model: its own batch
     assert all(r["mfu"] is None and r["median_s"] > 0 for r in step["rows"])     # a CPU: no peak, no MFU
+    assert step["measured_matmul_flops"] > 0 and all(0 < r["of_measured_matmul"] for r in step["rows"])
     assert "omitted" in step["labels"]["mfu"] and step["models"]["gpt-tiny"]["loss_max_relative_gap"] < 0.05
     memory = json.loads((tmp_path / "cpu" / "memory.json").read_text())
     assert [r["strategy"] for r in memory["rows"]] == ["ddp", "zero1", "zero2", "zero3", "fsdp"]

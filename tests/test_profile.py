@@ -160,3 +160,23 @@ def test_a_dry_run_refuses_a_profile(tmp_path):
     with pytest.raises(ValueError, match="dry run"):
         dl.launch(len, 4, args=((),), backend="fake", ranks=(0,), profile=tmp_path / "q")
     assert not (tmp_path / "p").exists() and not (tmp_path / "q").exists()
+
+
+def test_the_merge_names_each_ranks_gpu_process(tmp_path):
+    """The profiler names a GPU's stream process after the program ("python3" on the H100 run), the
+    same for every rank: the merged file calls it "rank r GPU d", beside "rank r" for the host."""
+    import json
+
+    from distlab.launch import profiler
+    for r in range(2):
+        host = 4000 + r
+        events = [{"ph": "M", "name": "process_name", "pid": host, "tid": 0, "args": {"name": "python3"}},
+                  {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "python3"}},
+                  {"ph": "X", "name": "kernel", "pid": 0, "tid": 7, "ts": 5.0, "dur": 1.0}]
+        with open(profiler.rank_path(str(tmp_path), r), "w") as f:
+            json.dump({"traceEvents": events, "distlab": {"rank": r, "pid": host, "epoch_us": 0.0}}, f)
+    with open(profiler.merge(str(tmp_path), 2)) as f:
+        merged = json.load(f)["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in merged if e.get("name") == "process_name"}
+    assert names == {0: "rank 0", 1: "rank 1", 1000: "rank 0 GPU 0", 2000: "rank 1 GPU 0"}
+    assert sorted(e["pid"] for e in merged if e.get("name") == "kernel") == [1000, 2000]

@@ -7,8 +7,8 @@ selective: all but the a s^2 b terms). The memory ledger counts what forward kee
 checkpoint's ``context_fn``, what backward saves again while it rebuilds one block: with gpt-tiny's two
 blocks the activation peak about halves, and a memory limit between the two trips in backward. FSDP works
 because its units put the gathered parameters back into the modules before their backward, where the
-recomputation runs. Refused: models without blocks, pipelines (their stash cannot see it yet), full
-with mixtures of experts (the balance loss would count twice), selective with context parallelism.
+recomputation runs. Refused: models without blocks, the zero-bubble pipeline (its W pass would recompute),
+full with mixtures of experts (the balance loss would count twice), selective with context parallelism.
 
 ``dl.recompute(module)`` does it for any module of a user's model (its forward under the checkpoint, its
 hooks outside): the same weights under DDP, ZeRO-3, fully_shard, tp by a plan and pipeline stages, and
@@ -68,8 +68,8 @@ def test_recompute_is_refused_where_it_would_be_wrong(monkeypatch):
             dl.train(strategy, world_size=2, **KW, recompute="selective")
     with pytest.raises(ValueError, match="has none"):
         dl.train("ddp", world_size=2, **{**KW, "model": "mlp"}, recompute=True)
-    for strategy in ("pp-1f1b", "pp-zb-h1", "3d:dp=1,tp=1,pp=2,schedule=zb-h1"):
-        with pytest.raises(ValueError, match="pipeline parallelism"):
+    for strategy in ("pp-zb-h1", "3d:dp=1,tp=1,pp=2,schedule=zb-h1"):    # 1F1B, GPipe, interleaved run it
+        with pytest.raises(ValueError, match="zero-bubble"):
             dl.train(strategy, world_size=2, **KW, recompute=True)
 
 

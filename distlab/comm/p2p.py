@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import current_run, group_members, group_rank, tracer
+from .host import post
 
 OPS = ("sum", "avg", "max", "min", "prod")
 _call_ids = itertools.count()
@@ -192,8 +193,8 @@ def _exchange(ring: Ring, send, dst, recv, src, reduce, info: dict) -> None:
         works = dist.batch_isend_irecv(ops) if ops else []
         recv_works, send_works = works[len(send_parts):], works[:len(send_parts)]
     else:
-        recv_works = [dist.irecv(p, src_g, group=ring.group) for p in recv_parts]
-        send_works = [dist.isend(p, dst_g, group=ring.group) for p in send_parts]
+        recv_works = [post(False, p, src_g, ring.group) for p in recv_parts]   # GPU tensors on gloo: via
+        send_works = [post(True, p, dst_g, ring.group) for p in send_parts]    # host memory (`host`)
     if reduce is not None and recv is not None:
         acc, other, op = reduce
         pieces = zip(torch.tensor_split(acc, len(recv_parts)), torch.tensor_split(other, len(recv_parts)))
@@ -245,19 +246,20 @@ class Flight:
         if not t.numel():
             return None
         self.sent, self.dst = self.sent + nbytes(t), self.ring.global_rank(dst)
-        return self._posted(self._post(dist.isend, t, self.dst))
+        return self._posted(self._post(True, t, self.dst))
 
     def irecv(self, t: torch.Tensor, src: int):
         """Post the receive of ``t`` from group rank ``src``; returns the Work (None for an empty tensor)."""
         if not t.numel():
             return None
         self.received, self.src = self.received + nbytes(t), self.ring.global_rank(src)
-        return self._posted(self._post(dist.irecv, t, self.src))
+        return self._posted(self._post(False, t, self.src))
 
-    def _post(self, fn, t: torch.Tensor, peer: int):
+    def _post(self, send: bool, t: torch.Tensor, peer: int):
         if self.nccl:
+            fn = dist.isend if send else dist.irecv
             return dist.batch_isend_irecv([dist.P2POp(fn, t, peer, self.ring.group)])[0]
-        return fn(t, peer, group=self.ring.group)
+        return post(send, t, peer, self.ring.group)
 
     def _posted(self, work):
         self.works.append(work)

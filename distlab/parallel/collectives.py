@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import ring_bytes
+from ..comm.host import post
 from ..runtime import current_run, group_name, group_rank, group_size, tracer
 from ..runtime import name_group  # noqa: F401  (re-exported; the flight recorder reads the names too)
 
@@ -102,7 +103,7 @@ class Transfer:
         self.send, self.tensor, self.peer, self.group, self.tag = send, tensor, peer, group, tag
         self.address, self.work, self.start = address, None, now()
         if not grouped:
-            self.work = (dist.isend if send else dist.irecv)(tensor, peer, group=group, tag=tag)
+            self.work = post(send, tensor, peer, group, tag)       # via host memory: GPU tensors on gloo
         if send:
             self._record(end=self.start)
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .. import models
 from ..recomputation import recompute_context
-from ..runtime import current_run, device, rank
+from ..runtime import current_run, device, rank, world_size
 from .spec import TrainSpec
 
 
@@ -37,9 +37,13 @@ def build_model(spec: TrainSpec) -> nn.Module:
     transformer block recomputes in backward), "selective" (only attention's scores and softmax,
     `models.attention_core`)."""
     vocab = 256 if spec.data_loading.data == "text" else None           # bytes (`dl.data`)
+    cfg, tp = models.config(spec.model), spec.layout.degrees(world_size())["tp"]
+    if vocab is None and cfg is not None and cfg.vocab % tp:
+        vocab = padded_vocab(cfg.vocab, tp)                              # GPT-3's 50,257 under tp=8
     where = device()
-    if where.type == "meta":                      # a dry run: built without a byte
-        with torch.device(where):
+    if where.type == "meta":                      # a dry run: built without a byte (nor initialised)
+        from .dry import skip_init
+        with torch.device(where), skip_init():
             model = models.build(spec.model, spec.seed, vocab=vocab)
     else:                                         # initialised by the CPU's generator, then moved: the same
         model = models.build(spec.model, spec.seed, vocab=vocab).to(where)   # weights on any device
@@ -49,6 +53,16 @@ def build_model(spec: TrainSpec) -> nn.Module:
         block.attn.selective = how == "selective"
         block.recompute_context = block.attn.recompute_context = recompute_context   # the ledger counts
     return model                                                                     # what backward rebuilds
+
+
+def padded_vocab(vocab: int, tp: int, multiple: int = 128) -> int:
+    """The vocabulary padded, as Megatron-LM pads it (``--make-vocab-size-divisible-by 128``), to a
+    multiple of ``multiple x tp``, so every tensor-parallel rank holds an equal slice of the embedding
+    and the head: GPT-3's 50,257 becomes 50,304 at tp=1 and 51,200 at tp=8. Only a vocabulary that tp
+    does not divide is padded (the padded rows are never a target; their logits still join the
+    softmax's denominator, as in Megatron)."""
+    step = multiple * tp
+    return -(-vocab // step) * step
 
 
 def make_optimizer(params, spec: TrainSpec) -> torch.optim.Optimizer:
@@ -134,9 +148,12 @@ def loss_fn(spec: TrainSpec):
 
 def autocast(spec: TrainSpec):
     """bf16 autocast on this rank's device for ``precision="bf16-mixed"`` (weights stay fp32), else none."""
-    if spec.precision == "bf16-mixed" and not dry_run():     # autocast has no meta device: a dry run
-        return torch.autocast(device().type, dtype=torch.bfloat16)   # computes (and saves) in fp32
-    return contextlib.nullcontext()
+    if spec.precision != "bf16-mixed":
+        return contextlib.nullcontext()
+    if dry_run():                                  # autocast has no meta device: the same policy, emulated
+        from .dry import MetaAutocast
+        return MetaAutocast(torch.bfloat16)
+    return torch.autocast(device().type, dtype=torch.bfloat16)
 
 
 def microbatch_count(requested: int | None, rows: int, p: int, schedule: str, where: str) -> int:

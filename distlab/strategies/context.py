@@ -119,7 +119,7 @@ def digests(model) -> dict:
     return {"param_bytes": sum(p.numel() * p.element_size() for p in local.values()),
             "shapes": {n: tuple(p.shape) for n, p in local.items()},
             "digests": {n: hashlib.sha1(p.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
-                        for n, p in local.items()}}
+                        for n, p in local.items() if not p.is_meta}}       # a dry run's have no bytes
 
 
 def _criterion(spec: TrainSpec, model, tp_group):

@@ -29,11 +29,12 @@ from .loop import Plan, run
 
 
 def check_shards(spec: TrainSpec, t: int, sequence_parallel: bool, who: str) -> None:
-    """Refuse, before any rank starts, a GPT whose heads, width, vocabulary (and, with sequence
-    parallelism, sequence) do not split over ``t`` tensor-parallel ranks (`dl.tp.parallelize`'s rule)."""
+    """Refuse, before any rank starts, a GPT whose heads or width (and, with sequence parallelism,
+    sequence) do not split over ``t`` tensor-parallel ranks (`dl.tp.parallelize`'s rule); a vocabulary
+    that does not split is padded when the model is built (`base.padded_vocab`, Megatron's rule)."""
     check_gpt(spec, who)
     cfg = config(spec.model)
-    sizes = {"heads": cfg.heads, "d_model": cfg.d_model, "vocab": cfg.vocab}
+    sizes = {"heads": cfg.heads, "d_model": cfg.d_model}        # the vocabulary is padded (`padded_vocab`)
     if sequence_parallel:
         sizes["seq_len"] = cfg.seq_len
     for what, size in sizes.items():

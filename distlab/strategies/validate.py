@@ -81,8 +81,8 @@ def check_data(spec: TrainSpec) -> None:
 
 
 def check_recompute(spec: TrainSpec, world: int) -> None:
-    """``recompute``: False, True or "full", or "selective"; only for the GPT presets; not with pipelines
-    (their memory count cannot see it yet; zero bubble's weight pass would recompute every block again);
+    """``recompute``: False, True or "full", or "selective"; only for the GPT presets; not with the
+    zero-bubble pipeline (its weight pass would recompute every block again);
     full not with a mixture of experts (a second forward would count the router's balance loss twice);
     selective not with context parallelism (its attention cores are ring attention and Ulysses)."""
     how, cfg = spec.memory.recompute, config(spec.model)
@@ -93,11 +93,10 @@ def check_recompute(spec: TrainSpec, world: int) -> None:
                          "choose a GPT preset, or train without recompute")
     degrees = spec.layout.degrees(world)
     uses = {a: getattr(spec.layout, a) is None or degrees[a] > 1 for a in ("pp", "cp")}
-    if uses["pp"]:
-        raise ValueError("recompute does not run with pipeline parallelism yet: a pipeline's memory count "
-                         "(its stash) sees neither what a recomputation keeps nor what it rebuilds, and "
-                         "zero bubble's weight pass would recompute every block again; use dp, ZeRO, "
-                         "FSDP, tp or cp (or a mesh without pp)")
+    if uses["pp"] and spec.layout.schedule == "zb-h1":
+        raise ValueError("recompute does not run with the zero-bubble schedule: its weight pass (W) would "
+                         "recompute every block a second time after the input pass (I); use "
+                         "schedule='1f1b', 'gpipe' or 'interleaved' with recompute")
     if how in (True, "full") and getattr(cfg, "experts", 0):
         raise ValueError(f"recompute=True with the mixture-of-experts {spec.model!r} would count the "
                          "router's balance loss twice: use recompute='selective' (attention only)")

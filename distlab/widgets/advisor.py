@@ -30,6 +30,18 @@ class Advisor(Explorer):
                              gpus_per_node=self.value("gpus_per_node"),
                              full_recompute=self.value("full_recompute"))
 
+    def verify(self):
+        """The advised plan checked by a dry run of distlab's code at full size (first and last rank):
+        a `distlab.strategies.verify.Verification` (``.fits``, ``.measured``, ``.predicted``); None when
+        nothing fits. Seconds to a minute for a real-size model."""
+        from distlab.strategies.verify import verify_layout
+        plan = self.result.plan
+        if plan is None:
+            return None
+        return verify_layout(self.value("model"), plan.gpu, dp=plan.dp, tp=plan.tp, pp=plan.pp,
+                             zero=plan.zero,
+                             recompute=plan.recompute, seq_len=self.value("seq_len"))
+
     def render(self, result: theory.Advice):
         items = "".join(f"<li>{html.escape(q)} <i>{html.escape(a)}</i></li>" for q, a in result.steps)
         verdict = f"<b>use {html.escape(str(result.plan))}</b>" if result.plan else "<b>does not fit</b>"

@@ -60,6 +60,22 @@ class ClusterPlanner(Explorer):
                               inter=self.value("inter"), efficiency=calibrated(gpu))
         return PlannerResult(ranked, self.value("tokens"))
 
+    def verify(self, index: int = 0):
+        """Layout ``index`` of the ranking (0: the fastest) checked by a dry run of distlab's code at full
+        size (first and last rank, 1F1B and written-out attention where the simulation assumed
+        interleaving and flash attention): a `distlab.strategies.verify.Verification`."""
+        from distlab.strategies.verify import verify_layout
+        lay = self.result.ranked[index].layout
+        found = verify_layout(self.value("model"), self.value("gpu"), dp=lay["dp"], tp=lay["tp"],
+                              pp=lay["pp"],
+                              zero=lay["zero"], recompute=lay["recompute"], seq_len=lay["seq_len"],
+                              microbatches=lay["microbatches"] if lay["pp"] > 1 else None)
+        if lay["virtual"] > 1 or lay["flash"]:
+            found.notes.append("the simulation assumed flash attention and interleaved stages; the dry run "
+                               "runs "
+                               "distlab's 1F1B and written-out attention")
+        return found
+
     def render(self, result: PlannerResult):
         if not result.ranked:
             return None, "<p><b>no layout fits</b>: add GPUs, shorten the sequence or the batch</p>"
