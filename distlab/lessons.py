@@ -3,6 +3,7 @@
     distlab lessons ~/distlab-lessons      # DIR/student/  every lesson, exercises stubbed: work here
                                            # DIR/solved/   the teacher's versions, solutions shown
                                            # DIR/distlab   a link to the package: the code they link
+                                           # DIR/docs      the pages they link (the notation table)
     jupyter lab ~/distlab-lessons
     python -m distlab.lessons lab          # what `make lab` runs first: lab/ in a checkout (ignored by git)
 
@@ -111,6 +112,7 @@ def copy(directory, force: bool = False) -> dict[str, list[Path]]:
             ours.append(data)
     manifest_path.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     _link_code(root)
+    _copy_docs(root)
     trust([data for data in ours if needs_trust(json.loads(data))])
     return done
 
@@ -153,6 +155,16 @@ def _link_code(root: Path) -> None:
             code.symlink_to(package, target_is_directory=True)
         except OSError:                          # no links here (some file systems): a copy
             shutil.copytree(package, code, ignore=shutil.ignore_patterns("__pycache__"))
+
+
+def _copy_docs(root: Path) -> None:
+    """``root/docs``: the pages the lessons link as ``../docs/...`` (the notation table), kept current."""
+    docs = source().parent / "docs"                 # the checkout's docs/, or the wheel's share/distlab/docs
+    for page in sorted(docs.glob("*.md")) if docs.is_dir() else ():
+        target = root / "docs" / page.name
+        if not target.is_file() or target.read_bytes() != page.read_bytes():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(page, target)
 
 
 def report(directory, done: dict[str, list[Path]]) -> str:

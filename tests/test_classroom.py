@@ -175,3 +175,19 @@ def test_the_pytest_template_grades_a_course_repository(tmp_path, capsys):
                          env=ENV, timeout=600)
     assert "1 failed, 1 passed" in run.stdout, run.stdout + run.stderr
     assert len(ET.parse(tmp_path / "j.xml").getroot().iter("testcase").__next__().attrib) >= 2
+
+
+def test_every_relative_link_of_the_learners_copy_opens(tmp_path):
+    """The lessons link the code (``../distlab/...``) and the notation table (``../docs/notation.md``): in the
+    learner's copy, from student/ and solved/, each link must open (``DIR/distlab`` and ``DIR/docs``)."""
+    import re
+
+    import distlab.lessons as lessons
+    lessons.copy(tmp_path / "lab")
+    broken = set()
+    for nb_path in sorted((tmp_path / "lab").glob("*/[0-9][0-9]_*.ipynb")):
+        for cell in (c for c in json.loads(nb_path.read_text())["cells"] if c["cell_type"] == "markdown"):
+            for target in re.findall(r"\]\(([^)\s#]+)", "".join(cell["source"])):
+                if not re.match(r"^[a-z][a-z0-9+.-]*:", target) and not (nb_path.parent / target).exists():
+                    broken.add(f"{nb_path.parent.name}/{nb_path.name}: {target}")
+    assert not broken, sorted(broken)
