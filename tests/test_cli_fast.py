@@ -157,6 +157,15 @@ def test_the_header_prints_before_training_starts(capsys, monkeypatch):
     assert seen["out"].startswith("ddp on 2 rank(s), gpt-tiny, global batch 16"), seen
 
 
+def test_an_extra_not_installed_is_one_line_saying_what_to_install(capsys, monkeypatch):
+    def train(strategy, check_only=False, **kwargs):            # what dl.train says without Ray installed
+        raise ImportError("Ray Train is not installed: pip install 'distlab[ray]' (ray[train])")
+    monkeypatch.setattr(sys.modules["distlab.train"], "train", train)
+    assert main(["train", "--strategy", "ddp", "--world-size", "2", "--engine", "ray"]) == 2
+    assert capsys.readouterr().err == ("distlab: error: Ray Train is not installed: pip install "
+                                       "'distlab[ray]' (ray[train])\n")
+
+
 def test_mean_step_time_leaves_the_warm_up_out_and_says_so():
     line = mean_step_time({0: 1.0, 1: 0.1, 2: 0.3})
     assert line.startswith("mean step time 200.0 ms (5.00 steps/s over 2 steps")

@@ -170,5 +170,6 @@ def reported() -> tuple[type, ...]:
     from ..checkpoint.store import CheckpointError
     from ..launch import LaunchError
     from ..memory_budget import MemoryLimitExceeded
-    return (ValueError, TypeError, OSError, CheckpointError, LaunchError, MemoryLimitExceeded, RunFailed)
+    return (ValueError, TypeError, OSError, ImportError, CheckpointError, LaunchError, MemoryLimitExceeded,
+            RunFailed)                # ImportError: an extra not installed (--engine ray): what to install
 
