@@ -64,7 +64,7 @@ def test_every_strategy_declares_its_options_and_takes_the_checkpoints():
     for name in names():
         opts = options(name)
         assert set(CHECKPOINT_OPTIONS) <= set(opts), name
-    assert set(options("zero3")) - set(options("zero2")) == {"prefetch"}
+    assert set(options("zero3")) - set(options("zero2")) == {"prefetch", "quantize"}
     assert "bucket_mb" not in options("pp-gpipe") and "virtual" in options("pp-interleaved")
     with pytest.raises(TypeError, match="no option 'prefetch'"):        # no longer silently ignored
         parse("3d:dp=2", prefetch=True)
