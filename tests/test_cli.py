@@ -187,7 +187,7 @@ def check_report(report) -> None:
 
 # the strategies test_train's every-strategy test does not run, and three that it does, through the CLI
 CLI_RUNS = [("single", 1), ("ddp", 2), ("tp", 2), ("pp-1f1b", 2), ("ep", 2), ("cp-ring", 2),
-            ("cp-ulysses", 2), ("3d:dp=1,tp=2,pp=2", 4)]
+            ("cp-ulysses", 2), ("3d:dp=1,tp=2,pp=2", 4), ("local-sgd", 2), ("diloco", 2)]
 
 
 def test_every_strategy_name_is_checked_for_bytes_and_memory():
@@ -207,6 +207,7 @@ def test_the_cli_reports_real_bytes_and_memory(strategy, world, capsys, monkeypa
     model = "gpt-moe-tiny" if strategy == "ep" else "gpt-tiny"
     argv = ["train", "--strategy", strategy, "--world-size", str(world), "--steps", "2",
             "--global-batch", "8", "--model", model, "--seed", "3", "--json", "-"]
+    argv += ["--sync-every", "2"] if strategy in ("local-sgd", "diloco") else []    # the replicas meet once
     assert main(argv) == 0
     out, err = capsys.readouterr()
     data, [report] = json.loads(out), [r for r in reports if r is not None]   # (the check_only call: None)

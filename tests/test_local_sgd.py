@@ -122,3 +122,15 @@ def test_cli_options_parse_into_the_spec():
     assert (spec.data_parallel.sync_every, spec.data_parallel.outer_lr) == (4, 0.5)
     args = parser.parse_args(["train", "--strategy", "zero3", "--option", "quantize=int8"])
     assert parse("zero3", **train_keywords(args)).data_parallel.quantize == "int8"
+
+
+def test_the_ledger_counts_diloco_outer_state():
+    """Model states per replica (fp32, AdamW inside): local SGD holds DDP's (4 + 4 + 8 bytes per parameter);
+    DiLoCo adds the agreed theta and the outer momentum, 4 + 4 more, counted as optimizer state."""
+    params = list(dl.models.build("gpt-tiny").parameters())
+    psi = sum(p.numel() for p in params)
+    peaks = {s: dl.train(s, world_size=2, model="gpt-tiny", steps=2, sync_every=2, global_batch=8,
+                         seed=0).memory[1]["peak"] for s in ("local-sgd", "diloco")}
+    assert peaks["local-sgd"]["params"] == peaks["diloco"]["params"] == 4 * psi
+    adam = 8 * psi + 4 * len(params)                            # two moments, and one step counter a tensor
+    assert peaks["local-sgd"]["optimizer"] == adam and peaks["diloco"]["optimizer"] == adam + 8 * psi

@@ -15,6 +15,7 @@ would have to hold every replica and its inner optimizer, which `distlab.checkpo
 from __future__ import annotations
 
 from ..checkpoint.state import replicated_state
+from ..memory import optimizer_bytes, replica_memory, storage_bytes
 from ..parallel.data import DiLoCo, LocalSGD
 from ..runtime import rank, world_size
 from .base import RankResult, TrainSpec, build_model, rank0_copy, require_rows
@@ -66,6 +67,19 @@ def wrap(spec: TrainSpec, model) -> LocalSGD:
     return LocalSGD(model, o.sync_every, comm=o.comm)
 
 
+def _memory(model, inner: LocalOptimizer, wrapped: LocalSGD):
+    """The ledger's model states of a replica: DDP's (a whole model, its gradients, the inner optimizer), and
+    DiLoCo's outer state as optimizer bytes too: the agreed theta (fp32) and the outer momentum."""
+    replica = replica_memory(model, inner.optimizer, inner.masters if inner.mixed else ())
+
+    def measure() -> dict[str, int]:
+        got = replica()
+        got["optimizer"] += storage_bytes(getattr(wrapped, "anchor", ())) + optimizer_bytes(
+            getattr(wrapped, "outer", None))
+        return got
+    return measure
+
+
 def train_rank(spec: TrainSpec) -> RankResult:
     n, r = world_size(), rank()
     check(spec, n)
@@ -77,7 +91,7 @@ def train_rank(spec: TrainSpec) -> RankResult:
     opt = InnerThenOuter(inner, wrapped)
     saved = replicated_state(model, inner, keeps_history=r == 0)       # (checkpoints refused: `check`)
     plan = Plan(_forward(spec, wrapped, model, n, r), opt, saved, loss_share=1 / n, clip=opt.clip_grad_norm_,
-                grads=inner.grads)
+                grads=inner.grads, memory=_memory(model, inner, wrapped))
     trained = run(spec, plan)
     losses = sum_losses(trained.losses)
     params = rank0_copy(model.state_dict())
