@@ -142,3 +142,29 @@ def test_process_workers_take_a_python_decode_off_the_rank(no_leaks):
         finally:
             loader.close()
     assert spent["thread"] > 6 * 0.03 and spent["process"] < 2 * 0.03, spent
+
+
+def test_an_interrupted_read_is_not_taken_for_the_next_batch(no_leaks, monkeypatch):
+    """Ctrl-C while the rank receives a reply leaves part of it unread: the loader says so at the next
+    batch instead of reading the rest of that reply as another batch."""
+    from distlab.data import _worker
+    corpus = TextCorpus(seq_len=8)
+    loader = Loader(corpus, DistributedSampler(len(corpus)), 4, workers=2, worker_type="process")
+    try:
+        next(loader)
+        real = _worker._exactly
+        calls = []
+
+        def interrupted(sock, n):
+            calls.append(n)
+            if len(calls) == 2:                   # the header read, then Ctrl-C in the body
+                raise KeyboardInterrupt
+            return real(sock, n)
+        monkeypatch.setattr(_worker, "_exactly", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            next(loader)
+        monkeypatch.setattr(_worker, "_exactly", real)
+        with pytest.raises(WorkerError, match="interrupted in the middle of a reply.*make a new one"):
+            next(loader)
+    finally:
+        loader.close()

@@ -76,6 +76,7 @@ class WorkerPool:
         self.procs: list[subprocess.Popen] = []
         self.socks: list[socket.socket] = []
         self._next = 0
+        self.broken: str | None = None
         self._finalize = weakref.finalize(self, _shutdown, self.procs, self.socks)
         try:
             for _ in range(workers):
@@ -114,10 +115,16 @@ class WorkerPool:
 
     def receive(self, index: int, ids) -> bytes:
         """Worker ``index``'s next reply (the oldest request it has not answered): its bytes."""
+        if self.broken:
+            raise WorkerError(f"this loader was interrupted in the middle of a reply ({self.broken}): its "
+                              f"stream of batches is lost; close it and make a new one")
         try:
             status, payload = _worker.receive(self.socks[index])
         except (EOFError, OSError) as e:
             raise self._died(index, ids) from e
+        except BaseException as e:                 # Ctrl-C mid-frame: the rest of the frame is unread
+            self.broken = type(e).__name__
+            raise
         if status != "ok":
             raise WorkerError(f"data worker {index} (pid {self.procs[index].pid}) failed reading samples "
                               f"{_short(ids)}; its traceback:\n{payload}")
