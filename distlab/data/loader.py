@@ -31,12 +31,12 @@ the price of a process each (tens of milliseconds to start) and a copy of each b
 
 Use threads for slow storage and for readers that are torch or numpy calls; processes when the reading
 itself is Python work (a tokeniser, parsing) and a core is free for each worker: on a machine whose cores
-the ranks already fill, the decode's CPU is spent somewhere anyway, and processes gain no wall time (the
-tests assert where the CPU goes, the rank's CPU time, not wall time: on a shared 2-core machine the wall
-time of either kind is the scheduler's, e.g. 120-200 ms a step for all three where a free machine
-would give 60, 60 and 30 ms for a 30 ms step and a 30 ms decode). A data set read by processes says
-how a worker without torch reads it (``worker_source()``) and how the rank makes its tensors of the
-bytes (``from_bytes``): `TextCorpus` does.
+the ranks already fill, the decode's CPU is spent somewhere anyway, and processes gain no wall time.
+The tests assert where the CPU goes (the rank's CPU time), not wall time: on a shared 2-core machine
+the wall time is the scheduler's (measured once at load 10: 120-200 ms a step for all three kinds,
+where a free machine would give 60, 60 and 30 ms for a 30 ms step and a 30 ms decode).
+A data set read by processes says how a worker without torch reads it (``worker_source()``) and how
+the rank makes its tensors of the bytes (``from_bytes``): `TextCorpus` does.
 """
 from __future__ import annotations
 
