@@ -6,8 +6,11 @@ Reading order:
 
     sampler.py  `DistributedSampler`: the global order (epoch by epoch, shuffled by seed + epoch),
                 torch's per-rank `shard` of it, the stream of global batches from a `Position`
-    loader.py   `Loader`: global batches read by worker threads with prefetch, slow storage
-                (``latency=``), a position that counts what the trainer took
+    loader.py   `Loader`: global batches read by worker threads (or processes) with prefetch, slow
+                storage (``latency=``), a Python decode (``cpu=``), a position that counts what the
+                trainer took
+    procs.py    `WorkerPool`: ``worker_type="process"``, workers that import no torch (_worker.py,
+                the standard library only), the same batches in the same order; `WorkerError`
     text.py     `TextCorpus`: the shipped public-domain corpus, byte-tokenised; `complete`: greedy text
 
     sampler = dl.data.DistributedSampler(len(corpus), seed=0)
@@ -18,8 +21,9 @@ Reading order:
 and every checkpoint it writes holds the loader's position.
 """
 from .loader import Batch, Loader
+from .procs import WorkerError
 from .sampler import DistributedSampler, Position, rows
 from .text import VOCAB, TextCorpus, before_and_after, complete, corpus_bytes, decode, encode
 
-__all__ = ["Batch", "DistributedSampler", "Loader", "Position", "TextCorpus", "VOCAB", "before_and_after",
-           "complete", "corpus_bytes", "decode", "encode", "rows"]
+__all__ = ["Batch", "DistributedSampler", "Loader", "Position", "TextCorpus", "VOCAB", "WorkerError",
+           "before_and_after", "complete", "corpus_bytes", "decode", "encode", "rows"]

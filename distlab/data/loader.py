@@ -18,8 +18,25 @@ With ``workers`` threads keeping ``workers * prefetch`` batches in flight (torch
 The read-ahead never moves the position: a batch read ahead but not taken is read again after a resume.
 ``part=(r, n)``: this rank reads only its rows of each global batch (`rows`: ``tensor_split`` into n), the
 ids stay the global batch's: each rank reads its shard, and the position is still global.
-Threads, not processes: a training rank is itself a process of `dl.launch`, and a corpus of a few KB
-needs no second address space. ``wait_s`` keeps how long each ``next`` waited (the trainer traces it).
+``wait_s`` keeps how long each ``next`` waited (the trainer traces it).
+
+Threads or processes (``worker_type``). Threads share the rank's GIL: they hide waiting (storage, sleeps,
+torch's copies, which let go of the GIL) but not Python's own CPU work. A decode written in Python
+(``cpu=`` seconds of it per batch, simulated like ``latency``) run in a thread takes that CPU from the
+rank's Python; ``worker_type="process"`` runs it in worker processes that import no torch (`procs`), at
+the price of a process each (tens of milliseconds to start) and a copy of each batch's bytes::
+
+    threads     rank CPU per batch: its step + cpu      (one GIL: the decode is the rank's Python)
+    processes   rank CPU per batch: its step + a copy   (the decode on another core, if one is free)
+
+Use threads for slow storage and for readers that are torch or numpy calls; processes when the reading
+itself is Python work (a tokeniser, parsing) and a core is free for each worker: on a machine whose cores
+the ranks already fill, the decode's CPU is spent somewhere anyway, and processes gain no wall time.
+The tests assert where the CPU goes (the rank's CPU time), not wall time: on a shared 2-core machine
+the wall time is the scheduler's (measured once at load 10: 120-200 ms a step for all three kinds,
+where a free machine would give 60, 60 and 30 ms for a 30 ms step and a 30 ms decode).
+A data set read by processes says how a worker without torch reads it (``worker_source()``) and how
+the rank makes its tensors of the bytes (``from_bytes``): `TextCorpus` does.
 """
 from __future__ import annotations
 
@@ -30,7 +47,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ._worker import burn
+from .procs import WorkerPool
 from .sampler import DistributedSampler, Position, rows
+
+WORKER_TYPES = ("thread", "process")
 
 
 @dataclass
@@ -46,17 +67,29 @@ class Batch:
 
 class Loader:
     """Global batches of ``batch`` samples of ``dataset`` (``dataset[ids] -> (x, y)``) in ``sampler``'s
-    stream from ``position``; ``workers`` threads, ``prefetch`` batches in flight per worker, ``latency``
-    seconds of (simulated) storage per batch; ``part=(rank, n)``: only that rank's rows are read."""
+    stream from ``position``; ``workers`` threads (``worker_type="process"``: processes), ``prefetch``
+    batches in flight per worker, ``latency`` seconds of (simulated) storage and ``cpu`` seconds of
+    (simulated) Python decoding per batch; ``part=(rank, n)``: only that rank's rows are read."""
 
     def __init__(self, dataset, sampler: DistributedSampler, batch: int, *, workers: int = 0,
                  prefetch: int = 2, latency: float = 0.0, position: Position | None = None,
-                 part: tuple[int, int] | None = None):
+                 part: tuple[int, int] | None = None, worker_type: str = "thread", cpu: float = 0.0):
+        if worker_type not in WORKER_TYPES:
+            raise ValueError(f"worker_type={worker_type!r}: choose one of {WORKER_TYPES}")
+        if worker_type == "process" and not hasattr(dataset, "worker_source"):
+            raise ValueError(f"process workers import no torch, so they read a data set by its "
+                             f"worker_source() and from_bytes(), which {type(dataset).__name__} lacks: "
+                             f"use worker_type='thread' (or a TextCorpus)")
         self.dataset, self.sampler, self.batch, self.part = dataset, sampler, batch, part
-        self.workers, self.prefetch, self.latency = workers, prefetch, latency
+        self.workers, self.prefetch, self.latency, self.cpu = workers, prefetch, latency, cpu
+        self.worker_type = worker_type
         self.position = position or Position()        # what the trainer has taken
         self._ahead = self.position                   # where the next read starts
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="distlab-data") if workers else None
+        self._pool = self._procs = None
+        if workers and worker_type == "process":
+            self._procs = WorkerPool(workers, dataset.worker_source())
+        elif workers:
+            self._pool = ThreadPoolExecutor(workers, thread_name_prefix="distlab-data")
         self._inflight: collections.deque[Future] = collections.deque()
         self.wait_s: list[float] = []
 
@@ -65,13 +98,28 @@ class Loader:
         ids, after = self.sampler.batch_at(position, self.batch)
         if self.latency:
             time.sleep(self.latency)
+        burn(self.cpu)
         x, y = self.dataset[ids if self.part is None else rows(ids, *self.part)]
         return Batch(ids, x, y, after)
 
+    def _send(self, position: Position):
+        """Ask the next worker process for the batch at ``position`` (this part's rows of it)."""
+        ids, after = self.sampler.batch_at(position, self.batch)
+        mine = ids if self.part is None else rows(ids, *self.part)
+
+        def convert(payload: bytes) -> Batch:
+            return Batch(ids, *self.dataset.from_bytes(payload, len(mine)), after)
+        return self._procs.submit(mine.tolist(), self.latency, self.cpu, convert)
+
     def _fill(self) -> None:
         """Keep ``workers * prefetch`` reads in flight, each one batch further along the stream."""
-        while self._pool is not None and len(self._inflight) < self.workers * self.prefetch:
-            self._inflight.append(self._pool.submit(self._read, self._ahead))
+        while self.workers and len(self._inflight) < self.workers * self.prefetch:
+            if self._procs is not None:
+                self._inflight.append(self._send(self._ahead))
+            elif self._pool is not None:
+                self._inflight.append(self._pool.submit(self._read, self._ahead))
+            else:
+                return
             self._ahead = self.sampler.batch_at(self._ahead, self.batch)[1]
 
     def __iter__(self) -> Loader:
@@ -80,7 +128,7 @@ class Loader:
     def __next__(self) -> Batch:
         """The next batch of the stream; the position moves past it."""
         t0 = time.perf_counter()
-        if self._pool is None:
+        if self._pool is None and self._procs is None:
             b = self._read(self.position)
         else:
             self._fill()
@@ -113,8 +161,13 @@ class Loader:
         self.position = self._ahead = position
 
     def close(self) -> None:
-        """Stop the workers (reads in flight are dropped)."""
-        self.seek(self.position)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Stop the workers (reads in flight are dropped; process workers exit and are reaped)."""
+        try:
+            self.seek(self.position)
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+            if self._procs is not None:
+                self._procs.close()
+                self._procs = None

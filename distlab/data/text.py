@@ -15,6 +15,7 @@ install); sample i is the window of ``seq_len + 1`` bytes starting at byte ``i *
 """
 from __future__ import annotations
 
+import os
 from importlib import resources
 
 import torch
@@ -27,11 +28,19 @@ def corpus_bytes() -> bytes:
     return resources.files(__package__).joinpath("corpus.txt").read_bytes()
 
 
+def _corpus_path() -> str | None:
+    """The shipped corpus's file, if it is one on disk (not inside a zip): process workers read it."""
+    path = str(resources.files(__package__).joinpath("corpus.txt"))
+    return path if os.path.isfile(path) else None
+
+
 class TextCorpus:
     """Windows of ``seq_len + 1`` bytes of the corpus, one sample per ``seq_len`` bytes (no overlap)."""
 
     def __init__(self, seq_len: int = 32, text: bytes | None = None):
         data = corpus_bytes() if text is None else text
+        self._path = _corpus_path() if text is None else None
+        self._text = None if self._path else bytes(data)
         self.tokens = torch.tensor(list(data), dtype=torch.long)        # (N,) byte values 0..255
         self.seq_len = seq_len
         self.size = (len(self.tokens) - 1) // seq_len
@@ -45,6 +54,19 @@ class TextCorpus:
         """(inputs, targets), each (len(ids), seq_len), for the sample ids ``ids``."""
         starts = torch.as_tensor(ids, dtype=torch.long).reshape(-1, 1) * self.seq_len
         window = self.tokens[starts + torch.arange(self.seq_len + 1)]    # (B, seq_len + 1)
+        return window[:, :-1], window[:, 1:]
+
+    def worker_source(self) -> dict:
+        """How a process worker without torch reads this corpus (`distlab.data._worker.Windows`): the
+        file, by byte ranges, or (a corpus given as ``text``) the bytes themselves."""
+        return {"path": self._path, "text": self._text, "seq_len": self.seq_len}
+
+    def from_bytes(self, payload: bytes, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of ``n`` windows a worker read, concatenated: what ``self[ids]`` gives."""
+        if n == 0:
+            window = torch.empty((0, self.seq_len + 1), dtype=torch.long)
+        else:
+            window = torch.frombuffer(bytearray(payload), dtype=torch.uint8).long().view(n, self.seq_len + 1)
         return window[:, :-1], window[:, 1:]
 
 
