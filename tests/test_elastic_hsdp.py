@@ -84,3 +84,32 @@ def test_the_reference_does_not_depend_on_how_the_rows_are_cut():
     one, _ = dl.elastic.reference([(0, 1, 2)] * 3, global_batch=12)
     two, _ = dl.elastic.reference([(0, 1, 2), (0, 1), (0, 1, 2)], global_batch=12, ranks_per_replica=3)
     assert two == pytest.approx(one, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_late_replica_of_2_ranks_is_left_out_and_heals_without_a_restart(monkeypatch):
+    """Replica 1's rank 0 (its voice in the quorum) oversleeps step 3: the whole replica finds itself out
+    (rank 0 tells rank 1), joins a later step and heals shard by shard, in the same 2 processes."""
+    import time
+
+    from distlab.parallel.elastic import ElasticHSDP, Quorum
+    agree, step_once = Quorum.agree, ElasticHSDP._step
+
+    def late(self, step):
+        if self.replica == 1 and step == 3:
+            time.sleep(HEARTBEAT * 1.3)
+        return agree(self, step)
+
+    def slow(self, *args):
+        time.sleep(0.1)
+        return step_once(self, *args)
+
+    monkeypatch.setattr(Quorum, "agree", late)
+    monkeypatch.setattr(ElasticHSDP, "_step", slow)
+    steps, batch = 12, 12
+    r = dl.elastic.train(replicas=3, ranks_per_replica=2, inner="fsdp", steps=steps, global_batch=batch,
+                         heartbeat=HEARTBEAT, optimizer="sgd", lr=0.5)
+    back = r.healed.index((1,))
+    assert 3 < back and r.timeline == [(0, 1, 2)] * 3 + [(0, 2)] * (back - 3) + [(0, 1, 2)] * (steps - back)
+    _check_against_reference(r, steps, batch, 2, optimizer="sgd", lr=0.5)
+    _check_pids(r, 2, {})
