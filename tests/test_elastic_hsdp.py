@@ -14,6 +14,7 @@ import torch
 
 import distlab as dl
 from distlab.launch.lifeline import descendants
+from distlab.launch.replicas import launch_replicas
 
 Kill, Join = dl.elastic.Kill, dl.elastic.Join
 HEARTBEAT = 1.0
@@ -76,6 +77,26 @@ def test_shrink_grow_and_rejoin_replicas_of_2_ranks():
 def test_a_bad_inner_strategy_is_refused_before_any_process_starts(bad, words):
     with pytest.raises(ValueError, match=words):
         dl.elastic.train(**{"replicas": 3, "steps": 8, **bad})
+    assert descendants() == []
+
+
+def _one_rank_dies(ctx):
+    """Replica 1's rank 1 dies in its first process; its rank 0 would wait forever (a broken inner group)."""
+    import os
+    import signal
+    import time
+    if (ctx.replica, ctx.incarnation) == (1, 0):
+        if ctx.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(600)
+    return (ctx.replica, ctx.rank, ctx.incarnation)
+
+
+def test_a_replica_of_2_ranks_dies_and_restarts_whole():
+    run = launch_replicas(_one_rank_dies, [0, 1], restart=lambda replica, incarnation: incarnation == 0,
+                          timeout=60, ranks_per_replica=2)
+    assert run.results == {0: (0, 0, 0), 1: (0, 1, 0), 2: (1, 0, 1), 3: (1, 1, 1)}   # key: replica * k + rank
+    assert len(run.pids[0]) == 2 and len(set(run.pids[1])) == 4 and len(run.deaths[1]) == 2
     assert descendants() == []
 
 

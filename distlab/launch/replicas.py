@@ -23,6 +23,11 @@ the store lives in a process of its own (rank 0 can die here), there is no defau
 replicas form their own groups on the store, `distlab.parallel.elastic`), and a process that dies without
 a word is handed to ``restart`` instead of failing the run. A replica that *raises* still fails the run
 (`LaunchError`): a bug is not a fault to ride out.
+
+``ranks_per_replica=k``: a replica is k processes (``ctx.rank`` 0..k-1, e.g. fully_shard over them, the
+elastic HSDP of `distlab.parallel.elastic.hsdp`). It lives and dies as one: when one of its processes dies,
+the parent kills the others of that generation (their group with the dead one is broken), and each is
+restarted into the same next incarnation.
 """
 from __future__ import annotations
 
