@@ -9,8 +9,11 @@ healed shard by shard; the replicas that did not die keep their k pids; no proce
 """
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
+from test_elastic import _random_plan
 
 import distlab as dl
 from distlab.launch.lifeline import descendants
@@ -134,3 +137,16 @@ def test_a_late_replica_of_2_ranks_is_left_out_and_heals_without_a_restart(monke
     assert 3 < back and r.timeline == [(0, 1, 2)] * 3 + [(0, 2)] * (back - 3) + [(0, 1, 2)] * (steps - back)
     _check_against_reference(r, steps, batch, 2, optimizer="sgd", lr=0.5)
     _check_pids(r, 2, {})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trial", range(6))
+def test_random_faults_with_replicas_of_2_ranks_equal_the_reference(trial):
+    """`test_elastic`'s random plans (kills of any replica, replica 0 included, back or not; joins)."""
+    steps, sgd = 7, dict(optimizer="sgd", lr=0.5)
+    replicas, faults, joins = _random_plan(random.Random(100 + trial), steps)
+    r = dl.elastic.train(replicas=replicas, ranks_per_replica=2, inner="fsdp", steps=steps, faults=faults,
+                         joins=joins, heartbeat=HEARTBEAT, **sgd)
+    assert r.timeline == r.planned, (faults, joins, r.table())
+    _check_against_reference(r, steps, 12, 2, **sgd)
+    _check_pids(r, 2, {k.replica: int(k.rejoin_at is not None) for k in faults})
