@@ -23,6 +23,11 @@ the store lives in a process of its own (rank 0 can die here), there is no defau
 replicas form their own groups on the store, `distlab.parallel.elastic`), and a process that dies without
 a word is handed to ``restart`` instead of failing the run. A replica that *raises* still fails the run
 (`LaunchError`): a bug is not a fault to ride out.
+
+``ranks_per_replica=k``: a replica is k processes (``ctx.rank`` 0..k-1, e.g. fully_shard over them, the
+elastic HSDP of `distlab.parallel.elastic.hsdp`). It lives and dies as one: when one of its processes dies,
+the parent kills the others of that generation (their group with the dead one is broken), and each is
+restarted into the same next incarnation.
 """
 from __future__ import annotations
 
@@ -53,6 +58,8 @@ class ReplicaContext:
     incarnation: int      # 0 for its first process, 1 after one restart, ...
     store: object         # a TCPStore client on the keeper's store
     timeout: float        # the launch's timeout in seconds (for the groups built on the store)
+    rank: int = 0         # this process's rank inside its replica (0..ranks_per_replica-1)
+    ranks: int = 1        # ranks_per_replica: the replica's processes, started and restarted together
 
 
 @dataclass
@@ -74,6 +81,7 @@ class _Spec:
     port: int
     timeout: float
     threads: int
+    ranks: int = 1                                  # processes per replica
 
 
 def _close(fds) -> None:
@@ -97,10 +105,12 @@ def _keep_store(spec: _Spec, listen_fd: int, lifeline_end, fds_to_close: list[in
     del store
 
 
-def _replica_main(spec: _Spec, replica: int, incarnation: int, out_conn, result_conn, lifeline_end,
+def _replica_main(spec: _Spec, key: int, incarnation: int, out_conn, result_conn, lifeline_end,
                   fds_to_close: list[int]) -> None:
     """One replica's process: `rank.main`'s order (leave the parent, close the others' descriptors, own
-    output, threads, loopback), then ``fn(ReplicaContext, *args)`` on a store client."""
+    output, threads, loopback), then ``fn(ReplicaContext, *args)`` on a store client (``key``: replica *
+    ranks_per_replica + rank)."""
+    replica, rank = divmod(key, spec.ranks)
     rank_side._leave_parent(lifeline_end)
     _close(fds_to_close)
     rank_side._redirect_output(out_conn.fileno())
@@ -112,8 +122,9 @@ def _replica_main(spec: _Spec, replica: int, incarnation: int, out_conn, result_
     rank_side._pin_gloo_to_loopback(spec.host)
     try:
         store = dist.TCPStore(spec.host, spec.port, is_master=False, timeout=timedelta(seconds=spec.timeout))
-        value = spec.fn(ReplicaContext(replica, incarnation, store, spec.timeout), *spec.args)
-        message = ("ok", rank_side._encode_result(replica, value), [])
+        ctx = ReplicaContext(replica, incarnation, store, spec.timeout, rank, spec.ranks)
+        value = spec.fn(ctx, *spec.args)
+        message = ("ok", rank_side._encode_result(key, value), [])
     except BaseException:
         message = ("error", traceback.format_exc(), time.time(), [])
     sys.stdout.flush()
@@ -148,7 +159,7 @@ class _Launcher:
         self.ctx = mp.get_context("fork")
         self.lifeline_r, self.lifeline_w = self.ctx.Pipe(duplex=False)
         self.ranks: list[RankStatus] = []                # every replica process, in the order started
-        self.incarnations: dict[int, int] = {}
+        self.incarnations: dict[int, int] = {}           # by process key (replica * k + rank)
         self.pids: dict[int, list] = {}
         self.deaths: dict[int, list] = {}
         self.keeper = None
@@ -168,26 +179,34 @@ class _Launcher:
             self.keeper.start()
         self.listener.close()                            # the keeper serves on it now
 
-    def start(self, replica: int) -> None:
-        incarnation = self.incarnations.get(replica, -1) + 1
+    def start(self, key: int) -> None:
+        """Start the next incarnation of process ``key`` (replica * ranks_per_replica + rank)."""
+        incarnation = self.incarnations.get(key, -1) + 1
         with parent_side._STARTING:
             (out_r, out_w), (res_r, res_w) = self.ctx.Pipe(duplex=False), self.ctx.Pipe(duplex=False)
-            proc = self.ctx.Process(target=_replica_main, name=f"distlab-replica-{replica}",
-                                    args=(self.spec, replica, incarnation, out_w, res_w, self.lifeline_r,
+            proc = self.ctx.Process(target=_replica_main, name=f"distlab-replica-{key}",
+                                    args=(self.spec, key, incarnation, out_w, res_w, self.lifeline_r,
                                           self._parent_fds() + [out_r.fileno(), res_r.fileno()]))
-            self.ranks.append(RankStatus(replica, proc, out_r, res_r, lifeline=self.lifeline_w))
+            self.ranks.append(RankStatus(key, proc, out_r, res_r, lifeline=self.lifeline_w))
+            self.ranks[-1].incarnation = incarnation
             try:
                 proc.start()
             finally:
                 out_w.close()
                 res_w.close()
-        self.incarnations[replica] = incarnation
-        self.pids.setdefault(replica, []).append(proc.pid)
+        self.incarnations[key] = incarnation
+        self.pids.setdefault(key // self.spec.ranks, []).append(proc.pid)
 
     def departed(self, r: RankStatus) -> None:
-        """A replica's process died: note when, and start it again if ``restart`` says so."""
-        self.deaths.setdefault(r.rank, []).append((r.process.pid, time.time()))
-        if self.restart is not None and self.restart(r.rank, self.incarnations[r.rank]):
+        """A replica's process died: note when, end the replica's other processes (a replica dies as a
+        whole: its inner group is broken), and start it again if ``restart`` says so."""
+        replica = r.rank // self.spec.ranks
+        self.deaths.setdefault(replica, []).append((r.process.pid, time.time()))
+        for sibling in self.ranks:
+            if (sibling.rank // self.spec.ranks == replica and sibling.incarnation == r.incarnation
+                    and sibling is not r and sibling.result is None and sibling.process.is_alive()):
+                sibling.process.kill()                   # its exit comes back here, restarted likewise
+        if self.restart is not None and self.restart(replica, self.incarnations[r.rank]):
             with interrupts_deferred():
                 parent_side._in_a_fresh_thread(self.start, r.rank)
 
@@ -208,11 +227,14 @@ class _Launcher:
 
 def launch_replicas(fn: Callable, replicas, args: tuple = (),
                     restart: Callable[[int, int], bool] | None = None, timeout: float = 300.0,
-                    host: str = "127.0.0.1") -> ReplicaRun:
+                    host: str = "127.0.0.1", ranks_per_replica: int = 1) -> ReplicaRun:
     """Run ``fn(ReplicaContext, *args)`` once per replica id in ``replicas`` (fork, loopback); a process
     that dies without returning is restarted when ``restart(replica, incarnation)`` is true, with the next
     incarnation. Returns when every process has returned or died for good; a replica that raises, or the
-    deadline, raises `LaunchError` (every process ended first)."""
+    deadline, raises `LaunchError` (every process ended first). ``ranks_per_replica`` = k: each replica is
+    k processes (``ctx.rank`` 0..k-1); one of them dying ends the others, and each is restarted (the same
+    incarnation for all k). ``results``, ``outputs`` and failures are then keyed by replica * k + rank;
+    ``pids`` and ``deaths`` by replica, k per incarnation."""
     replicas = list(replicas)
     if sys.platform != "linux":
         raise RuntimeError("launch_replicas forks its replicas: Linux only")
@@ -221,14 +243,16 @@ def launch_replicas(fn: Callable, replicas, args: tuple = (),
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     listener.bind((host, 0))
     listener.listen(128)
+    k = ranks_per_replica
     spec = _Spec(fn, tuple(args), host, listener.getsockname()[1], float(timeout),
-                 parent_side.threads_per_rank(len(replicas)))
+                 parent_side.threads_per_rank(len(replicas) * k), k)
     launcher = _Launcher(spec, restart, listener)
     try:
         with interrupts_deferred():
             parent_side._in_a_fresh_thread(launcher.start_keeper)
             for replica in replicas:
-                parent_side._in_a_fresh_thread(launcher.start, replica)
+                for rank in range(k):
+                    parent_side._in_a_fresh_thread(launcher.start, replica * k + rank)
         supervisor = _Replicas(launcher, deadline)
         supervisor.run()
     finally:
@@ -244,8 +268,9 @@ def _collect(launcher: _Launcher, supervisor: _Replicas, timeout: float, seconds
     failed = sorted((r for r in ranks if r.failure is not None), key=lambda r: (not r.primary, r.failed_at))
     facts = dict(failures={r.rank: r.failure for r in failed}, outputs=list(outputs.values()))
     if failed:
-        raise LaunchError(f"replica {failed[0].rank} failed:\n\n{failed[0].failure.rstrip()}",
-                          rank=failed[0].rank, **facts)
+        first = failed[0]
+        raise LaunchError(f"replica {first.rank // launcher.spec.ranks} failed:\n\n{first.failure.rstrip()}",
+                          rank=first.rank, **facts)
     unfinished = sorted({r.rank for r in ranks if r.result is None and r.exited_at is None})
     if supervisor.timed_out or unfinished:
         raise LaunchError(f"deadline of {timeout:g} s passed: replica(s) {unfinished} never finished (a "

@@ -11,6 +11,14 @@
 
     dl.elastic.reference(r.timeline, steps=12)    # one process, the same schedule: (losses, params)
 
+    r = dl.elastic.train(replicas=3, ranks_per_replica=2, inner="fsdp", steps=12, faults=[...])
+    dl.elastic.reference(r.timeline, steps=12, ranks_per_replica=2)
+
+``ranks_per_replica=k, inner="fsdp"``: each replica is k processes with `dl.fully_shard` over them (its own
+process group), shard j of the live replicas all-reducing together (fault-tolerant HSDP,
+`distlab.parallel.elastic.hsdp`); a replica dies, comes back and heals as a whole. ``r.pids[r]`` then
+lists its k pids per process generation.
+
 What runs (`distlab.parallel.elastic` for the algorithm, `distlab.launch.replicas` for the processes): one
 process per replica, every step a quorum agreed through the store, the fixed global batch of
 ``global_batch`` rows split over the quorum and the gradients averaged with weights rows_i / B, so that
@@ -34,7 +42,7 @@ from dataclasses import dataclass, field
 from .. import models
 from ..launch.replicas import launch_replicas
 from .base import loss_fn, make_optimizer
-from .elastic_plan import Join, Kill, Recovery, check_plan, planned_timeline, recoveries, table
+from .elastic_plan import Join, Kill, Recovery, check_inner, check_plan, planned_timeline, recoveries, table
 from .faults import die
 from .parse import parse
 
@@ -63,15 +71,17 @@ class ElasticReport:
 def train(replicas: int = 3, steps: int = 12, faults=(), joins=(), *, model: str = "gpt-tiny",
           global_batch: int = 12, seed: int = 0, lr: float = 1e-3, optimizer: str = "adamw",
           weight_decay: float = 0.0, heartbeat: float = 1.0, join_timeout: float = 30.0,
-          timeout: float = 300.0) -> ElasticReport:
+          timeout: float = 300.0, ranks_per_replica: int = 1, inner: str | None = None) -> ElasticReport:
     """Train ``model`` on ``replicas`` replicas (ids 0..replicas-1) for ``steps`` steps; ``faults``: `Kill`
     events, ``joins``: `Join` events. ``heartbeat``: seconds a member waits for another before leaving it
     out (the price of detecting a death); ``join_timeout``: seconds the members wait for an expected
-    joiner (and at the first step); ``timeout``: the whole run. Every argument is checked before any
-    process starts."""
+    joiner (and at the first step); ``timeout``: the whole run; ``ranks_per_replica`` and ``inner``: k
+    processes per replica, sharded with ``inner="fsdp"``. Every argument is checked before any process
+    starts."""
     spec = parse("ddp", model=model, steps=steps, seed=seed, global_batch=global_batch, lr=lr,
                  optimizer=optimizer, weight_decay=weight_decay)
-    faults, joins = check_plan(replicas, steps, faults, joins, global_batch, heartbeat, join_timeout)
+    k = check_inner(ranks_per_replica, inner)
+    faults, joins = check_plan(replicas, steps, faults, joins, global_batch, heartbeat, join_timeout, k)
     records = tempfile.mkdtemp(prefix="distlab-elastic-")
     try:
         kills = {r: [k for k in faults if k.replica == r] for r in {k.replica for k in faults}}
@@ -81,7 +91,7 @@ def train(replicas: int = 3, steps: int = 12, faults=(), joins=(), *, model: str
             args=(spec, replicas, kills, {j.replica: j.at_step for j in joins},
                   (heartbeat, join_timeout), records),
             restart=lambda r, incarnation: come_back.get(r, [False] * (incarnation + 1))[incarnation],
-            timeout=timeout)
+            timeout=timeout, ranks_per_replica=k)
         lines = _read_records(records)
     finally:
         shutil.rmtree(records, ignore_errors=True)
@@ -90,19 +100,22 @@ def train(replicas: int = 3, steps: int = 12, faults=(), joins=(), *, model: str
 
 def _replica(ctx, spec, founders: int, kills: dict, joins: dict, waits: tuple, records: str):
     """One replica's process (`launch_replicas` runs it; ``ctx``: `ReplicaContext`)."""
-    from ..parallel.elastic import ElasticDDP, Quorum
+    from ..parallel.elastic import ElasticDDP, ElasticHSDP, Quorum
     model = models.build(spec.model, spec.seed)
-    opt = make_optimizer(model.parameters(), spec)
+    if ctx.ranks > 1:
+        model = _shard_inside(ctx, model)
+    opt = make_optimizer(model.parameters(), spec)          # after sharding: on this rank's shards
     data, criterion = models.dataset_for(spec.model, spec.seed), loss_fn(spec)
     quorum = Quorum(ctx.store, ctx.replica, range(founders), *waits)
     mine = kills.get(ctx.replica, [])
     kill = mine[ctx.incarnation] if ctx.incarnation < len(mine) else None
     join_at = _join_step(ctx, mine, joins, quorum)
-    if ctx.replica == 0 and ctx.incarnation == 0:       # the plan's joiners, announced before step 0: the
+    if ctx.replica == ctx.rank == ctx.incarnation == 0:  # the plan's joiners, announced before step 0: the
         for replica, at in joins.items():               # members wait for each at its step, however slowly
             quorum.request(replica, at)                 # its process starts
-    ddp = ElasticDDP(model, opt, quorum, ctx.store, join_at=join_at, timeout=ctx.timeout)
-    path = os.path.join(records, f"{ctx.replica}.{ctx.incarnation}.jsonl")
+    engine = ElasticHSDP if ctx.ranks > 1 else ElasticDDP
+    ddp = engine(model, opt, quorum, ctx.store, join_at=join_at, timeout=ctx.timeout)
+    path = os.path.join(records, f"{ctx.replica}.{ctx.incarnation}.jsonl") if ctx.rank == 0 else os.devnull
     with open(path, "w") as out:
         for step, decision, loss in ddp.steps(spec.steps, lambda s: data.batch(s, spec.global_batch),
                                               criterion):
@@ -112,7 +125,25 @@ def _replica(ctx, spec, founders: int, kills: dict, joins: dict, waits: tuple, r
             if kill is not None and step + 1 == kill.at_step:
                 dying = {k.replica for ks in kills.values() for k in ks if k.at_step == kill.at_step}
                 _die(ctx, quorum, kill, [r for r in decision.members if r not in dying], out)
+    if ctx.ranks > 1:
+        from ..parallel.zero.fsdp import full_state_dict
+        full = full_state_dict(model)                     # a collective inside the replica
+        return {"params": full, "pid": os.getpid()} if ctx.rank == 0 else {"pid": os.getpid()}
     return {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "pid": os.getpid()}
+
+
+def _shard_inside(ctx, model):
+    """The replica's own process group (this process's default one: its k ranks, keys under
+    inner/<replica>/<incarnation> so a restarted replica never meets its dead self's), then fully_shard."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from .compose import fully_shard_units
+    store = dist.PrefixStore(f"inner/{ctx.replica}/{ctx.incarnation}", ctx.store)
+    dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.ranks,
+                            timeout=timedelta(seconds=ctx.timeout))
+    return fully_shard_units(model)
 
 
 def _die(ctx, quorum, kill, survivors: list[int], out) -> None:
@@ -120,10 +151,13 @@ def _die(ctx, quorum, kill, survivors: list[int], out) -> None:
     step before (they announced the next: a death *inside* an all-reduce is not what is planted, see
     `distlab.parallel.elastic.replica`), ask to be waited for at ``rejoin_at``, note the time, SIGKILL."""
     quorum.heard(kill.at_step, survivors, quorum.timeout)
-    if kill.rejoin_at is not None and kill.rejoin_at != "next":
+    if kill.rejoin_at is not None and kill.rejoin_at != "next" and ctx.rank == 0:
         quorum.request(ctx.replica, kill.rejoin_at)          # "wait for me at rejoin_at"
     out.write(json.dumps({"fault": kill.at_step, "time": time.time()}) + "\n")
     out.flush()
+    if ctx.ranks > 1:                                        # the replica dies whole, its request made
+        import torch.distributed as dist
+        dist.barrier()
     die()
 
 
@@ -160,7 +194,7 @@ def _report(lines: dict, run, replicas: int, steps: int, faults, joins) -> Elast
     timeline = [tuple(by_step[s][0]["members"]) for s in range(steps)]
     healed = [tuple(by_step[s][0]["fresh"]) for s in range(steps)]
     ends = [max(rec["end"] for rec in by_step[s]) for s in range(steps)]
-    final = run.results[min(run.results)]
+    final = run.results[min(key for key, value in run.results.items() if "params" in value)]
     return ElasticReport(
         losses=[by_step[s][0]["loss"] for s in range(steps)], timeline=timeline,
         planned=planned_timeline(replicas, steps, faults, joins), healed=healed,
@@ -169,10 +203,12 @@ def _report(lines: dict, run, replicas: int, steps: int, faults, joins) -> Elast
 
 
 def reference(timeline, steps: int | None = None, *, model: str = "gpt-tiny", global_batch: int = 12,
-              seed: int = 0, lr: float = 1e-3, optimizer: str = "adamw", weight_decay: float = 0.0):
+              seed: int = 0, lr: float = 1e-3, optimizer: str = "adamw", weight_decay: float = 0.0,
+              ranks_per_replica: int = 1):
     """One process applying the same membership schedule: at step s the global batch is cut into
-    len(timeline[s]) parts as the replicas cut it, each part's gradient weighted by rows_i / B and summed
-    in member order, then one optimizer step. Returns (losses, final parameters by name)."""
+    len(timeline[s]) parts as the replicas cut it (each again into ``ranks_per_replica`` parts, as a
+    replica's ranks cut its rows), each part's gradient weighted by rows / B and summed in member order,
+    then one optimizer step. Returns (losses, final parameters by name)."""
     steps = len(timeline) if steps is None else steps
     spec = parse("ddp", model=model, steps=steps, seed=seed, global_batch=global_batch, lr=lr,
                  optimizer=optimizer, weight_decay=weight_decay)
@@ -184,7 +220,9 @@ def reference(timeline, steps: int | None = None, *, model: str = "gpt-tiny", gl
     for step in range(steps):
         x, y = data.batch(step, global_batch)
         total, loss_sum = [torch.zeros_like(p) for p in params], 0.0
-        for rows in torch.tensor_split(torch.arange(global_batch), len(timeline[step])):
+        parts = [rows for replica in torch.tensor_split(torch.arange(global_batch), len(timeline[step]))
+                 for rows in torch.tensor_split(replica, ranks_per_replica)]
+        for rows in parts:
             net.zero_grad(set_to_none=False)
             loss = criterion(net(x[rows]), y[rows])
             loss.backward()

@@ -74,7 +74,21 @@ def _check_kill(k, ids: dict, steps: int) -> None:
                          f"steps={steps} (a replica waiting for a step that never comes would hang)")
 
 
-def check_plan(replicas, steps, faults, joins, global_batch, heartbeat, join_timeout):
+def check_inner(ranks_per_replica, inner) -> int:
+    """The processes per replica, checked against the inner strategy: 1 and None (one rank each), or
+    k >= 2 and "fsdp" (fully_shard over the replica's k ranks)."""
+    if not _whole(ranks_per_replica) or ranks_per_replica < 1:
+        raise ValueError(f"ranks_per_replica must be a whole number >= 1, got {ranks_per_replica!r}")
+    if inner not in (None, "fsdp"):
+        raise ValueError(f"inner={inner!r}: supported inside a replica is 'fsdp' (fully_shard over its "
+                         "ranks) or None (one rank per replica); tp inside a replica is not supported yet")
+    if (inner == "fsdp") != (ranks_per_replica > 1):
+        raise ValueError(f"ranks_per_replica={ranks_per_replica} with inner={inner!r}: several ranks per "
+                         "replica need inner='fsdp', and inner='fsdp' needs ranks_per_replica >= 2")
+    return ranks_per_replica
+
+
+def check_plan(replicas, steps, faults, joins, global_batch, heartbeat, join_timeout, ranks_per_replica=1):
     """The plan, checked (a clear error before any process starts); returns (faults, joins) as tuples,
     faults in order of their steps."""
     _check_numbers(replicas, steps, global_batch, heartbeat, join_timeout)
@@ -96,9 +110,10 @@ def check_plan(replicas, steps, faults, joins, global_batch, heartbeat, join_tim
             if before.rejoin_at in (None, "next") or after.at_step <= before.rejoin_at:
                 raise ValueError(f"{after}: replica {r} is not back from {before} by then (kill a replica "
                                  "again only after a rejoin_at step it reached)")
-    if global_batch < len(ids):
-        raise ValueError(f"global_batch={global_batch} rows cannot give each of {len(ids)} replicas a row: "
-                         f"raise global_batch to at least {len(ids)}")
+    if global_batch < len(ids) * ranks_per_replica:
+        ranks = len(ids) * ranks_per_replica
+        raise ValueError(f"global_batch={global_batch} rows cannot give each of {ranks} ranks ({len(ids)} "
+                         f"replicas) a row: raise global_batch to at least {ranks}")
     _check_alive(planned_timeline(replicas, steps, faults, joins))
     return faults, joins
 

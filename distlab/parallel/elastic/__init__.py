@@ -16,6 +16,8 @@ Reading order:
     quorum.py    who takes part in step s: heartbeats in the store, one atomic compare-and-set decides
     replica.py   ElasticDDP: the quorum, a fresh gloo group per membership, healing, the weighted
                  all-reduce that keeps every step equal to one process on the whole global batch
+    hsdp.py      ElasticHSDP: a replica of k ranks with fully_shard inside, shard j of every live
+                 replica all-reducing together (torchft's fault-tolerant HSDP)
 
 What starts and restarts the processes is the launcher's (`distlab.launch.replicas`: a dead replica is
 restarted, the others keep their processes); what builds the model and reports the run is
@@ -25,12 +27,14 @@ restarted, the others keep their processes); what builds the model and reports t
     r.timeline      # per step: the replicas in its quorum
     r.recoveries    # per fault: seconds until the survivors stepped again, and until the quorum was whole
 
-Supported: one process per replica (CPU, gloo); faults between steps. Not yet: an inner strategy inside
-a replica group (fully_shard or tp over several ranks per replica), a death inside the all-reduce.
+Supported: one process per replica, or k with fully_shard inside (``ranks_per_replica=k, inner="fsdp"``;
+CPU, gloo); faults between steps, a replica dying whole. Not yet: tp inside a replica, a death inside
+a collective.
 After torchft (github.com/pytorch/torchft, 2025), whose per-step quorum and healing from a live peer this
 follows; its code is not copied.
 """
 from .quorum import Decision, Quorum
+from .hsdp import ElasticHSDP
 from .replica import ElasticDDP
 
-__all__ = ["Quorum", "Decision", "ElasticDDP"]
+__all__ = ["Quorum", "Decision", "ElasticDDP", "ElasticHSDP"]

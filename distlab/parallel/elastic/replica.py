@@ -24,8 +24,8 @@ whatever n is: a step taken by 3 replicas equals one taken by 4, and equals one 
 batch, up to the rounding of a different summation order. Membership changes only who computes, never
 what is computed; the data position is the step itself (batch s is the same for any quorum).
 
-Supported: each replica is one process (one rank, CPU, gloo). Not here: an inner strategy inside a replica
-group (fully_shard or tp over several ranks per replica, torchft's HSDP), and a replica dying *inside*
+Supported: each replica is one process (one rank, CPU, gloo); k ranks with fully_shard inside a replica
+(torchft's HSDP) is `hsdp.ElasticHSDP`, built on this class. Not here: a replica dying *inside*
 the all-reduce: its peers' collective then fails and they stop (torchft votes on each step's commit to
 survive that, "should_commit"); faults here strike between steps, like ``fail_in="step"``.
 """
@@ -55,15 +55,16 @@ class ElasticDDP:
         self.group = None                       # the gloo group of the current members
         self.group_members: tuple[int, ...] = ()
         self.retired: list = []                 # earlier groups, kept open until the end (see _regroup)
+        self.shard = 0                          # which shard of the replica this process holds (`hsdp`)
 
     def steps(self, total: int, batch, loss_fn):
         """Take part in steps until ``total``; yields ``(step, decision, loss)`` for each step this
         replica computed (``loss``: the global batch's mean loss, the same on every member)."""
         step, joining = (0, False) if self.join_at is None else (self.join_at, True)
         while step < total:
-            decision = self.quorum.join(step) if joining else self.quorum.agree(step)
+            decision, latest = self._agree(step, joining)
             if self.replica not in decision.members:          # left out (late): join again, heal
-                step, joining = max(step, self.quorum.latest()) + 1, True
+                step, joining = max(step, latest) + 1, True
                 self._regroup(Decision(step, (), ()))           # no longer in the members' group
                 continue
             step, joining = decision.step, False
@@ -75,10 +76,15 @@ class ElasticDDP:
         if self.group is not None:                            # nobody leaves (closing its sockets) while
             self.group.allreduce([torch.zeros(1)]).wait()     # a peer still reads the last all-reduce
 
+    def _agree(self, step: int, joining: bool) -> tuple[Decision, int]:
+        """The quorum of ``step`` (as a joiner or a member), and the last decided step."""
+        decision = self.quorum.join(step) if joining else self.quorum.agree(step)
+        return decision, (self.quorum.latest() if self.replica not in decision.members else step)
+
     def _regroup(self, decision: Decision) -> None:
         """A new gloo group whenever the members change, or one is a new process (its keys under
-        group/<step> in the store). The old one is kept open, not destroyed: a peer may still be reading
-        the last bytes of its final all-reduce, and closing our sockets under it would fail its step."""
+        group/<step>/<shard> in the store). The old one is kept open, not destroyed: a peer may still be
+        reading the last bytes of its final all-reduce; closing our sockets under it would fail its step."""
         if decision.members == self.group_members and not decision.fresh:   # a fresh member: a new process
             return
         if self.group is not None:
@@ -86,7 +92,7 @@ class ElasticDDP:
         self.group, self.group_members = None, decision.members
         n = len(decision.members)
         if n > 1:
-            store = dist.PrefixStore(f"group/{decision.step}", self.store)
+            store = dist.PrefixStore(f"group/{decision.step}/{self.shard}", self.store)
             self.group = dist.ProcessGroupGloo(store, decision.members.index(self.replica), n, self.timeout)
 
     def _heal(self, decision: Decision) -> None:
@@ -94,17 +100,23 @@ class ElasticDDP:
         live = [r for r in decision.members if r not in decision.fresh]
         if not live:
             raise RuntimeError(f"step {decision.step}: every member is new, no live replica to heal from")
-        key = f"heal/{decision.step}"
+        key = f"heal/{decision.step}/{self.shard}"
         if self.replica == live[0]:
             buffer = io.BytesIO()
-            torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            torch.save({"model": self._state(), "optimizer": self.optimizer.state_dict(),
                         "step": decision.step}, buffer)
             self.store.set(key, buffer.getvalue())
         elif self.replica in decision.fresh:
             state = torch.load(io.BytesIO(self.store.get(key)), weights_only=True)
             assert state["step"] == decision.step, "healed from another step"
-            self.model.load_state_dict(state["model"])
+            self._load(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
+
+    def _state(self) -> dict:
+        return self.model.state_dict()
+
+    def _load(self, state: dict) -> None:
+        self.model.load_state_dict(state)
 
     def _step(self, step: int, decision: Decision, batch, loss_fn) -> float:
         """Forward and backward on this replica's rows, the weighted all-reduce, the optimizer step."""
