@@ -17,18 +17,19 @@ first copy (rank 0 of the group it is replicated over), and one all-reduce over 
     counted on rank 0: W shard 0, ln     rank 1: W shard 1     ranks 2, 3: nothing (copies of the row above)
     ||g||^2 = all_reduce_sum(what each rank counted)            (p = inf: all_reduce_max of every |g|)
 
-`clip_grad_norm_(model, max_norm, norm_type)` (``dl.clip_grad_norm_``) reads which piece is which from the
-wrappers in ``model`` (`layout`):
+`clip_grad_norm_(model, max_norm, norm_type)` (``dl.clip_grad_norm_``) asks `cuts.held` how this rank
+holds each parameter of ``model`` (the same records the checkpoint reads: the cut is declared once), and
+counts a piece where this rank is the first copy in every group it is copied over (`layout`):
 
     DDP(module, group)          every parameter of module        a replica over group
-    fully_shard                 a shard (a parameter marker)     distinct (HSDP: a replica over the replicas)
+    fully_shard                 a shard                          distinct (HSDP: a replica over the replicas)
                                 kept whole (replicate=)          a replica over the data-parallel group
     dl.tp layers (shard_dims)   the parameters they cut          distinct; the others: a replica over it
     ZeRO, ShardedOptimizer      its gradient shards (a marker)   distinct over its group (reduced first)
     dl.pp.Pipeline              its stages' parameters           distinct (a stage module alone: the same)
 
-Bare parameters (``model.parameters()``) carry markers instead: fully_shard's and ZeRO's (above), and
-``_cut_over`` (`mark_cut`: a tensor- or expert-parallel layer cut it over that group) and
+Bare parameters (``model.parameters()``) carry markers instead: fully_shard's ``_fsdp_copies`` and ZeRO's,
+``_cut_over`` (`cuts.mark_cut`: a tensor- or expert-parallel layer cut it over that group) and
 ``_pipeline_of`` (a `dl.pp.Pipeline` stage holds it), from which `layout` rebuilds the same rule: over
 the one group some were cut over, the others are replicas (counted on its rank 0); then the pipeline's
 group sums the stages. Parameters cut over two different groups cannot be told apart: a ValueError
@@ -45,8 +46,9 @@ import math
 import torch
 import torch.nn as nn
 
-from ..runtime import device, group_rank, group_size
+from ..runtime import device, group_rank
 from . import collectives as C
+from .cuts import held
 from .mesh import as_group
 
 
@@ -95,36 +97,32 @@ def _explicit(params: list, sharded, groups: list) -> tuple[list, list, list]:
     only (a replica there); then every group sums what its ranks counted."""
     ids = None if sharded is None else {id(p) for p in sharded}
     first = not groups or group_rank(groups[0]) == 0
-    held = [p for p in params if p.grad is not None]
-    pieces = [(p.grad, ids is None or id(p) in ids or first) for p in held]
-    return pieces, [p.grad for p in held], groups
+    mine = [p for p in params if p.grad is not None]
+    pieces = [(p.grad, ids is None or id(p) in ids or first) for p in mine]
+    return pieces, [p.grad for p in mine], groups
 
 
 def layout(model_or_params) -> tuple[list, list, object]:
     """([(gradient piece, counted on this rank)], the gradients to scale, what to sum over: None for every
     rank (a wrapper spreads the model), a list of groups (bare parameters' markers), or False (this rank
-    alone)): what `clip_grad_norm_` adds up, read from the wrappers and parameter markers."""
+    alone)): what `clip_grad_norm_` adds up. A model: `cuts.held` says how this rank holds each
+    parameter (the checkpoint reads the same records), and a piece copied over some groups counts where
+    this rank is the first copy in each; bare parameters: their markers (`_marked`)."""
     roots, spread = _roots(model_or_params)
-    over: list = []
-    if roots is None:                                  # parameters: only their markers say anything
+    if roots is None:
         params = list(model_or_params)
-        copies, over = _marked(params)
+        copies, over, spread = _marked(params)
     else:
+        where = held(roots)
         params = list({id(p): p for r in roots for p in r.parameters()}.values())
-        copies, wrapped = _replicas(roots, params)
-        staged = any(getattr(p, "_pipeline_of", ()) for p in params)    # a Pipeline's stage: the others
-        spread |= wrapped or staged                                      # complete the model
+        copies, over = {i: h.copies for i, h in where.items()}, []
+        spread |= any(h.cut_over or h.copies for h in where.values())         # cut or copied over ranks
+        spread |= any(getattr(p, "_pipeline_of", ()) for p in params)      # a stage: the others complete it
     zeros = list({id(o): o for p in params if (o := _zero_optimizer(p)) is not None}.values())
     managed = {id(p) for opt in zeros for p in opt.params}
-    pieces, grads = [], []
-    for p in params:
-        if hasattr(p, "_fsdp_copies"):                 # fully_shard's marker: the ranks holding a copy
-            spread = True
-            if p._fsdp_copies is not None:
-                copies.setdefault(id(p), []).append(p._fsdp_copies.group)
-        if p.grad is not None and id(p) not in managed:
-            pieces.append((p.grad, _first(copies.get(id(p), ()))))
-            grads.append(p.grad)
+    mine = [p for p in params if p.grad is not None and id(p) not in managed]
+    pieces = [(p.grad, _first(copies.get(id(p), ()))) for p in mine]
+    grads = [p.grad for p in mine]
     for opt in zeros:                                  # ZeRO: the gradients are the optimizer's shards,
         opt.reduce_grads()                             # reduce-scattered first (ZeRO-1: else at the step),
         for bucket, g in zip(opt.buckets, opt.grad_shards):   # distinct over its group (DDP's too)
@@ -134,30 +132,10 @@ def layout(model_or_params) -> tuple[list, list, object]:
     return pieces, grads, None if spread or zeros else (over or False)
 
 
-def mark_cut(module: nn.Module, group) -> None:
-    """Mark the parameters ``module`` cuts over ``group`` (those its ``shard_dims`` names) with
-    ``_cut_over``, so that `clip_grad_norm_` given bare parameters tells a piece from a replica."""
-    if group_size(group) > 1:
-        for name in module.shard_dims:
-            p = getattr(module, name, None)
-            if isinstance(p, torch.Tensor):
-                p._cut_over = Mark((group,))           # a tuple: group None (the world) is a group too
-
-
-class Mark(tuple):
-    """A parameter's marker, ``(group,)``. A process group can be neither copied nor pickled, so a
-    ``copy.deepcopy`` of the parameter shares the mark and a pickled one drops it (``()``: unmarked)."""
-
-    def __deepcopy__(self, memo):
-        return self
-
-    def __reduce__(self):
-        return tuple, ()
-
-
-def _marked(params: list) -> tuple[dict, list]:
-    """Bare parameters' tensor/expert-parallel and pipeline markers -> ({id(parameter): [the group it is
-    replicated over]}, [the group they were cut over, the pipeline's group]); two cut groups: ambiguous."""
+def _marked(params: list) -> tuple[dict, list, bool]:
+    """Bare parameters' markers -> ({id(parameter): [the groups it is copied over]}, [the group they were
+    cut over, the pipeline's group], whether fully_shard spread them over every rank). Over the one group
+    a tp/ep layer cut some over (`cuts.mark_cut`), the others are copies; two cut groups: ambiguous."""
     cut = {id(m[0]): m[0] for p in params if (m := getattr(p, "_cut_over", ()))}
     if len(cut) > 1:
         raise ValueError("these parameters were cut over more than one group (tensor and expert "
@@ -165,7 +143,10 @@ def _marked(params: list) -> tuple[dict, list]:
                          "replicas where; pass the model (or the dl.pp.Pipeline), whose layers say so")
     stages = {id(m[0]): m[0] for p in params if (m := getattr(p, "_pipeline_of", ()))}
     copies = {id(p): list(cut.values()) for p in params if not getattr(p, "_cut_over", ())}
-    return copies, [*cut.values(), *stages.values()]
+    fsdp = [p for p in params if hasattr(p, "_fsdp_copies")]     # fully_shard's: the ranks holding a copy
+    for p in fsdp:
+        copies.setdefault(id(p), []).extend([] if p._fsdp_copies is None else [p._fsdp_copies.group])
+    return copies, [*cut.values(), *stages.values()], bool(fsdp)
 
 
 def _zero_optimizer(p: torch.Tensor):
@@ -188,31 +169,6 @@ def _roots(obj) -> tuple[list[nn.Module] | None, bool]:
     if isinstance(stages, dict):                       # dl.pp.Pipeline: {stage id: module}
         return list(stages.values()), True
     return None, False
-
-
-def _replicas(roots: list[nn.Module], params: list) -> tuple[dict, bool]:
-    """{id(parameter): [the groups over which it is replicated]}, from DDP and the tensor-parallel layers in
-    ``roots``; and whether one of them spreads the model over ranks."""
-    from .data.ddp import DDP, NaiveDDP
-    copies: dict[int, list] = {}
-    spread = False
-    cut: dict[int, tuple] = {}                          # id(tp group) -> (group, ids of what it cuts)
-    for root in roots:
-        for m in root.modules():
-            if isinstance(m, (DDP, NaiveDDP)):         # every parameter a replica over its group
-                spread = True
-                for p in m.module.parameters():
-                    copies.setdefault(id(p), []).append(m.comm.group)
-            dims = getattr(m, "shard_dims", None)
-            if dims and hasattr(m, "group") and group_size(m.group) > 1:   # a tensor/expert-parallel layer
-                spread = True
-                _, ids = cut.setdefault(id(m.group), (m.group, set()))
-                ids.update(id(p) for name, p in m.named_parameters(recurse=False) if name in dims)
-    for grp, ids in cut.values():                      # what a layer did not cut is a replica over its group
-        for p in params:
-            if id(p) not in ids:
-                copies.setdefault(id(p), []).append(grp)
-    return copies, spread
 
 
 def scale_by(grads, norm: torch.Tensor, max_norm: float) -> torch.Tensor:

@@ -19,7 +19,8 @@ the same spirit; Megatron's and DeepSpeed's universal checkpoints convert to suc
 
 (`cuts.Cut`: the arithmetic of each, drawn on one example.)
 
-`describe(model)` reads the wrappers and the layers of ``model`` (nothing is registered anywhere) and
+`describe(model)` reads how this rank holds each parameter of ``model`` (`cuts.held`, the records
+`dl.clip_grad_norm_` reads too; ZeRO-3's flat shards from its optimizer; nothing is registered) and
 returns a `Layout`: every logical tensor's name and shape, and this rank's `Piece`\\ s, each a view of
 what the rank holds (read it to save, copy into it to load). `optimizer_pieces` does the same for an
 optimizer's state (``exp_avg`` cut like its parameter; a scalar such as ``step`` whole) and
@@ -29,13 +30,12 @@ keep the first copy of each. The files themselves are `distlab.checkpoint`'s bus
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
-from . import collectives as C
-from .cuts import Cut
+from .cuts import Cut, held
 
 MASTER = "master"       # the optimizer-state key of ZeRO's fp32 master copy of low-precision parameters
 
@@ -98,7 +98,7 @@ def describe(model) -> Layout:
                         "them, or the Pipeline")
     inner, owner = unwrap(model)
     flat = _flat_params(owner) if owner is not None and owner.sharded_params else {}
-    rows, blocks = _row_shards(inner), _blocks(inner)
+    where = held([inner])
     out = Layout(partial=isinstance(inner, NamedStage), sharded_optimizer=owner)
     first: dict[int, str] = {}
     for name, p in inner.named_parameters(remove_duplicate=False):
@@ -110,11 +110,7 @@ def describe(model) -> Layout:
             out.tensors[name] = (tuple(p.shape), p.dtype)
             out.pieces += [Piece(name, tuple(p.shape), cut, t) for cut, t in flat[id(p)]]
             continue
-        cut, shape = rows.get(id(p), (Cut(), tuple(p.shape)))   # fully_shard: rows of what this rank has
-        if id(p) in blocks:                              # a tp block (fully_shard's rows, if any, of it)
-            block = blocks[id(p)]
-            cut = block if cut.kind == "whole" else replace(block, then=cut)
-            shape = tuple(d * block.parts if i == block.dim else d for i, d in enumerate(shape))
+        cut, shape = where[id(p)].cut, where[id(p)].shape
         out.tensors[name] = (shape, p.dtype)
         out.by_param[id(p)] = Piece(name, shape, cut, p.detach())
         out.pieces.append(out.by_param[id(p)])
@@ -144,33 +140,6 @@ def _persistent_buffers(module: nn.Module):
         for bname, b in m._buffers.items():
             if b is not None and bname not in m._non_persistent_buffers_set:
                 yield (f"{mname}.{bname}" if mname else bname), b
-
-
-def _row_shards(module: nn.Module) -> dict[int, tuple[Cut, tuple]]:
-    """{id(shard): (rows cut, full shape)} for every dl.fully_shard shard in ``module``: rank r of its
-    shard group holds rows [r c, r c + local rows), c = ceil(d0 / N) (`zero.fsdp_unit.ShardedParam`)."""
-    out = {}
-    for m in module.modules():
-        unit = getattr(m, "_fsdp", None)
-        for sp in unit.params if unit is not None else []:
-            lo = min(unit.shard_comm.rank * sp.rows, sp.shape[0])
-            out[id(sp.shard)] = (Cut("rows", lo, lo + sp.local_rows), tuple(sp.shape))
-    return out
-
-
-def _blocks(module: nn.Module) -> dict[int, Cut]:
-    """{id(parameter): its block cut} for what dl.tp's layers (and experts) cut: their ``shard_dims``
-    name the dim, their ``group`` the parts, ``packed`` a fused q|k|v."""
-    out = {}
-    for m in module.modules():
-        dims, group = getattr(m, "shard_dims", None), getattr(m, "group", None)
-        if not dims or C.group_size(group) == 1:
-            continue
-        for pname, p in m.named_parameters(recurse=False):
-            if pname in dims:
-                out[id(p)] = Cut("block", dim=dims[pname], index=C.group_rank(group),
-                                 parts=C.group_size(group), packed=getattr(m, "packed", 1))
-    return out
 
 
 def _flat_params(opt) -> dict[int, list[tuple[Cut, torch.Tensor]]]:

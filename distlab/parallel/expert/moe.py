@@ -27,7 +27,7 @@ import torch.nn as nn
 from ...models import moe
 from ...runtime import group_members
 from .. import collectives as C
-from ..clip import mark_cut
+from ..cuts import mark_cut
 from ..mesh import as_group
 from . import dispatch as D
 

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ...runtime import device, group_rank, group_size
-from ..clip import Mark
+from ..cuts import Mark
 from ..mesh import as_group
 from .named import tensor_of
 from .p2p import Incoming, Links

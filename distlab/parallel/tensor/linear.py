@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import collectives as C
-from ..clip import mark_cut
+from ..cuts import mark_cut
 from ..mesh import as_group
 from . import regions as ops
 from .regions import SEQ_DIM

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import collectives as C
-from ..clip import mark_cut
+from ..cuts import mark_cut
 from . import regions as ops
 from ..mesh import as_group
 from .linear import check_divisible
