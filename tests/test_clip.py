@@ -275,3 +275,22 @@ def test_bare_parameters_cut_over_two_groups_are_refused():
     for refused, mark in dl.launch(_two_cut_groups, world_size=2, output="quiet").results:
         assert "more than one group" in refused and "pass the model" in refused, refused
         assert mark == ()                                        # pickled: the mark dropped
+
+
+def _clip_a_submodule():
+    """fully_shard on the root only; clip given one block (not a unit itself): the norm of that block's
+    gradient over every rank's rows, not this rank's shards alone."""
+    model = _model()
+    dl.fully_shard(model)
+    n, r = dist.get_world_size(), dist.get_rank()
+    _backward(model, _rows(n, r))
+    return dl.clip_grad_norm_(model.blocks[1], 1e9).item()
+
+
+def test_clip_of_a_submodule_under_a_fully_shard_unit_above_it():
+    model = _model()
+    x, y = _data("lm", 0)
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    want = torch.nn.utils.get_total_norm([p.grad for p in model.blocks[1].parameters()]).item()
+    run = dl.launch(_clip_a_submodule, world_size=2)
+    assert run.results[0] == run.results[1] == pytest.approx(want, rel=1e-5)
