@@ -118,7 +118,7 @@ def layout(model_or_params) -> tuple[list, list, object]:
         copies, over = {i: h.copies for i, h in where.items()}, []
         spread |= any(h.cut_over or h.copies for h in where.values())         # cut or copied over ranks
         spread |= any(getattr(p, "_pipeline_of", ()) for p in params)      # a stage: the others complete it
-        for p in params:                      # shards of a fully_shard unit above the module given: the marker
+        for p in params:                   # shards of a fully_shard unit above the module given: its marker
             if hasattr(p, "_fsdp_copies") and not where[id(p)].cut_over:
                 spread = True
                 copies[id(p)] = [*copies[id(p)], *([p._fsdp_copies.group] if p._fsdp_copies else [])]
