@@ -196,10 +196,12 @@ for rank in range(2):
 # `torch.save` and read back with `torch.load` (the page cache included, as for the run's own files); and a small
 # file's save and load, for the cost of a file. Then the three tiers train the same GPT (about 1.7 M parameters)
 # taking turns, each one's optimizer step timed: that is where offload acts. On a CPU the "host copies" are memcpys
-# into fp32 buffers, so the cpu tier adds little beyond Python; the disk tier's extra is the files, which is what
-# the formula is about. Asserted: the disk tier's measured extra (median over rounds) within a factor 2.5 of the
-# prediction (a shared machine's file system is noisy; no files at all, or every shard's files read for each
-# shard, would fall outside), and above the cpu tier's.
+# into fp32 buffers, which the formula prices at almost nothing; the cpu tier's measured extra is mostly work the
+# formula leaves out (a host optimizer for each shard, stepped one by one in Python), so it is not asserted against
+# its prediction. The disk tier's extra is mostly the files, which is what the formula is about. Asserted: the
+# disk tier's measured extra (median over rounds) within a factor 2.5 of the prediction (a shared machine's file
+# system is noisy; no files at all, or every shard's files read for each shard, would fall outside), and above
+# the cpu tier's.
 
 # %% tags=["nbval-ignore-output"]
 def probe(directory: str, shard_params: int) -> dict[str, float]:
