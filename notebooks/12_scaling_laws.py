@@ -423,9 +423,9 @@ print("checks passed")
 # quadratic the saturation comes from curvature at B ≈ 100-130, below both noise scales measured above (B_noise ≈
 # 250, B_simple ≈ 370 after the budget), so this experiment cannot tell the two noise scales apart; it shows that
 # the knee survives tuning. Tuning also moved the base rate: at B = 8 the best rate is about 3 times the 0.05 the
-# linear-rule runs started from, and for B ≤ 128 the tuned losses are 3 to 5 times lower. Goyal et al. hit the
-# same kind of wall on ImageNet past 8k images per batch. Warmup protects the first steps, where a deep network's weights move
-# fastest; on a quadratic it changes little (here it even costs a little: a fifth of a short budget spent at a
+# linear-rule runs started from, and for B ≤ 128 the tuned losses are 3 to 5 times lower. Goyal et al. hit the same
+# kind of wall on ImageNet past 8k images per batch. Warmup protects the first steps, where a deep network's weights
+# move fastest; on a quadratic it changes little (here it even costs a little: a fifth of a short budget spent at a
 # lower rate). On a cluster, the critical batch is the budget for N · b: past it, more ranks buy throughput but not
 # progress.
 #
@@ -498,9 +498,9 @@ for name in RUNS:
 
 # %% [markdown]
 # **Check.** On a 2-rank ring each rank sends every all-reduced buffer once (half in the reduce-scatter, half in the
-# all-gather: 2(N-1)/N = 1), so the bytes per step are 4 bytes x the theory's numbers, exactly (the three
-# all-reduces of PowerSGD, vectors, P's and Q's, each split in two equal halves or off by one element). Rank 4 sends far fewer bytes than plain DDP, and error feedback makes rank 1
-# train better than rank 1 without it.
+# all-gather: 2(N-1)/N = 1), so the bytes per step are 4 bytes x the theory's numbers, exactly (the three all-reduces
+# of PowerSGD, vectors, P's and Q's, each split in two equal halves or off by one element). Rank 4 sends far fewer
+# bytes than plain DDP, and error feedback makes rank 1 train better than rank 1 without it.
 
 # %%
 for name in RUNS:
@@ -707,6 +707,7 @@ print("checks passed")
 # * C ≈ 6 N D. Chinchilla: for a budget C, N_opt = sqrt(C / 120) and D_opt = 20 N_opt (Kaplan's 2020 fit put
 #   most of the budget in N, ∝ C^0.73). GPU-days = C / (peak · MFU) / 86,400.
 #
-# **Try it**: in section 1 set `BATCHES = {"b=16": 16, "b=64": 64}` and find the batch per rank where E_comm
-# crosses 0.5; in section 2 change `SIGMA` to 0.5 (less noise: B_simple drops; does the measured bend move, or
-# stay where the learning rate stops growing?); in section 4 add `"PowerSGD r=16"` and see where the bytes saved stop being worth the loss.
+# **Try it**: in section 1 set `BATCHES = {"b=16": 16, "b=64": 64}` and find the batch per rank where E_comm crosses
+# 0.5; in section 2 change `SIGMA` to 0.5 (less noise: B_simple drops; does the measured bend move, or stay where the
+# learning rate stops growing?); in section 4 add `"PowerSGD r=16"` and see where the bytes saved stop being worth the
+# loss.

@@ -108,12 +108,12 @@ print(f"checkpoint restart: {lost} steps computed twice on every rank; replica-s
 # (its output is not compared by nbval: distlab's restart line reports the measured seconds lost)
 
 # %% [markdown]
-# On gpt-tiny a restart costs well under a second, because here a process starts in milliseconds and the
-# checkpoint is about a megabyte (gpt-tiny's parameters and Adam's two moments). On a real cluster a restart re-schedules every node, re-initialises NCCL on
-# thousands of GPUs and reads terabytes of checkpoint, then recomputes the lost steps (torchft#329 reports 948 s
-# from fault to full recovery): the elastic path pays one heartbeat and one peer-to-peer copy of one replica's
-# state instead. What it does not cover here (its docstrings say so): a death *inside* an all-reduce (torchft
-# needs a commit vote for that), and replicas that are themselves sharded.
+# On gpt-tiny a restart costs well under a second, because here a process starts in milliseconds and the checkpoint is
+# about a megabyte (gpt-tiny's parameters and Adam's two moments). On a real cluster a restart re-schedules every
+# node, re-initialises NCCL on thousands of GPUs and reads terabytes of checkpoint, then recomputes the lost steps
+# (torchft#329 reports 948 s from fault to full recovery): the elastic path pays one heartbeat and one peer-to-peer
+# copy of one replica's state instead. What it does not cover here (its docstrings say so): a death *inside* an
+# all-reduce (torchft needs a commit vote for that), and replicas that are themselves sharded.
 #
 # **Which engine does what.** `dl.train(..., max_restarts=k)` (lesson 14) and `dl.train(..., engine="ray")` (a Ray
 # cluster: README, "On a Ray cluster") both restart the *whole* group from the newest checkpoint; Ray adds what a
@@ -152,10 +152,10 @@ for name, r in reports.items():
 
 # %% [markdown]
 # **Check.** The bytes are the formula's (a 2-rank ring sends each all-reduced buffer once, half in the reduce-scatter
-# and half in the all-gather, give or take one element per call), and a run that synced every step, or forgot to sync, would miss by a factor of H. The
-# losses: every replica of local SGD and DiLoCo sees only its half of each batch between syncs, yet both keep
-# learning; plain averaging every 8 steps ends behind DDP, while DiLoCo's outer momentum ends ahead of it on this
-# tiny model.
+# and half in the all-gather, give or take one element per call), and a run that synced every step would send H times
+# too much, one that forgot to sync nothing. The losses: every replica of local SGD and DiLoCo sees only its half of each batch
+# between syncs, yet both keep learning; plain averaging every 8 steps ends behind DDP, while DiLoCo's outer momentum
+# ends ahead of it on this tiny model.
 
 # %%
 for name in RUNS:
