@@ -275,11 +275,12 @@ assert extra["cpu"] < extra["disk"]
 # %% [markdown]
 # ## When to offload, and when to shard more
 #
-# Offload buys device memory with transfer time: every step moves 8 Ψ/N bytes over PCIe (about 25 GB/s) and, for
-# NVMe, 24 Ψ/N more over a few GB/s, while more sharding (ZeRO-3, or more ranks) buys it with network traffic
-# and needs more devices. ZeRO-Offload overlaps its copies with backward and the CPU step with the next
-# forward; ZeRO-Infinity reads ahead, as `offload.py` does. Offload pays when the devices are few (a model that
-# must train on one or two GPUs), when the batch is large enough that the step's compute hides the copies, and
-# when the host (or the NVMe array) is large. With many GPUs and a fast network, ZeRO-3 across them is usually
-# faster. DeepSpeed's own estimates of the model states are in `dl.theory.offload.zero2_offload` and
-# `zero3_offload`: try them for a 7 B model on 1 and on 8 GPUs.
+# Offload buys device memory with transfer time: every step moves 8 Ψ/N bytes over PCIe (about 25 GB/s; 4 Ψ/N with the
+# fp16 gradients and parameters ZeRO-Offload sends) and, for NVMe, 24 Ψ/N more over a few GB/s, while more sharding
+# (ZeRO-3, or more ranks) buys it with network traffic and needs more devices. ZeRO-Offload overlaps its copies with
+# backward and, with its optional one-step delayed update, the CPU step with the next forward; ZeRO-Infinity reads
+# ahead, as `offload.py` does. Offload pays when the devices are few (a model that must train on one or two GPUs),
+# when the batch is large enough that the step's compute hides the copies, and when the host (or the NVMe array) is
+# large. With many GPUs and a fast network, ZeRO-3 across them is usually faster. DeepSpeed's own estimates of the
+# model states are in `dl.theory.offload.zero2_offload` and `zero3_offload`: try them for a 7 B model on 1 and on 8
+# GPUs.
