@@ -405,7 +405,8 @@ plt.show()
 # * An update smaller than u·|w| vanishes in a bf16 weight: keep fp32 master weights.
 # * A bf16 running sum stalls at 256 ones; accumulate and reduce gradients in fp32.
 # * fp16 flushes gradients under 2^-25: scale the loss (dynamically); bf16 needs no scale but rounds 8x coarser.
-# * fp8 halves bf16's bytes on the wire at 0.42 u of error per cast, only with a per-tensor scale.
+# * fp8 halves bf16's bytes on the wire at 0.42 u of error per cast, only with a scale (per tensor here;
+#   per block of 256 in distlab's `quantize="fp8"`).
 #
 # **Try it**: in section 3 try `step = 3.8e-3` and `4.0e-3` (either side of u once cast to bf16:
 # 3.9e-3 rounds to u itself, a tie); in section 5 set `SMALL = 2.0 ** -10`
