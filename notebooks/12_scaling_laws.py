@@ -615,11 +615,12 @@ for a, who in ((0.73, "Kaplan"), (0.50, "Chinchilla")):
 # data 1.9x, Chinchilla both 3.2x.
 #
 # **What it means for the cluster** (modelled, not measured). Llama 3 70B was trained on 15T tokens: C = 6 N D =
-# 6.3e24 FLOPs. The Chinchilla-optimal use of that compute is a model about 3 times larger on 3 times fewer tokens;
+# 6.35e24 FLOPs. The Chinchilla-optimal use of that compute is a model about 3 times larger on 3 times fewer tokens;
 # Meta chose over 200 tokens per parameter because a smaller model is cheaper to serve, paying training compute for
 # inference compute. The GPU-days follow from C and the model FLOPs utilisation: C / (peak · MFU). The simulator of
 # lesson 13 gives the MFU of one layout (tp = 8, pp = 4, ZeRO-1, selective recomputation, 2,048 H100s, batch of 512
-# sequences of 8,192 tokens, H100 constants calibrated on Llama 3's table); lesson 13 searches for the best layout.
+# sequences of 8,192 tokens, H100 constants calibrated on Llama 3's table; 1F1B without interleaving); lesson 13
+# searches for the best layout, and finds faster ones.
 
 # %%
 from distlab.theory import published                                           # noqa: E402
