@@ -423,9 +423,9 @@ print("checks passed")
 # quadratic the saturation comes from curvature at B ≈ 100-130, below both noise scales measured above (B_noise ≈
 # 250, B_simple ≈ 370 after the budget), so this experiment cannot tell the two noise scales apart; it shows that
 # the knee survives tuning. Tuning also moved the base rate: at B = 8 the best rate is about 3 times the 0.05 the
-# linear-rule runs started from, and the tuned losses are 3 to 5 times lower. Goyal et al. hit the same kind of
-# wall on ImageNet past 8k images per batch. Warmup protects the first steps, where a deep network's weights move
-# fastest; on a quadratic it changes little (here it even costs a little: a fifth of a short budget spent at a
+# linear-rule runs started from, and for B ≤ 128 the tuned losses are 3 to 5 times lower. Goyal et al. hit the same
+# kind of wall on ImageNet past 8k images per batch. Warmup protects the first steps, where a deep network's weights
+# move fastest; on a quadratic it changes little (here it even costs a little: a fifth of a short budget spent at a
 # lower rate). On a cluster, the critical batch is the budget for N · b: past it, more ranks buy throughput but not
 # progress.
 #
@@ -497,10 +497,10 @@ for name in RUNS:
           f"{reports[name].losses[-1]:.3f}")
 
 # %% [markdown]
-# **Check.** On a 2-rank ring each rank sends exactly half of every all-reduced buffer, so the bytes per step are
-# 4 bytes x the theory's numbers, exactly (the three all-reduces of PowerSGD, vectors, P's and Q's, each split in two
-# equal halves or off by one element). Rank 4 sends far fewer bytes than plain DDP, and error feedback makes rank 1
-# train better than rank 1 without it.
+# **Check.** On a 2-rank ring each rank sends every all-reduced buffer once (half in the reduce-scatter, half in the
+# all-gather: 2(N-1)/N = 1), so the bytes per step are 4 bytes x the theory's numbers, exactly (the three all-reduces
+# of PowerSGD, vectors, P's and Q's, each split in two equal halves or off by one element). Rank 4 sends far fewer
+# bytes than plain DDP, and error feedback makes rank 1 train better than rank 1 without it.
 
 # %%
 for name in RUNS:
@@ -615,11 +615,12 @@ for a, who in ((0.73, "Kaplan"), (0.50, "Chinchilla")):
 # data 1.9x, Chinchilla both 3.2x.
 #
 # **What it means for the cluster** (modelled, not measured). Llama 3 70B was trained on 15T tokens: C = 6 N D =
-# 6.3e24 FLOPs. The Chinchilla-optimal use of that compute is a model about 3 times larger on 3 times fewer tokens;
+# 6.35e24 FLOPs. The Chinchilla-optimal use of that compute is a model about 3 times larger on 3 times fewer tokens;
 # Meta chose over 200 tokens per parameter because a smaller model is cheaper to serve, paying training compute for
 # inference compute. The GPU-days follow from C and the model FLOPs utilisation: C / (peak · MFU). The simulator of
 # lesson 13 gives the MFU of one layout (tp = 8, pp = 4, ZeRO-1, selective recomputation, 2,048 H100s, batch of 512
-# sequences of 8,192 tokens, H100 constants calibrated on Llama 3's table); lesson 13 searches for the best layout.
+# sequences of 8,192 tokens, H100 constants calibrated on Llama 3's table; 1F1B without interleaving); lesson 13
+# searches for the best layout, and finds faster ones.
 
 # %%
 from distlab.theory import published                                           # noqa: E402
@@ -642,9 +643,10 @@ print(f"at 40% MFU: {S.gpu_seconds(C_llama, peak, 0.4) / 86400 / 2048:.0f} days"
 # records every matmul of one training step (forward and backward) of distlab's GPT at four widths (2 layers, no
 # position table, the embedding tied to the output head). Prediction: 6 N per token for the N weights, all of which
 # multiply (the tied embedding once, as the head), plus attention's scores, 12 L s h per token (QKᵀ and AV: forward
-# 4 L s h, backward twice that; Kaplan's C_forward ≈ 2N + 2 n_layer n_ctx d_attn). Then a power law fitted to the
-# counts, FLOPs per step ∝ N^k: 6ND alone says k = 1; attention, whose share 2s/(N/L) shrinks as the model
-# widens, bends it below 1 at these tiny sizes.
+# 4 L s h, backward twice that, as PaLM's App. B counts it; Kaplan et al.'s C_forward ≈ 2N + 2 n_layer n_ctx d_attn
+# has half this attention term). Then a power law fitted to the counts, FLOPs per step ∝ N^k: 6ND alone says
+# k = 1; attention, whose share 12 L s h / 6 N = 2 L s h / N shrinks as the model widens (N grows as h²), bends
+# it below 1 at these tiny sizes.
 
 # %%
 from torch.utils.flop_counter import FlopCounterMode                            # noqa: E402
@@ -706,6 +708,7 @@ print("checks passed")
 # * C ≈ 6 N D. Chinchilla: for a budget C, N_opt = sqrt(C / 120) and D_opt = 20 N_opt (Kaplan's 2020 fit put
 #   most of the budget in N, ∝ C^0.73). GPU-days = C / (peak · MFU) / 86,400.
 #
-# **Try it**: in section 1 set `BATCHES = {"b=16": 16, "b=64": 64}` and find the batch per rank where E_comm
-# crosses 0.5; in section 2 change `SIGMA` to 0.5 (less noise: B_simple drops, and the bend moves left); in section 4
-# add `"PowerSGD r=16"` and see where the bytes saved stop being worth the loss.
+# **Try it**: in section 1 set `BATCHES = {"b=16": 16, "b=64": 64}` and find the batch per rank where E_comm crosses
+# 0.5; in section 2 change `SIGMA` to 0.5 (less noise: B_simple drops; does the measured bend move, or stay where the
+# learning rate stops growing?); in section 4 add `"PowerSGD r=16"` and see where the bytes saved stop being worth the
+# loss.

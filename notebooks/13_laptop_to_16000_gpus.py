@@ -280,13 +280,15 @@ print("ddp, zero3, tp, pp-1f1b and 3d (twice), each predicted by constants fitte
       "no wall time beat processor sharing; the simulator's mean error is below a constant's")
 
 # %% [markdown]
-# What the fit says about this machine: a core runs this small model's matmuls at 75-115 GFLOP/s, but a distlab
-# step also pays 15-25 ms of Python (the loop, hooks, the memory ledger, the optimizer), up to a millisecond per
-# pipeline action and about half a millisecond per tensor-parallel collective beyond its bytes; gloo's copies
-# cost 2-4 GB/s of CPU. Wall time is another matter: it was 1-4x the processor-sharing floor here, and that
+# What the fit says about this machine (its constants are printed above; on a shared machine they move from run to
+# run): a core runs this small model's matmuls at some tens of GFLOP/s, but a distlab step also pays some 20 ms
+# of Python (the loop, hooks, the memory ledger, the optimizer), about a millisecond per pipeline action and about
+# half a millisecond per tensor-parallel collective beyond its bytes; gloo's copies cost CPU at about 2 GB/s
+# (the `B` of the CPU-cost link above). Wall time is another matter: it was 1-4x the processor-sharing floor here, and that
 # factor is the other programs (the load printed beside each run), which no simulator of *our* step can see.
 # The 3D runs' 4 ranks do half the FLOPs each of a 2-rank run, but on 2 cores their floor doubles: processor
-# sharing, not the simulator's GPUs. On a GPU cluster the FLOPs and the bandwidth dominate instead. The same simulator; only its constants change.
+# sharing, not the simulator's GPUs. On a GPU cluster the FLOPs and the bandwidth dominate instead. The same
+# simulator; only its constants change.
 
 # %% [markdown]
 # ## 3. There: published tables, reproduced
@@ -333,10 +335,10 @@ plt.show()
 
 # %% [markdown]
 # Where the rows differ, the simulator says why, and where it cannot, the table says so. Narayanan's published rows
-# are nearly flat, 135 to 163 TFLOP/s: the 1.7B model's 137 sits mid-table (18.4B's 135 is the lowest), so there is
-# no slow small model to explain. The simulator gets the order wrong there: it puts 1.7B at 148, above every row
-# from 7.5B to 76.1B, and its largest errors are at the two ends (+7.9% at 1.7B, -6.6% at 529.6B), while the paper
-# tunes the layout (TP, PP, batch) row by row. The 1T model loses 12% to the
+# are nearly flat, 135 to 163 TFLOP/s: the 1.7B model's 137 is next to the lowest (18.4B's 135) and within 4% of
+# every row up to 76.1B, so there is no slow small model to explain. The simulator gets the order wrong there: it
+# puts 1.7B at 148, above every row from 7.5B to 76.1B, and its largest errors are at the two ends (+7.9% at 1.7B,
+# -6.6% at 529.6B), while the paper tunes the layout (TP, PP, batch) row by row. The 1T model loses 12% to the
 # bubble of 64 stages; Korthikanti's "present work" beats full recomputation by the fourth forward it no longer
 # runs; Llama 3 drops from 43% to 41% MFU on 16,384 GPUs because half the microbatches per pipeline double the
 # bubble's share. Below: where the time goes for a few of them.
@@ -364,7 +366,7 @@ plt.show()
 # Llama 3 70B (80 layers, h = 8,192, 8 KV heads, 8,192-token sequences), 15T tokens, 2,048 H100s (256 nodes of 8,
 # 400 Gb/s per GPU across nodes), a batch of 512 sequences (4M tokens). `rank_layouts` tries every (dp, tp, pp)
 # with TP inside a node, ZeRO-1 and selective recomputation first (full recomputation, then ZeRO-3, only if memory
-# demands), keeps the layouts that fit in 90% of 80 GB, and ranks them by the simulated step time, with the
+# demands), keeps the layouts that fit in 90% of 80 GiB, and ranks them by the simulated step time, with the
 # H100 constants that reproduced Llama 3's table. **This is a model's figure, not a measurement.**
 
 # %%

@@ -196,10 +196,12 @@ for rank in range(2):
 # `torch.save` and read back with `torch.load` (the page cache included, as for the run's own files); and a small
 # file's save and load, for the cost of a file. Then the three tiers train the same GPT (about 1.7 M parameters)
 # taking turns, each one's optimizer step timed: that is where offload acts. On a CPU the "host copies" are memcpys
-# into fp32 buffers, so the cpu tier adds little beyond Python; the disk tier's extra is the files, which is what
-# the formula is about. Asserted: the disk tier's measured extra (median over rounds) within a factor 2.5 of the
-# prediction (a shared machine's file system is noisy; no files at all, or every shard's files read for each
-# shard, would fall outside), and above the cpu tier's.
+# into fp32 buffers, which the formula prices at almost nothing; the cpu tier's measured extra is mostly work the
+# formula leaves out (a host optimizer for each shard, stepped one by one in Python), so it is not asserted against
+# its prediction. The disk tier's extra is mostly the files, which is what the formula is about. Asserted: the
+# disk tier's measured extra (median over rounds) within a factor 2.5 of the prediction (a shared machine's file
+# system is noisy; no files at all, or every shard's files read for each shard, would fall outside), and above
+# the cpu tier's.
 
 # %% tags=["nbval-ignore-output"]
 def probe(directory: str, shard_params: int) -> dict[str, float]:
@@ -273,11 +275,12 @@ assert extra["cpu"] < extra["disk"]
 # %% [markdown]
 # ## When to offload, and when to shard more
 #
-# Offload buys device memory with transfer time: every step moves 8 Ψ/N bytes over PCIe (about 25 GB/s) and, for
-# NVMe, 24 Ψ/N more over a few GB/s, while more sharding (ZeRO-3, or more ranks) buys it with network traffic
-# and needs more devices. ZeRO-Offload overlaps its copies with backward and the CPU step with the next
-# forward; ZeRO-Infinity reads ahead, as `offload.py` does. Offload pays when the devices are few (a model that
-# must train on one or two GPUs), when the batch is large enough that the step's compute hides the copies, and
-# when the host (or the NVMe array) is large. With many GPUs and a fast network, ZeRO-3 across them is usually
-# faster. DeepSpeed's own estimates of the model states are in `dl.theory.offload.zero2_offload` and
-# `zero3_offload`: try them for a 7 B model on 1 and on 8 GPUs.
+# Offload buys device memory with transfer time: every step moves 8 Ψ/N bytes over PCIe (about 25 GB/s; 4 Ψ/N with the
+# fp16 gradients and parameters ZeRO-Offload sends) and, for NVMe, 24 Ψ/N more over a few GB/s, while more sharding
+# (ZeRO-3, or more ranks) buys it with network traffic and needs more devices. ZeRO-Offload overlaps its copies with
+# backward and, with its optional one-step delayed update, the CPU step with the next forward; ZeRO-Infinity reads
+# ahead, as `offload.py` does. Offload pays when the devices are few (a model that must train on one or two GPUs),
+# when the batch is large enough that the step's compute hides the copies, and when the host (or the NVMe array) is
+# large. With many GPUs and a fast network, ZeRO-3 across them is usually faster. DeepSpeed's own estimates of the
+# model states are in `dl.theory.offload.zero2_offload` and `zero3_offload`: try them for a 7 B model on 1 and on 8
+# GPUs.

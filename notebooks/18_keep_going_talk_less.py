@@ -108,12 +108,12 @@ print(f"checkpoint restart: {lost} steps computed twice on every rank; replica-s
 # (its output is not compared by nbval: distlab's restart line reports the measured seconds lost)
 
 # %% [markdown]
-# On gpt-tiny a restart costs well under a second, because here a process starts in milliseconds and the
-# checkpoint is a few hundred KB. On a real cluster a restart re-schedules every node, re-initialises NCCL on
-# thousands of GPUs and reads terabytes of checkpoint, then recomputes the lost steps (torchft#329 reports 948 s
-# from fault to full recovery): the elastic path pays one heartbeat and one peer-to-peer copy of one replica's
-# state instead. What it does not cover here (its docstrings say so): a death *inside* an all-reduce (torchft
-# needs a commit vote for that), and replicas that are themselves sharded.
+# On gpt-tiny a restart costs well under a second, because here a process starts in milliseconds and the checkpoint is
+# about a megabyte (gpt-tiny's parameters and Adam's two moments). On a real cluster a restart re-schedules every
+# node, re-initialises NCCL on thousands of GPUs and reads terabytes of checkpoint, then recomputes the lost steps
+# (torchft#329 reports 948 s from fault to full recovery): the elastic path pays one heartbeat and one peer-to-peer
+# copy of one replica's state instead. What it does not cover here (its docstrings say so): a death *inside* an
+# all-reduce (torchft needs a commit vote for that), and replicas that are themselves sharded.
 #
 # **Which engine does what.** `dl.train(..., max_restarts=k)` (lesson 14) and `dl.train(..., engine="ray")` (a Ray
 # cluster: README, "On a Ray cluster") both restart the *whole* group from the newest checkpoint; Ray adds what a
@@ -151,11 +151,11 @@ for name, r in reports.items():
           f"{ddp_bytes / measured[name]:5.1f}x fewer than DDP; loss {r.losses[0]:.3f} -> {r.losses[-1]:.3f}")
 
 # %% [markdown]
-# **Check.** The bytes are the formula's (a 2-rank ring sends exactly half of each all-reduced buffer, give or take
-# one element per call), and a run that synced every step, or forgot to sync, would miss by a factor of H. The
-# losses: every replica of local SGD and DiLoCo sees only its half of each batch between syncs, yet both keep
-# learning; plain averaging every 8 steps ends behind DDP, while DiLoCo's outer momentum ends ahead of it on this
-# tiny model.
+# **Check.** The bytes are the formula's (a 2-rank ring sends each all-reduced buffer once, half in the reduce-scatter
+# and half in the all-gather, give or take one element per call), and a run that synced every step would send H times
+# too much, one that forgot to sync nothing. The losses: every replica of local SGD and DiLoCo sees only its half of each batch
+# between syncs, yet both keep learning; plain averaging every 8 steps ends behind DDP, while DiLoCo's outer momentum
+# ends ahead of it on this tiny model.
 
 # %%
 for name in RUNS:
@@ -195,10 +195,11 @@ print(f"DiLoCo's steady-state outer gain: {OUTER_LR} x (1 + {MU}/(1-{MU})) = {OU
 # ## 2. Talk in fewer bits: quantized all-gather and reduce-scatter
 #
 # ZeRO-3 and FSDP send 3(N-1)/N Ψ elements per step (weights gathered twice, gradients reduce-scattered once:
-# lesson 03). ZeRO++ (Wang et al. 2023) sends them as int8: each block of 256 values becomes 256 one-byte codes and
-# one fp32 scale s = absmax/127 (`comm/quantized.py`). FSDP2's float8 all-gather (with torchao) sends weights as
-# fp8 with their scales; here fp8 (e4m3) takes the same blocks, s = absmax/448. Per value the wire carries
-# (1 + 4/256) bytes instead of 4 (fp32) or 2 (bf16):
+# lesson 03). ZeRO++ (Wang et al. 2023) sends the weights as block-quantized int8 (qwZ) and the gradients
+# quantized too, through an all-to-all (qgZ, int4 in the paper); here both go as int8: each block of 256 values
+# becomes 256 one-byte codes and one fp32 scale s = absmax/127 (`comm/quantized.py`). FSDP2's float8 all-gather
+# (with torchao) sends weights as fp8 with their scales; here fp8 (e4m3) takes the same blocks, s = absmax/448.
+# Per value the wire carries (1 + 4/256) bytes instead of 4 (fp32) or 2 (bf16):
 #
 #     bytes ratio = (1 + 4/256) / 4 = 0.254 (fp32),  / 2 = 0.508 (bf16)        dl.theory.quantized_ratio
 #     int8 error per value  <= s/2,  rms s/sqrt(12)  (round to nearest)        dl.theory.int8_error
@@ -249,7 +250,7 @@ print("checks passed")
 
 # %% [markdown]
 # Now training: ZeRO-3 on the same tokens, exact and with `quantize="int8"` (ZeRO++'s qwZ for the weights and qgZ for
-# the gradients; the shards and AdamW stay in fp32, only the wire is int8).
+# the gradients, here int8 for both; the shards and AdamW stay in fp32, only the wire is int8).
 
 # %%
 Q_RUNS = {"zero3": {}, "zero3 int8": dict(quantize="int8")}
