@@ -14,7 +14,14 @@ ledger (`distlab.memory`) counts every storage by its ``nbytes``, so the model s
 (compare `dl.theory.memory`); the traced collectives record the bytes their algorithm would send.
 
 What a dry run cannot know: values (losses are NaN), anything a rank learns from its peers' values (a
-skipped fp16 step, a gradient norm), time. Like torchtitan's fake-backend dry run and Megatron's
+skipped fp16 step, a gradient norm), time. Where the sizes themselves follow from values, the dry run
+takes the bound a memory planner must: expert parallelism's router has no scores to route by, so every
+expert receives its whole capacity C = ceil(capacity_factor k T / E) (`parallel.expert.dispatch.
+at_capacity`): a dry run of ``ep`` measures the capacity-bound step, its all-to-all bytes
+`dl.theory.moe_step_all_to_all_bytes` at capacity_factor x the tokens, its expert activations those of
+a real step whose router fills every expert (tests/test_dry_run_ep.py); a real step of k T choices can
+fill at most k T of the E C slots, so at capacity factor 1.25 the dry run counts up to 25% more expert
+rows than any real run holds. Like torchtitan's fake-backend dry run and Megatron's
 ``--fake-process-group``; users ask for it because estimates miss (Megatron-LM#525: 23.3 GB estimated, a
 32 GB GPU out of memory).
 """

@@ -21,6 +21,9 @@ Each rank holds a contiguous part of the batch (rows of the global batch in rank
 The all-to-all is an autograd function (`RowExchange`): its backward is the reverse all-to-all of the
 gradients. With a group of one rank (or ``group=LOCAL``) nothing is sent and the plan is
 `models.moe.plan`'s: the single-process layer every expert-parallel run is tested against.
+
+In a dry run (`distlab.strategies.dry`: the router's choices on the meta device, without values) the
+plan is `at_capacity`: every expert receives its capacity C, the sizes of the capacity-bound step.
 """
 from __future__ import annotations
 
@@ -151,7 +154,7 @@ def at_capacity(expert: torch.Tensor, every: torch.Tensor, experts: int, capacit
     return Dispatch(kept=torch.ones(expert.shape, dtype=torch.bool, device=expert.device),
                     order=torch.empty(sum(send), **meta), local_expert=local_expert,
                     first_counts=every[:, 0].sum(dim=0), tokens=tokens, capacity=cap,
-                    send=send, recv=recv if not replicated else [sum(recv)])
+                    send=send, recv=recv)
 
 
 def dispatch(x: torch.Tensor, d: Dispatch, group=None) -> torch.Tensor:
