@@ -229,8 +229,6 @@ def test_cli_dry_run_prints_each_listed_rank(capsys):
     (dict(world_size=8, strategy="single", backend="fake", ranks=[0]), "one rank is"),
     (dict(world_size=8, strategy="ddp", backend="fake", ranks=[8]), "not a rank"),
     (dict(world_size=8, strategy="ddp", backend="fake", ranks=[0], max_restarts=1), "restarts nothing"),
-    (dict(world_size=8, strategy="cp-ulysses", backend="fake", ranks=[0]), "cannot run Ulysses"),
-    (dict(world_size=4, strategy="ep", model="gpt-moe-tiny", backend="fake", ranks=[0]), "cannot run ep=4"),
     (dict(world_size=8, strategy="ddp", precision="fp16-mixed", backend="fake", ranks=[0]), "inf/NaN"),
     (dict(world_size=2, strategy="pp-zb-h1", recompute=True, backend="fake", ranks=[0]), "zero-bubble"),
 ])
@@ -338,12 +336,15 @@ def test_a_vocabulary_tp_does_not_divide_is_padded_as_megatron_pads_it():
     assert got == want
 
 
-def test_context_parallel_dry_run_equals_a_real_run():
+@pytest.mark.parametrize("strategy, op", [("cp-ring", "ring_shift"), ("cp-ulysses", "all_to_all")])
+def test_context_parallel_dry_run_equals_a_real_run(strategy, op):
     """Ring attention on the fake group: the K/V blocks arrive as nothing, but with the right shapes, so the
-    activations a rank saves and the bytes it sends per step are a real 2-rank run's, to the byte."""
+    activations a rank saves and the bytes it sends per step are a real 2-rank run's, to the byte. Ulysses
+    too, its attention on meta tensors by the fused kernel a real run takes (`launch.fake`), not the math
+    path that saves the (b a s s) scores (+20% activations on gpt-small before)."""
     kw = dict(world_size=2, model="gpt-small", global_batch=8)
-    real = dl.train("cp-ring", steps=1, seed=0, **kw)
-    dry = dl.train("cp-ring", backend="fake", ranks=[0, 1], **kw)
+    real = dl.train(strategy, steps=1, seed=0, **kw)
+    dry = dl.train(strategy, backend="fake", ranks=[0, 1], **kw)
     assert [m["peak"] for m in dry.memory] == [m["peak"] for m in real.memory]
     assert [c["sent_per_step"] for c in dry.comm] == [c["sent_per_step"] for c in real.comm]
-    assert all(c["sent_by_op"]["ring_shift"] > 0 for c in dry.comm)
+    assert all(c["sent_by_op"][op] > 0 for c in dry.comm)

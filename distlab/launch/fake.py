@@ -19,6 +19,12 @@ mesh of thousands of groups builds at once. Inside, ``dl.device()`` is the ``met
 have shapes and dtypes but no storage, so a 405B-parameter model "fits" on a laptop and its bytes are
 counted from ``nbytes`` (`distlab.memory`). Nothing here gathers across ranks: each listed rank is a
 world of its own, which is the point of a dry run (the other 1,022 ranks are never run).
+
+One kernel choice is made here as the real device makes it: ``F.scaled_dot_product_attention`` on meta
+tensors would take torch's math path (softmax(QK^T) materialised and saved: b a s^2 per call), where a
+CPU or GPU run takes a fused kernel that saves only q, k, v, the output and the log-sum-exp (Dao et al.
+2022, FlashAttention). `fused_attention_on_meta` routes it to that kernel's meta implementation, so a dry
+run of Ulysses attention saves what a real run saves, to the byte (tests/test_dry_run.py).
 """
 from __future__ import annotations
 
@@ -103,7 +109,8 @@ def _one_rank(fn, r: int, world_size: int, args: tuple, kwargs: dict) -> tuple[b
     dist.init_process_group("fake", rank=r, world_size=world_size)
     tracer = runtime._enter(r, world_size, 0, "fake")
     try:
-        with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+        with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured), \
+                fused_attention_on_meta():
             value, ok = fn(*args, **kwargs), True
     except Exception:
         value, ok = traceback.format_exc(), False
@@ -114,3 +121,37 @@ def _one_rank(fn, r: int, world_size: int, args: tuple, kwargs: dict) -> tuple[b
         sys.excepthook = hook                            # this process is no rank once the rank is done
         sys.stdout.flush()
     return ok, value, events, captured.getvalue()
+
+
+def _fused_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Attention on meta tensors by the fused CPU kernel (saves q, k, v, out, lse), or None where a real
+    device would not take it either (a mask, dropout, grouped heads, other shapes): torch's choice then."""
+    import torch
+    if not all(isinstance(t, torch.Tensor) and t.is_meta and t.dim() == 4 for t in (q, k, v)):
+        return None
+    if attn_mask is not None or dropout_p or enable_gqa or q.shape[:2] != k.shape[:2]:
+        return None
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal,
+                                                                       scale=scale)[0]
+
+
+def fused_attention_on_meta():
+    """A torch function mode for a fake launch's ranks: ``F.scaled_dot_product_attention`` on meta tensors
+    runs the fused kernel a CPU or GPU run takes (`_fused_attention`), not the math path::
+
+        real (CPU flash / GPU flash): saves q, k, v, out (b a s d each), lse (b a s fp32)
+        meta without this:            saves the (b a s s) scores and probabilities besides
+    """
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention:
+                out = _fused_attention(*args, **kwargs)
+                if out is not None:
+                    return out
+            return func(*args, **kwargs)
+
+    return Mode()

@@ -14,7 +14,14 @@ ledger (`distlab.memory`) counts every storage by its ``nbytes``, so the model s
 (compare `dl.theory.memory`); the traced collectives record the bytes their algorithm would send.
 
 What a dry run cannot know: values (losses are NaN), anything a rank learns from its peers' values (a
-skipped fp16 step, a gradient norm), time. Like torchtitan's fake-backend dry run and Megatron's
+skipped fp16 step, a gradient norm), time. Where the sizes themselves follow from values, the dry run
+takes the bound a memory planner must: expert parallelism's router has no scores to route by, so every
+expert receives its whole capacity C = ceil(capacity_factor k T / E) (`parallel.expert.dispatch.
+at_capacity`): a dry run of ``ep`` measures the capacity-bound step, its all-to-all bytes
+`dl.theory.moe_step_all_to_all_bytes` at capacity_factor x the tokens, its expert activations those of
+a real step whose router fills every expert (tests/test_dry_run_ep.py); a real step of k T choices can
+fill at most k T of the E C slots, so at capacity factor 1.25 the dry run counts up to 25% more expert
+rows than any real run holds. Like torchtitan's fake-backend dry run and Megatron's
 ``--fake-process-group``; users ask for it because estimates miss (Megatron-LM#525: 23.3 GB estimated, a
 32 GB GPU out of memory).
 """
@@ -36,16 +43,6 @@ def check(spec: TrainSpec, world: int, backend: str) -> None:
                          "strategy='ddp', world_size=1, backend='fake', ranks=[0]")
     if spec.restart.max_restarts or spec.restart.shrink:
         raise ValueError("a dry run restarts nothing: drop max_restarts and shrink with backend='fake'")
-    d = spec.layout.degrees(world)
-    if d["ep"] > 1 or spec.strategy == "ep":
-        raise ValueError(f"a dry run cannot run ep={d['ep']}: expert routing sends each token where the "
-                         "router's scores (tensor values) say, and the all-to-all's sizes follow from them; "
-                         "on the meta device there are none. Dry-run the same layout without ep")
-    if d["cp"] > 1 and spec.layout.attention == "ulysses":
-        raise ValueError("a dry run cannot run Ulysses attention yet: on the fake group its all-to-all "
-                         "buffers are counted apart where a real run shares them (+20% activations on "
-                         "gpt-small): use attention='ring' (cp-ring), whose dry run equals a real run to "
-                         "the byte")
     checks = spec.numerics.skip_nonfinite or spec.numerics.nan_at_step is not None
     if spec.precision == "fp16-mixed" or checks:
         raise ValueError("a dry run has no values to check for inf/NaN: use precision='bf16-mixed' or 'fp32' "

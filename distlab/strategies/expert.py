@@ -43,8 +43,8 @@ from ..parallel import expert as ep
 from ..parallel.clip import clip_grad_norm_
 from ..parallel.mesh import Mesh
 from ..runtime import rank, world_size
-from .base import (RankResult, TrainSpec, autocast, build_model, global_batch, loss_fn, make_optimizer,
-                   require_rows)
+from .base import (RankResult, TrainSpec, autocast, build_model, dry_run, global_batch, loss_fn,
+                   make_optimizer, require_rows)
 from .compose import parallelize
 from .context import digests
 from .loop import Plan, run, sum_losses
@@ -118,7 +118,7 @@ def train_rank(spec: TrainSpec) -> RankResult:
                 memory=replica_memory(model, optimizer))
     trained = run(spec, plan)
     losses = sum_losses(trained.losses)                        # each rank's share, summed
-    full = ep.full_state_dict(model)
+    full = None if dry_run() else ep.full_state_dict(model)   # a dry run's parameters have no values
     expert_bytes = sum(p.numel() * p.element_size() for p in ep.expert_params(model))
     return RankResult(losses=losses if r == 0 else None, params=full if r == 0 else None,
                       info={"ep": 1 if copies else n // dp, "dp": dp,

@@ -21,6 +21,9 @@ Each rank holds a contiguous part of the batch (rows of the global batch in rank
 The all-to-all is an autograd function (`RowExchange`): its backward is the reverse all-to-all of the
 gradients. With a group of one rank (or ``group=LOCAL``) nothing is sent and the plan is
 `models.moe.plan`'s: the single-process layer every expert-parallel run is tested against.
+
+In a dry run (`distlab.strategies.dry`: the router's choices on the meta device, without values) the
+plan is `at_capacity`: every expert receives its capacity C, the sizes of the capacity-bound step.
 """
 from __future__ import annotations
 
@@ -99,6 +102,8 @@ def plan(expert: torch.Tensor, experts: int, capacity_factor: float, group=None,
     mine = moe.counts(expert, experts)                                      # (k, E)
     every = mine[None] if group_size(parts) == 1 else C.all_gather(mine[None].contiguous(), 0, parts)
     # every: (P, k, E), the counts of every part of the batch
+    if expert.is_meta:                                                      # a dry run: no values
+        return at_capacity(expert, every, experts, capacity_factor, n, me, mine_at, replicated)
     tokens = int(every[:, 0].sum())
     cap = moe.capacity(tokens, experts, top_k, capacity_factor)
     kept_pairs = moe.slots(expert, experts, moe.offsets(every)[mine_at]) < cap      # (T, k)
@@ -115,6 +120,41 @@ def plan(expert: torch.Tensor, experts: int, capacity_factor: float, group=None,
     return Dispatch(kept=kept_pairs, order=order, local_expert=local_expert,
                     first_counts=every[:, 0].sum(dim=0), tokens=tokens, capacity=cap,
                     send=send, recv=ours.sum(dim=1).tolist())
+
+
+def at_capacity(expert: torch.Tensor, every: torch.Tensor, experts: int, capacity_factor: float, n: int,
+                me: int, mine_at: int, replicated: bool) -> Dispatch:
+    """The `Dispatch` a dry run routes by (``expert`` on the meta device: choices without values): every
+    expert receives its whole capacity C, the most a step can send it, so the all-to-all sizes and the
+    activations are those of the capacity-bound step (a memory planner's upper bound, as GShard's
+    fixed (E, C, h) dispatch buffer)::
+
+        C = ceil(capacity_factor * k * T / E),  T the tokens of all P parts (every part holds T / P)
+        part p fills  C // P + (p < C % P)  slots of every expert      (the P shares sum to C)
+        sends to group rank j: its share of each of j's E / n experts;  receives: n shares of its own
+
+    With ``capacity_factor > 1`` that is more rows than the k T / P (token, choice) pairs a part has: the
+    bound counts every slot as filled, as a padded dispatch buffer holds them. The rows are meta tensors
+    of those sizes; only ``local_expert`` holds values (on the CPU, for `models.moe.Experts`' split)."""
+    parts, (tokens_here, top_k) = every.shape[0], expert.shape
+    tokens = tokens_here * parts
+    cap = moe.capacity(tokens, experts, top_k, capacity_factor)
+
+    def share(p: int) -> int:                                    # slots of one expert part p fills
+        return cap // parts + (p < cap % parts)
+
+    per_rank = experts // (1 if replicated else n)
+    if replicated:
+        send, sources = [experts * share(mine_at)], [mine_at]
+    else:
+        send, sources = [per_rank * share(mine_at)] * n, [mine_at - me + j for j in range(n)]
+    recv = [per_rank * share(p) for p in sources]
+    local_expert = torch.cat([torch.arange(per_rank).repeat_interleave(share(p)) for p in sources])
+    meta = dict(device=expert.device, dtype=torch.long)
+    return Dispatch(kept=torch.ones(expert.shape, dtype=torch.bool, device=expert.device),
+                    order=torch.empty(sum(send), **meta), local_expert=local_expert,
+                    first_counts=every[:, 0].sum(dim=0), tokens=tokens, capacity=cap,
+                    send=send, recv=recv)
 
 
 def dispatch(x: torch.Tensor, d: Dispatch, group=None) -> torch.Tensor:

@@ -100,8 +100,9 @@ def split(layer: moe.MoE, group=None, replicate: bool = False, batch_group=None)
     experts split over ``group`` (this rank's block copied), or, ``replicate``, all of them here and
     routed over ``group``; ``batch_group``: the ranks the batch is split over, when larger
     (`dispatch.plan`)."""
-    new = MoE(layer.router.gate.in_features, layer.local.w1.shape[2], layer.experts, layer.top_k,
-              layer.capacity_factor, group, replicate, batch_group)
+    with torch.device(layer.router.gate.weight.device):         # meta in a dry run: nothing drawn
+        new = MoE(layer.router.gate.in_features, layer.local.w1.shape[2], layer.experts, layer.top_k,
+                  layer.capacity_factor, group, replicate, batch_group)
     count = new.local.w1.shape[0]
     first = 0 if replicate else D.group_rank(new.group) * count
     with torch.no_grad():
