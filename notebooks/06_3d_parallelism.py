@@ -517,9 +517,9 @@ for name in fits_measured:
 #   last microbatch's backward and finished after the flush.
 # * Per step, TP traffic >> PP traffic, and TP's is blocking: put TP on the fastest links; PP and DP go across
 #   nodes (which of them is outermost is the layout's choice: Megatron PP, distlab DP).
-* Choosing a layout: drop what does not fit (`dl.theory.memory`, then a run under `memory_limit`), give each
-  survivor the global batch as D x m x b, and among the rest prefer the one that sends least, a prediction exact
-  enough to assert; CPU and wall time on a shared machine are read, not asserted.
+# * Choosing a layout: drop what does not fit (`dl.theory.memory`, then a run under `memory_limit`), give each
+#   survivor the global batch as D x m x b, and among the rest prefer the one that sends least, a prediction exact
+#   enough to assert; CPU and wall time on a shared machine are read, not asserted.
 #
 # **Try it**: `dl.train("3d:dp=1,tp=2,pp=2,sp=1", world_size=4)` (sequence parallelism inside the stages: the
 # pipeline's messages shrink by T), or `"3d:dp=2,tp=1,pp=2,zero=1"` (ZeRO-1 over the replicas), or
