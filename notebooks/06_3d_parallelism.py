@@ -38,7 +38,9 @@
 # 3. train a GPT on 4 ranks three ways (`3d:dp=2,tp=1,pp=2`, `3d:dp=1,tp=2,pp=2`, `3d:dp=2,tp=2,pp=1`) and get
 #    exactly the single-process result;
 # 4. run the full `3d:dp=2,tp=2,pp=2` on 8 ranks and account for every byte each group type carries, predicted by
-#    `dl.theory` and measured from the trace.
+#    `dl.theory` and measured from the trace;
+# 5. find a layout for a device too small for plain DDP the Playbook's way (fit memory, reach the batch, maximise
+#    throughput), each step predicted by `dl.theory` first and then run.
 #
 # The code this lesson explains: the mesh, [distlab/parallel/mesh.py](../distlab/parallel/mesh.py); the 3D strategy
 # that composes tensor, pipeline and data parallelism on it, [distlab/strategies/mesh.py](../distlab/strategies/mesh.py)
@@ -356,6 +358,155 @@ for r in range(8):
 print("on all 8 ranks, every dp all-reduce of step 1 starts inside the rank's last backward")
 
 # %% [markdown]
+# ## 6. Finding a layout by measuring
+#
+# The Ultra-Scale Playbook (Hugging Face, 2025) picks a layout in three steps: **fit memory** (keep only the layouts
+# whose per-rank memory fits the device), **reach the batch** (give each the global batch, with micro-batches and
+# accumulation where its rank cannot hold its share at once), **maximise throughput** (of what is left, the fastest).
+# Here on `gpt-wide` (Ψ = 1.65 M parameters, fp32 Adam: 16 bytes of state per parameter), 4 ranks, a
+# global batch of 16 sequences, five candidate layouts. Each step is predicted first, then run.
+#
+# **1. Fit memory.** The device is given the size of plain DDP's model state alone (parameters, gradients, Adam's
+# two moments: 16 Ψ bytes), `memory_limit` = `dl.theory.memory(Ψ, dp=4).total` without activations: DDP cannot
+# fit whatever its activations. `dl.theory.memory` predicts every layout's peak (states plus Korthikanti's
+# activations, rank 0's stage); a layout is predicted to fit if that is under the limit. Then each runs 3 steps
+# under the limit, and either trains or raises the ledger's out-of-memory error.
+
+# %%
+MODEL, B, WORLD = "gpt-wide", 16, 4
+wide = dl.models.PRESETS[MODEL]
+PSI = sum(p.numel() for p in dl.models.build(MODEL).parameters())
+CANDIDATES = {                  # name: (dp, tp, pp, zero, microbatches), 4 ranks each
+    "ddp": (4, 1, 1, 0, 1), "zero2": (4, 1, 1, 2, 1), "zero3": (4, 1, 1, 3, 1),
+    "3d:dp=2,tp=2,pp=1": (2, 2, 1, 0, 2), "3d:dp=2,tp=1,pp=2": (2, 1, 2, 0, 4)}
+
+
+def predicted_memory(dp, tp, pp, zero, m):
+    return dl.theory.memory(PSI, dp=dp, zero=zero, tp=tp, pp=pp, precision="fp32", optimizer="adam",
+                            seq_len=wide.seq_len, micro_batch=B // dp // m, hidden=wide.d_model, heads=wide.heads,
+                            layers=wide.layers, microbatches=m).total
+
+
+LIMIT = int(dl.theory.memory(PSI, dp=WORLD, precision="fp32", optimizer="adam").total)
+print(f"Ψ = {PSI} parameters; memory_limit = {LIMIT / 1e6:.2f} MB per rank (plain DDP's 16 Ψ bytes of state)")
+runs, fits_measured = {}, []
+for name, layout in CANDIDATES.items():
+    try:
+        runs[name] = dl.train(name, world_size=WORLD, model=MODEL, steps=3, seed=0, global_batch=B,
+                              memory_limit=LIMIT)
+        fits_measured.append(name)
+        outcome = "trains"
+    except dl.LaunchError as e:
+        outcome = str(e)[str(e).index("out of memory"):].split(" (")[0]
+    print(f"{name:18} predicted {predicted_memory(*layout) / 1e6:5.2f} MB | {outcome}")
+fits_predicted = [name for name, layout in CANDIDATES.items() if predicted_memory(*layout) <= LIMIT]
+print("fit, predicted:", fits_predicted)
+print("fit, measured: ", fits_measured)
+assert fits_predicted == fits_measured and "ddp" not in fits_measured
+
+# %% [markdown]
+# The lists agree, but not because `dl.theory.memory` gets the activations right here: Korthikanti's formula counts
+# a large model's 16-bit activations per layer, the ledger counts every fp32 tensor autograd keeps in this small
+# model (the logits, the loss, the embeddings' outputs), and ZeRO-2 also holds a full-size gradient buffer for its
+# reduce-scatter. For ZeRO (below) the ledger holds several times the formula's activations, yet both still fit:
+# the prediction holds because the margins are wider than that miss, the survivors' predicted states filling at most
+# half the device. (ZeRO-3's ledger peak is not printed: it is not the same from one run to the next, by a few MB.) On a layout near the limit, measure before trusting it.
+
+# %%
+for name in ("zero2", "zero3"):                 # the data-parallel runs: one micro-batch, no pipeline
+    dp, tp, pp, zero, m = CANDIDATES[name]
+    theory = dl.theory.memory(PSI, dp=dp, zero=zero, tp=tp, pp=pp, precision="fp32", optimizer="adam",
+                              seq_len=wide.seq_len, micro_batch=B // dp // m, hidden=wide.d_model,
+                              heads=wide.heads, layers=wide.layers, microbatches=m)
+    held = runs[name].memory[0]["peak"]
+    print(f"{name:18} activations: ledger {held['activations'] / theory.activations:4.1f} x the formula")
+peak = max(m["peak_total"] for m in runs["zero2"].memory)
+print(f"zero2's ledger peak (parameters, gradients, Adam, activations, buffers): {peak / 1e6:5.2f} MB, "
+      f"{1 - peak / LIMIT:4.0%} under the limit")
+
+# %% [markdown]
+# **2. Reach the batch.** Every survivor must train on the same 16 sequences per step. A data-parallel rank holds
+# B / D of them; the pipeline splits its replica's share into m micro-batches (the 3D strategy's default, m = 2 P
+# here; with P = 1, two micro-batches of gradient accumulation), so each forward sees b = B / (D m) sequences:
+#
+#     B = D x m x b      ZeRO (D = 4): 4 x 1 x 4;   tp=2 x dp=2: 2 x 2 x 4;   pp=2 x dp=2: 2 x 4 x 2
+#
+# The runs report the micro-batches they used; the same global batch means the same losses (to Adam's rounding).
+
+# %%
+for name in fits_measured:
+    dp, tp, pp, zero, m = CANDIDATES[name]
+    used = runs[name].results[0].info.get("microbatches") or 1
+    b = B // dp // m
+    assert used == m and dp * m * b == B, (name, used)
+    assert max(abs(x - y) / y for x, y in zip(runs[name].losses, runs["zero2"].losses)) < 1e-4, name
+    print(f"{name:18} D = {dp}, m = {m}, b = {b}:  {dp} x {m} x {b} = {B} sequences per step")
+
+# %% [markdown]
+# **3. Maximise throughput.** Of the four, which is fastest? All four do the same FLOPs per step (the same model
+# on the same 16 sequences, nothing recomputed), so on a cluster they differ in what they send and in whether it
+# hides. First the prediction, per rank and step, from `dl.theory`'s formulas (section 4's, P = parameter bytes the
+# rank holds, 4 bytes per element): ZeRO-2 2 (D-1)/D P and ZeRO-3 3 (D-1)/D P (`zero_volume`: stage 3 gathers the
+# parameters again for the backward); tp=2 x dp=2 section 4's TP bytes plus DP's 2 (D-1)/D P of its half of
+# the model; pp=2 x dp=2 DP's all-reduce of its stage plus one b s h message per micro-batch. The layout to run is
+# the one whose busiest rank sends the least. Then the runs' traces, step 1, exactly as in section 4.
+
+# %%
+def bytes_predicted(name, r):
+    dp, tp, pp, zero, m = CANDIDATES[name]
+    info, b, s, h = runs[name].results[r].info, B // dp // m, wide.seq_len, wide.d_model
+    if tp == pp == 1:
+        return dl.theory.zero_volume(zero, 4 * PSI, dp)
+    if tp > 1:                            # one stage: the first and the last, as in section 4
+        ring = 2 * (tp - 1) / tp * 4
+        per_micro = (dl.theory.tp_volume(s, b, h, tp, layers=wide.layers, bytes_per_element=4)
+                     + ring * b * s * h * 2 + ring * 3 * b * s)
+        return m * per_micro + dl.theory.dp_volume(info["param_bytes"], dp)
+    return dl.theory.dp_volume(info["param_bytes"], dp) + dl.theory.pp_volume(s, b, h, m, bytes_per_element=4) / 2
+
+
+def bytes_measured(name, r):
+    trace = runs[name].run.trace
+    marks = {e.args["step"]: e.start for e in trace.select("mark", rank=r, name="step")}
+    return sum(e.sent for e in trace.comms(rank=r) if marks[1] <= e.start < marks[2])
+
+
+predicted = {name: max(bytes_predicted(name, r) for r in range(WORLD)) for name in fits_measured}
+ranked = sorted(predicted, key=predicted.get)
+print("predicted, fewest bytes on the busiest rank first:", " < ".join(ranked),
+      f"(the runner-up sends {predicted[ranked[1]] / predicted[ranked[0]]:.2f}x the winner)")
+busiest = {}
+for name in fits_measured:
+    sent = [bytes_measured(name, r) for r in range(WORLD)]
+    assert sent == [bytes_predicted(name, r) for r in range(WORLD)], name
+    busiest[name] = max(sent)
+    print(f"{name:18} bytes sent in step 1, ranks 0-3: {sent}  (= predicted)")
+assert sorted(busiest, key=busiest.get) == ranked
+print("measured: the same order; the layout to run is", ranked[0])
+
+# %% [markdown]
+# The bytes are exact (counts of calls and their sizes, section 4), so the prediction can be asserted, winner and
+# order, whatever the load. The pipeline wins by a wide margin (printed): it all-reduces only its stage's
+# half of the gradients over D = 2 and sends a few small activations, where ZeRO moves the whole model's gradients
+# and parameters among 4 ranks and TP all-reduces activations in every layer.
+#
+# The clock is another matter, and nothing about it is asserted here. The four do the same FLOPs, so what
+# separates their CPU time on this machine is Python overhead per micro-batch, per collective and per pipeline
+# action, and gloo's copies: the constants lesson 13 fits (`dl.theory.calibrate`), and predicts each run's CPU time
+# with only to within 60%. Their wall time also depends on what else this shared machine runs. The CPU seconds per
+# step (summed over the 4 ranks, the least disturbed of steps 1 and 2) are printed below for reading, not checked.
+# Their order need not be the bytes' order: on a CPU, copying a megabyte is cheap next to the Python of a pipeline
+# action or of a tensor-parallel collective, which a GPU cluster's bandwidth-bound step barely notices.
+
+# %% tags=["nbval-ignore-output"]
+for name in fits_measured:
+    cpu = []
+    for r in range(WORLD):
+        marks = sorted(runs[name].run.trace.select("mark", rank=r, name="step"), key=lambda e: e.start)
+        cpu.append(min(b.args["cpu"] - a.args["cpu"] for a, b in zip(marks[1:], marks[2:])))
+    print(f"{name:18} {sum(cpu) * 1e3:5.0f} CPU ms per step over 4 ranks")
+
+# %% [markdown]
 # ## What to remember
 #
 # * The mesh is `torch.arange(world).view(dp, pp, tp)`; a rank's coordinates come from looking itself up, its
@@ -366,6 +517,9 @@ print("on all 8 ranks, every dp all-reduce of step 1 starts inside the rank's la
 #   last microbatch's backward and finished after the flush.
 # * Per step, TP traffic >> PP traffic, and TP's is blocking: put TP on the fastest links; PP and DP go across
 #   nodes (which of them is outermost is the layout's choice: Megatron PP, distlab DP).
+# * Choosing a layout: drop what does not fit (`dl.theory.memory`, then a run under `memory_limit`), give each
+#   survivor the global batch as D x m x b, and among the rest prefer the one that sends least, a prediction exact
+#   enough to assert; CPU and wall time on a shared machine are read, not asserted.
 #
 # **Try it**: `dl.train("3d:dp=1,tp=2,pp=2,sp=1", world_size=4)` (sequence parallelism inside the stages: the
 # pipeline's messages shrink by T), or `"3d:dp=2,tp=1,pp=2,zero=1"` (ZeRO-1 over the replicas), or
