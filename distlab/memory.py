@@ -363,8 +363,9 @@ class Ledger:
         row = {c: int(bytes_by_category.get(c, 0)) for c in CATEGORIES}
         if "activations" not in bytes_by_category:
             row["activations"] = self.saved.current
-        if self.budget is not None:
+        if self.budget is not None:                 # what the budget's checks took from measure() meanwhile
             row["buffers"] = max(row["buffers"], self.budget.take_buffers())
+            row["activations"] = max(row["activations"], self.budget.take_activations())
             self.budget.check_row(row, label)
         row.update({c: int(bytes_by_category[c]) for c in OFF_DEVICE if c in bytes_by_category})
         extra = {}

@@ -82,6 +82,7 @@ class Budget:
         self.where: tuple[str, int | None] = ("setup", None)
         self.step: int | None = None            # the step of the latest phase (samples follow it)
         self.buffers = 0                        # most transient buffer bytes seen since the last sample
+        self.stashed = 0                        # most activations measure() reported since (a pipeline's)
         self.last: dict[str, int] = {}          # the row of the previous check: what grew since
         self.last = self._row()                 # (at the start: the model states as built)
 
@@ -105,6 +106,12 @@ class Budget:
         seen, self.buffers = self.buffers, 0
         return seen
 
+    def take_activations(self) -> int:
+        """The most activations ``measure()`` itself reported since the last ledger sample (a pipeline's
+        stash peak, which each call resets: the checks took it, so the ledger's sample folds it in)."""
+        seen, self.stashed = self.stashed, 0
+        return seen
+
     def check(self) -> None:
         """Measure now (called at every saved tensor packed or unpacked) and compare with the limit."""
         self.check_row(self._row(), self.where[0])
@@ -112,6 +119,7 @@ class Budget:
     def _row(self) -> dict[str, int]:
         row = {c: v for c, v in self.measure().items() if c not in OFF_DEVICE}
         self.buffers = max(self.buffers, row.get("buffers", 0))
+        self.stashed = max(self.stashed, row.get("activations", 0))
         row["activations"] = self.activations()
         return row
 

@@ -71,3 +71,13 @@ def test_saved_tensor_hooks_count_activations_exactly():
     assert ledger.peak["activations"] == 256 and ledger.peak_total == 512
     with pytest.raises(ValueError, match="unknown memory categories"):
         ledger.sample("bad", weights=1)
+
+
+@pytest.mark.parametrize("strategy", ["pp-1f1b", "3d:dp=1,tp=1,pp=2"])
+def test_a_generous_memory_limit_reports_the_same_peaks(strategy):
+    """A limit that is never crossed changes nothing reported: the budget's checks read the pipeline's stash
+    peak (which each read resets), so the ledger's samples must still see it (they saw 0 activations)."""
+    free, limited = (dl.train(strategy, world_size=2, model="gpt-tiny", steps=2, seed=0, memory_limit=limit)
+                     for limit in (None, "64MB"))
+    assert [m["peak"] for m in limited.memory] == [m["peak"] for m in free.memory]
+    assert all(m["peak"]["activations"] > 0 for m in limited.memory)
