@@ -6,6 +6,27 @@ import signal
 import time
 
 
+def _helper(cmdline: bytes) -> bool:
+    """spawn/forkserver keep a resource tracker (and forkserver a server) alive by design."""
+    return b"resource_tracker" in cmdline or b"forkserver" in cmdline
+
+
+def left_below() -> list[int]:
+    """Live processes anywhere below this one (`distlab.launch.lifeline.descendants`), except
+    multiprocessing's helpers, which earlier tests of the same session may have started."""
+    from distlab.launch.lifeline import descendants
+    left = []
+    for pid in descendants():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if not _helper(cmdline):
+            left.append(pid)
+    return left
+
+
 def child_pids() -> list[int]:
     """Live (or zombie) processes whose parent is this process, except multiprocessing's helpers."""
     me, found = os.getpid(), []
@@ -20,9 +41,7 @@ def child_pids() -> list[int]:
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        # spawn/forkserver keep a resource tracker (and forkserver a server) alive by design
-        helper = b"resource_tracker" in cmdline or b"forkserver" in cmdline
-        if ppid == me and not helper:
+        if ppid == me and not _helper(cmdline):
             found.append(int(entry))
     return found
 

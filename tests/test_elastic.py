@@ -12,10 +12,10 @@ import random
 
 import pytest
 import torch
+from _processes import left_below
 
 import distlab as dl
 from distlab.launch import LaunchError
-from distlab.launch.lifeline import descendants
 from distlab.launch.replicas import launch_replicas
 from distlab.strategies.elastic_plan import check_plan
 
@@ -35,7 +35,7 @@ def _check_pids(r, killed):
     for replica, pids in r.pids.items():
         assert len(pids) == 1 + killed.get(replica, 0), (replica, pids)
         assert len(set(pids)) == len(pids)
-    assert descendants() == []                 # no replica, no store keeper left running
+    assert left_below() == []                 # no replica, no store keeper left running
 
 
 def test_kill_and_rejoin_at_3_replicas_equals_the_reference():
@@ -116,7 +116,7 @@ def test_membership_changes_who_computes_never_what():
 def test_a_bad_plan_is_refused_before_any_process_starts(bad, words):
     with pytest.raises((ValueError, TypeError), match=words):
         dl.elastic.train(**{"replicas": 3, "steps": 8, **bad})
-    assert descendants() == []
+    assert left_below() == []
 
 
 def test_planned_timeline():
@@ -135,7 +135,7 @@ def test_a_replica_that_raises_fails_the_run():
     with pytest.raises(LaunchError, match="replica 1 failed") as err:
         launch_replicas(_raises, [0, 1, 2], timeout=60)
     assert "a bug, not a fault" in err.value.failures[1]
-    assert descendants() == []
+    assert left_below() == []
 
 
 def _random_plan(rng: random.Random, steps: int):

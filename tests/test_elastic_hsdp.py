@@ -13,10 +13,10 @@ import random
 
 import pytest
 import torch
+from _processes import left_below
 from test_elastic import _random_plan
 
 import distlab as dl
-from distlab.launch.lifeline import descendants
 from distlab.launch.replicas import launch_replicas
 
 Kill, Join = dl.elastic.Kill, dl.elastic.Join
@@ -37,7 +37,7 @@ def _check_pids(r, k, killed):
     for replica, pids in r.pids.items():
         assert len(pids) == k * (1 + killed.get(replica, 0)), (replica, pids)
         assert len(set(pids)) == len(pids)
-    assert descendants() == []
+    assert left_below() == []
 
 
 def test_kill_and_rejoin_3_replicas_of_2_ranks_equals_the_reference():
@@ -80,7 +80,7 @@ def test_shrink_grow_and_rejoin_replicas_of_2_ranks():
 def test_a_bad_inner_strategy_is_refused_before_any_process_starts(bad, words):
     with pytest.raises(ValueError, match=words):
         dl.elastic.train(**{"replicas": 3, "steps": 8, **bad})
-    assert descendants() == []
+    assert left_below() == []
 
 
 def _one_rank_dies(ctx):
@@ -100,7 +100,7 @@ def test_a_replica_of_2_ranks_dies_and_restarts_whole():
                           timeout=60, ranks_per_replica=2)
     assert run.results == {0: (0, 0, 0), 1: (0, 1, 0), 2: (1, 0, 1), 3: (1, 1, 1)}   # key: replica * k + rank
     assert len(run.pids[0]) == 2 and len(set(run.pids[1])) == 4 and len(run.deaths[1]) == 2
-    assert descendants() == []
+    assert left_below() == []
 
 
 def test_the_reference_does_not_depend_on_how_the_rows_are_cut():
