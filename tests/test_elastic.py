@@ -28,9 +28,10 @@ def _check_against_reference(r, steps, global_batch=12):
     losses, params = dl.elastic.reference(r.timeline, steps, global_batch=global_batch)
     assert r.losses == pytest.approx(losses, rel=1e-5, abs=1e-6)
     for name, value in params.items():
-        if name.endswith("attn.k.bias"):        # its true gradient is 0 (softmax ignores a shift of every key's
-            continue                            # score), so AdamW steps on rounding noise: g / (sqrt(v) + eps)
-        torch.testing.assert_close(r.params[name], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        if name.endswith("attn.k.bias"):    # true gradient 0 (softmax ignores a shift of all key scores):
+            continue                        # AdamW steps on rounding noise, g / (sqrt(v) + eps)
+        torch.testing.assert_close(r.params[name], value, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _check_pids(r, killed):
