@@ -148,11 +148,12 @@ print("within 15% of the paper's 140 TFLOP/s and 34 days")
 #
 # **Tolerance, stated before measuring: each predicted CPU time within 60% of its measurement.** Why 60%: one
 # run's per-step CPU times (printed below) spread by 10-100% from slowest to fastest step, and in 10
-# repetitions of this section (load averages 6 to 11 on 2 cores: other engineers' tests running) the
+# repetitions of this section while it was written (not stored here; load averages 6 to 11 on 2 cores) the
 # leave-one-out predictions landed between 0.79 and 1.28 of the measurement; the worst run of each
 # repetition was off by 3-28% (median 12%), most often `3d:dp=1,tp=2,pp=2` (without the per-collective constant and the second 3D run, 0.67-1.37: `3d` under-predicted and
-# `pp-1f1b` over-predicted, each the only other run to learn the per-action cost from; a 4-rank `ddp` costs
-# exactly half the FLOPs less CPU than a 2-rank one, so sharing cores does not inflate CPU time here). The wall time is shown beside the processor-sharing prediction for
+# `pp-1f1b` over-predicted, each the only other run to learn the per-action cost from). CPU time, unlike wall
+# time, counts only the cycles a rank ran, so ranks sharing cores do not inflate it. The wall time is shown beside
+# the processor-sharing prediction for
 # *free* cores (L = 0); other programs on this machine only add to it, so the assert there is one-sided: no run
 # may beat processor sharing by more than 60%. On a second machine (a 2-core AMD EPYC virtual machine, idle) the
 # CPU time of one and the same launch differed between kernel processes (`tp`: 57 ms per step in one, 94 ms in
