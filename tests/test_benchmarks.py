@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+# ~90 s for the fourteen scripts: run by `make test-slow` (CI runs it after `make test`), so that `make test`
+# stays under 15 minutes on 2 cores
+pytestmark = pytest.mark.slow
 
 TINY = {  # script -> arguments that make it take seconds
     "allreduce": ["--ranks", "2", "--sizes", "4K,4M", "--budget", "0.05", "--min-reps", "2",
